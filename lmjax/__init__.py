@@ -1,0 +1,12 @@
+"""lmjax: decoder-only transformer LMs as pure functions over parameter pytrees.
+
+The public surface a notebook needs: `lmjax.ops` (primitives with hand-written VJPs),
+`lmjax.params` (flatten/unflatten/count/mask by name), `lmjax.errors` (one exception family)
+and `lmjax.testing` (the gradient-check harness).
+"""
+
+from lmjax import errors, ops, params
+
+__version__ = "0.1.0"
+
+__all__ = ["errors", "ops", "params", "__version__"]

@@ -1,0 +1,64 @@
+"""One exception family for every bad input lmjax can see (SPEC section 11).
+
+Every message names three things: the offending value, what was expected, and how to fix it.
+`describe` builds that sentence so the format is the same everywhere:
+
+    >>> str(ShapeError.describe("tokens.ndim", 3, "2 ([batch, time])", "reshape to [B, T]"))
+    'tokens.ndim = 3; expected 2 ([batch, time]). Fix: reshape to [B, T].'
+
+Each class also derives from the builtin a Python user would try to catch (ValueError,
+TypeError, OSError), so `except ValueError` keeps working around lmjax calls.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class LMJaxError(Exception):
+    """Base class of every error lmjax raises on purpose."""
+
+    @classmethod
+    def describe(cls, what: str, value: Any, expected: str, fix: str) -> LMJaxError:
+        """Build an error whose message reads `what = value; expected ... Fix: ...`."""
+        return cls(f"{what} = {_short(value)}; expected {expected}. Fix: {fix}.")
+
+
+class ConfigError(LMJaxError, ValueError):
+    """An option, size or hyper-parameter outside its allowed range or set."""
+
+
+class ShapeError(LMJaxError, ValueError):
+    """An array whose rank, shape or dtype does not fit the operation."""
+
+
+class TokenError(LMJaxError, ValueError):
+    """Token ids or targets outside the vocabulary, empty prompts and similar."""
+
+
+class MaskError(LMJaxError, ValueError):
+    """A mask that leaves a softmax slice with nothing to normalise over."""
+
+
+class FileFormatError(LMJaxError, ValueError):
+    """A file that is truncated, corrupt, or not in the expected format."""
+
+
+class CheckpointError(LMJaxError, OSError):
+    """A checkpoint that is missing, incomplete, or from a different architecture."""
+
+
+def _short(value: Any, limit: int = 120) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+__all__ = [
+    "LMJaxError",
+    "ConfigError",
+    "ShapeError",
+    "TokenError",
+    "MaskError",
+    "FileFormatError",
+    "CheckpointError",
+]

@@ -1,0 +1,99 @@
+"""Small helpers shared by the primitives: dtypes, explicit broadcasting, host-side checks.
+
+The test suite runs with `jax_numpy_rank_promotion="raise"`, so every broadcast of a lower-rank
+array (a bias, a mask) is spelt out here rather than left implicit.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lmjax.errors import ShapeError
+
+
+def compute_dtype(dtype) -> jnp.dtype:
+    """Accumulation dtype: at least float32 (bf16/f16 are upcast, float64 stays)."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def expand_left(a: jax.Array, ndim: int) -> jax.Array:
+    """Prepend unit axes so `a` has rank `ndim` (a `[D]` bias becomes `[1, ..., 1, D]`)."""
+    return a.reshape((1,) * (ndim - a.ndim) + a.shape)
+
+
+def sum_to_last(g: jax.Array) -> jax.Array:
+    """Reduce every leading axis: `[..., D] -> [D]` (the VJP of broadcasting a `[D]` vector)."""
+    return g.reshape(-1, g.shape[-1]).sum(axis=0) if g.ndim > 1 else g
+
+
+def is_concrete(x) -> bool:
+    """True when `x` holds values now (not a tracer inside jit/vmap/grad's traced arguments)."""
+    return x is not None and not isinstance(x, jax.core.Tracer)
+
+
+def broadcast_mask(mask, shape: tuple[int, ...], what: str = "mask") -> jax.Array:
+    """0/1 (or bool) `mask`, broadcastable from the right, -> bool array of exactly `shape`."""
+    mask = jnp.asarray(mask)
+    if mask.ndim > len(shape) or not _broadcastable(mask.shape, shape):
+        raise ShapeError.describe(
+            f"{what}.shape",
+            mask.shape,
+            f"a shape broadcastable from the right to {shape} (e.g. [B,1,1,S] for key padding)",
+            "insert size-1 axes where the mask does not vary",
+        )
+    return jnp.broadcast_to(mask != 0, shape)
+
+
+def _broadcastable(small: tuple[int, ...], big: tuple[int, ...]) -> bool:
+    return all(s in (1, b) for s, b in zip(reversed(small), reversed(big), strict=False))
+
+
+def require_rank(x, ranks: int | tuple[int, ...], what: str, layout: str) -> None:
+    """Trace-time rank check with the message format of `lmjax.errors`."""
+    ranks = (ranks,) if isinstance(ranks, int) else ranks
+    if np.ndim(x) not in ranks:
+        raise ShapeError.describe(
+            f"{what}.shape",
+            np.shape(x),
+            f"rank {' or '.join(map(str, ranks))} ({layout})",
+            f"reshape {what} to {layout}",
+        )
+
+
+def require_shape(x, shape: tuple[int, ...], what: str, why: str) -> None:
+    """Trace-time exact-shape check."""
+    if tuple(np.shape(x)) != tuple(shape):
+        raise ShapeError.describe(
+            f"{what}.shape",
+            np.shape(x),
+            f"{tuple(shape)} ({why})",
+            f"pass {what} with shape {tuple(shape)}",
+        )
+
+
+def require_float(x, what: str) -> None:
+    if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
+        raise ShapeError.describe(
+            f"{what}.dtype",
+            jnp.result_type(x),
+            "a floating dtype",
+            f"cast {what} with .astype(jnp.float32)",
+        )
+
+
+def require_int(x, what: str) -> None:
+    if not jnp.issubdtype(jnp.result_type(x), jnp.integer):
+        raise ShapeError.describe(
+            f"{what}.dtype",
+            jnp.result_type(x),
+            "an integer dtype",
+            f"cast {what} with .astype(jnp.int32)",
+        )
+
+
+def inv_sqrt(n: int) -> float:
+    return 1.0 / math.sqrt(n)

@@ -1,0 +1,153 @@
+"""Scaled dot-product attention in the layout of `jax.nn.dot_product_attention`.
+
+Shapes: q `[B, T, H, Dh]`, k and v `[B, S, H, Dh]` -> out `[B, T, H, Dh]`.
+
+    s[b,h,t,u] = q[b,t,h,:] . k[b,u,h,:] / sqrt(Dh)
+    keep[b,h,t,u] = (not causal or u <= t + offset) and mask[b,h,t,u]
+                    (mask 0/1, broadcast from the right, e.g. [B,1,1,S] key padding)
+    p = masked softmax of s over u (masked p = 0 exactly)
+    out[b,t,h,:] = sum_u p[b,h,t,u] v[b,u,h,:]
+  VJP of the materialized form, with dO = dL/dout (and dP = dL/dp when p is returned too):
+    dv  = p^T dO                          dP' = dO v^T + dP
+    ds  = p * (dP' - rowsum(dP' * p))     (0 where masked)
+    dq  = ds k / sqrt(Dh)                 dk  = ds^T q / sqrt(Dh)
+
+`offset` places query t at absolute position t + offset, so decoding one token against a
+cache of S keys uses `offset = S - 1`. A query row with no visible key returns zeros (and
+zero gradients) in every impl, never NaN.
+
+Impls: "materialized" (this file's custom VJP; `return_probabilities=True` also returns p for
+inspection), "xla" (`jax.nn.dot_product_attention`, differentiated by JAX) and "flash" (the
+Pallas kernel of SPEC section 7, not available yet).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from lmjax.errors import ConfigError, ShapeError
+from lmjax.ops._common import broadcast_mask, compute_dtype, inv_sqrt, require_float, require_rank
+from lmjax.ops.softmax import masked_softmax, masked_softmax_vjp
+
+IMPLS = ("materialized", "xla", "flash")
+AVAILABLE_IMPLS = ("materialized", "xla")
+
+
+def keep_mask(q_shape, k_shape, *, causal: bool, offset=0, mask=None) -> jax.Array:
+    """bool `[B, H, T, S]`: True where query t may attend to key u (module docstring)."""
+    (b, t, h, _), s = q_shape, k_shape[1]
+    keep = jnp.ones((1, 1, t, s), bool)
+    if causal:
+        q_pos = jnp.arange(t)[:, None] + offset
+        keep = (jnp.arange(s)[None, :] <= q_pos)[None, None]
+    keep = jnp.broadcast_to(keep, (b, h, t, s))
+    return keep if mask is None else keep & broadcast_mask(mask, (b, h, t, s))
+
+
+def _forward(q, k, v, keep):
+    dtype = compute_dtype(q.dtype)
+    s = jnp.einsum("BTHD,BSHD->BHTS", q, k, preferred_element_type=dtype) * inv_sqrt(q.shape[-1])
+    p = masked_softmax(s, keep, axis=-1)
+    out = jnp.einsum("BHTS,BSHD->BTHD", p, v.astype(dtype))
+    return out.astype(q.dtype), p
+
+
+@jax.custom_vjp
+def _attention_materialized(q, k, v, keep):
+    out, p = _forward(q, k, v, keep)
+    return out, p.astype(q.dtype)
+
+
+def _attention_fwd(q, k, v, keep):
+    out, p = _forward(q, k, v, keep)
+    return (out, p.astype(q.dtype)), (q, k, v, keep, p)
+
+
+def _attention_bwd(res, cotangents):
+    q, k, v, keep, p = res
+    d_out, d_p = cotangents
+    dtype, scale = p.dtype, inv_sqrt(q.shape[-1])
+    d_out = d_out.astype(dtype)
+    dv = jnp.einsum("BHTS,BTHD->BSHD", p, d_out)
+    dp = jnp.einsum("BTHD,BSHD->BHTS", d_out, v.astype(dtype)) + d_p.astype(dtype)
+    ds = masked_softmax_vjp(p, dp, keep, axis=-1) * scale
+    dq = jnp.einsum("BHTS,BSHD->BTHD", ds, k.astype(dtype))
+    dk = jnp.einsum("BHTS,BTHD->BSHD", ds, q.astype(dtype))
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+
+
+_attention_materialized.defvjp(_attention_fwd, _attention_bwd)
+
+
+def _check(q, k, v, impl, return_probabilities):
+    for name, a in (("q", q), ("k", k), ("v", v)):
+        require_rank(a, 4, name, "[batch, time, heads, d_head]")
+        require_float(a, name)
+    if k.shape != v.shape:
+        raise ShapeError.describe(
+            "v.shape",
+            v.shape,
+            f"equal to k.shape {k.shape}",
+            "project keys and values to the same [B, S, H, Dh]",
+        )
+    b, _, h, d = q.shape
+    if (k.shape[0], k.shape[2], k.shape[3]) != (b, h, d):
+        raise ShapeError.describe(
+            "k.shape",
+            k.shape,
+            f"[{b}, S, {h}, {d}] to match q.shape {q.shape}",
+            "give q, k and v the same batch, heads and head size",
+        )
+    if impl not in IMPLS:
+        raise ConfigError.describe("impl", impl, f"one of {IMPLS}", "pick a listed impl")
+    if impl not in AVAILABLE_IMPLS:
+        raise ConfigError.describe(
+            "impl",
+            impl,
+            f"one of the available impls {AVAILABLE_IMPLS}",
+            "use 'materialized' or 'xla'; the Pallas flash kernel lands with SPEC section 7",
+        )
+    if return_probabilities and impl != "materialized":
+        raise ConfigError.describe(
+            "return_probabilities with impl",
+            impl,
+            "impl='materialized'",
+            "only the materialized impl forms the probabilities",
+        )
+
+
+def attention(
+    q,
+    k,
+    v,
+    *,
+    causal: bool,
+    offset=0,
+    mask=None,
+    impl: str = "materialized",
+    return_probabilities: bool = False,
+):
+    """Multi-head attention (module docstring). Returns out `[B,T,H,Dh]`, or `(out, p[B,H,T,S])`
+    when `return_probabilities=True`."""
+    _check(q, k, v, impl, return_probabilities)
+    keep = keep_mask(q.shape, k.shape, causal=causal, offset=offset, mask=mask)
+    if impl == "xla":
+        out = jax.nn.dot_product_attention(q, k, v, mask=keep, implementation="xla")
+        # XLA spreads a fully masked row uniformly over the keys; the contract is zeros.
+        visible_BTH1 = jnp.any(keep, axis=-1).transpose(0, 2, 1)[..., None]
+        return jnp.where(visible_BTH1, out, 0.0).astype(q.dtype)
+    out, p = _attention_materialized(q, k, v, keep)
+    return (out, p) if return_probabilities else out
+
+
+def attention_reference(q, k, v, *, causal: bool, offset=0, mask=None):
+    """Plain jnp: masked logits get the most negative float, rows with no key are zeroed."""
+    dtype = compute_dtype(q.dtype)
+    qf, kf, vf = (a.astype(dtype) for a in (q, k, v))
+    s = jnp.einsum("BTHD,BSHD->BHTS", qf, kf) / jnp.sqrt(jnp.asarray(q.shape[-1], dtype))
+    keep = keep_mask(q.shape, k.shape, causal=causal, offset=offset, mask=mask)
+    s = jnp.where(keep, s, jnp.finfo(dtype).min)
+    e = jnp.exp(s - jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True)))
+    p = jnp.where(keep, e / jnp.sum(e, axis=-1, keepdims=True), 0.0)
+    return jnp.einsum("BHTS,BSHD->BTHD", p, vf).astype(q.dtype)

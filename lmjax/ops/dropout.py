@@ -1,0 +1,65 @@
+"""Inverted dropout with an explicit PRNG key (never a global random stream).
+
+Shapes: x `[...]` -> y `[...]`. With keep-mask m ~ Bernoulli(1 - rate) drawn from `key`:
+    y = m * x / (1 - rate)
+  VJP: dx = m * g / (1 - rate)   (the same mask; the key gets no gradient)
+`deterministic=True` or `rate == 0` returns x unchanged. `rate` must lie in [0, 1).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+from lmjax.errors import ConfigError
+from lmjax.ops._common import require_float
+
+
+def keep_mask(key: jax.Array, shape, rate: float) -> jax.Array:
+    """bool keep-mask, True with probability `1 - rate`; shared by the op and its reference."""
+    return jax.random.bernoulli(key, 1.0 - rate, shape)
+
+
+def _scaled(x, keep, rate):
+    return jnp.where(keep, x / jnp.asarray(1.0 - rate, x.dtype), jnp.zeros((), x.dtype))
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _dropout(x, keep, rate):
+    return _scaled(x, keep, rate)
+
+
+def _dropout_fwd(x, keep, rate):
+    return _scaled(x, keep, rate), keep
+
+
+def _dropout_bwd(rate, keep, g):
+    return _scaled(g, keep, rate), None
+
+
+_dropout.defvjp(_dropout_fwd, _dropout_bwd)
+
+
+def _check_rate(rate) -> float:
+    if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0.0 <= rate < 1.0:
+        raise ConfigError.describe(
+            "dropout rate", rate, "a float in [0, 1)", "use e.g. 0.1, or 0.0 to disable dropout"
+        )
+    return float(rate)
+
+
+def dropout(key: jax.Array, x: jax.Array, rate: float, deterministic: bool) -> jax.Array:
+    """Zero each entry of x with probability `rate`, scale the rest by 1/(1 - rate)."""
+    rate = _check_rate(rate)
+    require_float(x, "x")
+    if deterministic or rate == 0.0:
+        return x
+    return _dropout(x, keep_mask(key, x.shape, rate), rate)
+
+
+def dropout_reference(key, x, rate: float, deterministic: bool):
+    if deterministic or rate == 0.0:
+        return x
+    return jnp.where(keep_mask(key, x.shape, rate), x / (1.0 - rate), 0.0).astype(x.dtype)

@@ -1,0 +1,282 @@
+"""Losses, each a scalar mean with a hand-written VJP (computed in at least float32).
+
+cross_entropy: logits `[..., V]`, integer targets `[...]` -> scalar. With counted positions
+    c_n = (y_n != ignore_index) and (n's time step in time_range, if given),  N = sum_n c_n,
+    lse_n = log sum_k exp(z_nk)   (max-subtracted),
+    L = (1/N) sum_n c_n (lse_n - z_{n, y_n})
+  dL/dz_nk = c_n (p_nk - [k = y_n]) / N  with p = softmax(z_n): exactly 0 at uncounted positions.
+  `time_range=(offset, count)` counts only time steps offset..offset+count-1 (time is the last
+  axis of targets) of every row. If nothing is counted (N = 0) the loss and gradient are 0.
+  A target outside [0, V) that is not ignore_index is a `TokenError` when targets are concrete;
+  inside `jit` it makes the loss NaN (loud, never a silent clamp).
+
+softmax_cross_entropy (dense / soft targets): logits and target probabilities `[..., V]`:
+    L = -(1/N) sum_n sum_k q_nk log p_nk,  N = number of positions
+  dL/dz_nk = (p_nk sum_j q_nj - q_nk) / N,  dL/dq_nk = -log p_nk / N.
+
+mse: `L = mean((a - b)^2)`;  dL/da = 2 (a - b) / M = -dL/db  (M elements).
+
+binary_cross_entropy_with_logits: logits x, targets y in [0, 1] (same shape):
+    l = max(x, 0) - x y + log(1 + exp(-|x|)),  L = mean(l)
+  dL/dx = (sigmoid(x) - y) / M,  dL/dy = -x / M.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lmjax.errors import ShapeError, TokenError
+from lmjax.ops._common import compute_dtype, is_concrete, require_float, require_int
+
+# ---- cross_entropy -----------------------------------------------------------------------------
+
+
+def counted_positions(targets: jax.Array, ignore_index: int, time_range) -> jax.Array:
+    """bool `[...]`: positions that enter the mean (not ignored, inside the time range)."""
+    counted = targets != ignore_index
+    if time_range is not None:
+        offset, count = time_range
+        t = jnp.arange(targets.shape[-1])
+        in_range = (t >= offset) & (t < offset + count)
+        counted = counted & jnp.broadcast_to(in_range, targets.shape)
+    return counted
+
+
+def _log_softmax_parts(logits_NV):
+    """(z - max, log sum exp(z - max)); shared by both cross-entropies."""
+    shifted = logits_NV - jnp.max(logits_NV, axis=-1, keepdims=True)
+    return shifted, jnp.log(jnp.sum(jnp.exp(shifted), axis=-1, keepdims=True))
+
+
+def _target_logit(shifted_NV, targets_N):
+    """z_{n, y_n} by comparison with an iota: one fused pass, no gather."""
+    vocab = shifted_NV.shape[-1]
+    hit = jnp.arange(vocab)[None, :] == targets_N[:, None]
+    picked = jnp.sum(jnp.where(hit, shifted_NV, 0.0), axis=-1)
+    valid = (targets_N >= 0) & (targets_N < vocab)
+    return jnp.where(valid, picked, jnp.nan), hit
+
+
+# The custom VJPs below see flattened float32+ operands (`[N, V]`, `[N]`): the public wrappers
+# reshape and upcast, and JAX differentiates those two steps, so the cotangent comes back in
+# the caller's shape and dtype without shape bookkeeping in the residuals.
+
+
+def _ce_parts(logits_NV, targets_N, counted_N):
+    shifted, lse = _log_softmax_parts(logits_NV)
+    picked, hit = _target_logit(shifted, targets_N)
+    n = jnp.maximum(jnp.sum(counted_N), 1).astype(shifted.dtype)
+    per_position = jnp.where(counted_N, lse[:, 0] - picked, 0.0)
+    return jnp.sum(per_position) / n, (shifted, lse, hit, counted_N, n)
+
+
+@jax.custom_vjp
+def _cross_entropy(logits_NV, targets_N, counted_N):
+    return _ce_parts(logits_NV, targets_N, counted_N)[0]
+
+
+def _cross_entropy_fwd(logits_NV, targets_N, counted_N):
+    return _ce_parts(logits_NV, targets_N, counted_N)
+
+
+def _cross_entropy_bwd(res, g):
+    shifted, lse, hit, counted_N, n = res
+    p = jnp.exp(shifted - lse)
+    dz = jnp.where(counted_N[:, None], (p - hit) * (g / n), 0.0)
+    return dz, None, None
+
+
+_cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
+
+
+def _flat_rows(logits):
+    """`[..., V]` -> `[N, V]` in float32 or wider."""
+    return logits.reshape(-1, logits.shape[-1]).astype(compute_dtype(logits.dtype))
+
+
+def _check_ce(logits, targets, ignore_index, time_range):
+    require_float(logits, "logits")
+    require_int(targets, "targets")
+    if logits.ndim < 1 or targets.shape != logits.shape[:-1]:
+        raise ShapeError.describe(
+            "targets.shape",
+            targets.shape,
+            f"logits.shape[:-1] = {logits.shape[:-1]}",
+            "give one target per logits row",
+        )
+    if time_range is not None:
+        steps = targets.shape[-1] if targets.ndim else 0
+        ok = (
+            len(time_range) == 2
+            and all(isinstance(v, int) for v in time_range)
+            and time_range[0] >= 0
+            and time_range[1] >= 1
+            and sum(time_range) <= steps
+        )
+        if not ok:
+            raise ShapeError.describe(
+                "time_range",
+                time_range,
+                f"(offset, count) ints with offset >= 0, count >= 1 "
+                f"and offset + count <= {steps} time steps",
+                "pass a window inside the sequence",
+            )
+    if is_concrete(targets):
+        t = np.asarray(targets)
+        bad = (t != ignore_index) & ((t < 0) | (t >= logits.shape[-1]))
+        if bad.any():
+            where = tuple(int(i) for i in np.argwhere(bad)[0])
+            raise TokenError.describe(
+                f"targets{list(where)}",
+                int(t[where]),
+                f"an id in [0, {logits.shape[-1]}) or ignore_index={ignore_index}",
+                "fix the targets or mark the position with ignore_index",
+            )
+
+
+def cross_entropy(
+    logits: jax.Array,
+    targets: jax.Array,
+    ignore_index: int = -100,
+    time_range: tuple[int, int] | None = None,
+) -> jax.Array:
+    """Mean token cross-entropy fused from logits (module docstring); custom VJP."""
+    _check_ce(logits, targets, ignore_index, time_range)
+    targets = jnp.asarray(targets)
+    counted = counted_positions(targets, ignore_index, time_range)
+    return _cross_entropy(_flat_rows(logits), targets.reshape(-1), counted.reshape(-1))
+
+
+def cross_entropy_reference(logits, targets, ignore_index: int = -100, time_range=None):
+    """`-log_softmax` gathered at the targets, masked mean; `jax.grad` does the rest."""
+    logp = jax.nn.log_softmax(logits.astype(compute_dtype(logits.dtype)), axis=-1)
+    counted = counted_positions(targets, ignore_index, time_range)
+    safe = jnp.where(counted, targets, 0)
+    nll = -jnp.take_along_axis(logp, safe[..., None], axis=-1)[..., 0]
+    return jnp.sum(jnp.where(counted, nll, 0.0)) / jnp.maximum(jnp.sum(counted), 1)
+
+
+# ---- softmax_cross_entropy (dense targets) -------------------------------------------------------
+
+
+def _dense_parts(logits_NV, q_NV):
+    shifted, lse = _log_softmax_parts(logits_NV)
+    logp = shifted - lse
+    return -jnp.sum(q_NV * logp) / logits_NV.shape[0], logp
+
+
+@jax.custom_vjp
+def _softmax_cross_entropy(logits_NV, q_NV):
+    return _dense_parts(logits_NV, q_NV)[0]
+
+
+def _softmax_cross_entropy_fwd(logits_NV, q_NV):
+    loss, logp = _dense_parts(logits_NV, q_NV)
+    return loss, (logp, q_NV)
+
+
+def _softmax_cross_entropy_bwd(res, g):
+    logp, q_NV = res
+    scale = g / logp.shape[0]
+    dz = (jnp.exp(logp) * jnp.sum(q_NV, axis=-1, keepdims=True) - q_NV) * scale
+    return dz, -logp * scale
+
+
+_softmax_cross_entropy.defvjp(_softmax_cross_entropy_fwd, _softmax_cross_entropy_bwd)
+
+
+def _require_same_shape(a, b, what_a: str, what_b: str) -> None:
+    require_float(a, what_a)
+    require_float(b, what_b)
+    if a.shape != b.shape:
+        raise ShapeError.describe(
+            f"{what_b}.shape",
+            b.shape,
+            f"{what_a}.shape = {a.shape}",
+            f"give {what_b} exactly the shape of {what_a}",
+        )
+
+
+def softmax_cross_entropy(logits: jax.Array, target_probs: jax.Array) -> jax.Array:
+    """Cross-entropy against dense (one-hot or soft) targets, mean over positions."""
+    _require_same_shape(logits, target_probs, "logits", "target_probs")
+    return _softmax_cross_entropy(_flat_rows(logits), _flat_rows(target_probs))
+
+
+def softmax_cross_entropy_reference(logits, target_probs):
+    logp = jax.nn.log_softmax(logits.astype(compute_dtype(logits.dtype)), axis=-1)
+    return -jnp.mean(jnp.sum(target_probs * logp, axis=-1))
+
+
+# ---- mse ---------------------------------------------------------------------------------------
+
+
+@jax.custom_vjp
+def _mse(a, b):
+    diff = a.astype(compute_dtype(a.dtype)) - b.astype(compute_dtype(b.dtype))
+    return jnp.mean(diff * diff)
+
+
+def _mse_fwd(a, b):
+    return _mse(a, b), (a, b)
+
+
+def _mse_bwd(res, g):
+    a, b = res
+    da = 2.0 * (a.astype(compute_dtype(a.dtype)) - b) * (g / a.size)
+    return da.astype(a.dtype), (-da).astype(b.dtype)
+
+
+_mse.defvjp(_mse_fwd, _mse_bwd)
+
+
+def mse(predictions: jax.Array, targets: jax.Array) -> jax.Array:
+    """Mean squared error over every element."""
+    _require_same_shape(predictions, targets, "predictions", "targets")
+    return _mse(predictions, targets)
+
+
+def mse_reference(predictions, targets):
+    return jnp.mean((predictions - targets) ** 2)
+
+
+# ---- binary_cross_entropy_with_logits ----------------------------------------------------------
+
+
+def _bce_terms(x, y):
+    x = x.astype(compute_dtype(x.dtype))
+    return jnp.maximum(x, 0.0) - x * y + jnp.log1p(jnp.exp(-jnp.abs(x)))
+
+
+@jax.custom_vjp
+def _bce(logits, targets):
+    return jnp.mean(_bce_terms(logits, targets))
+
+
+def _bce_fwd(logits, targets):
+    return _bce(logits, targets), (logits, targets)
+
+
+def _bce_bwd(res, g):
+    x, y = res
+    xf = x.astype(compute_dtype(x.dtype))
+    scale = g / x.size
+    dx = (jax.nn.sigmoid(xf) - y) * scale
+    dy = -xf * scale
+    return dx.astype(x.dtype), dy.astype(y.dtype)
+
+
+_bce.defvjp(_bce_fwd, _bce_bwd)
+
+
+def binary_cross_entropy_with_logits(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Mean binary cross-entropy from logits, stable for large |logits|."""
+    _require_same_shape(logits, targets, "logits", "targets")
+    return _bce(logits, targets)
+
+
+def binary_cross_entropy_with_logits_reference(logits, targets):
+    p = 1.0 / (1.0 + jnp.exp(-logits))
+    return -jnp.mean(targets * jnp.log(p) + (1.0 - targets) * jnp.log1p(-p))

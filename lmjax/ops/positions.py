@@ -1,0 +1,48 @@
+"""Sinusoidal position encoding of "Attention Is All You Need".
+
+Shape: `sinusoidal_positions(T, D) -> [T, D]` float32 (a constant: it has no inputs to
+differentiate, so it needs no VJP).
+
+    PE[t, 2i]     = sin(t / 10000^(2i / D))
+    PE[t, 2i + 1] = cos(t / 10000^(2i / D))
+An odd D ends with a sin column.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lmjax.errors import ShapeError
+
+
+def _check(length: int, dim: int) -> None:
+    for name, size in (("length", length), ("dim", dim)):
+        if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+            raise ShapeError.describe(
+                f"sinusoidal_positions {name}", size, "a positive int", f"pass {name} >= 1"
+            )
+
+
+def sinusoidal_positions(length: int, dim: int, dtype=jnp.float32) -> jax.Array:
+    """`[length, dim]` table (module docstring), vectorised over t and i."""
+    _check(length, dim)
+    t = jnp.arange(length, dtype=jnp.float32)[:, None]
+    pair = jnp.arange(0, dim, 2, dtype=jnp.float32)[None, :]  # 2i for each sin/cos pair
+    angle = t * jnp.exp(-math.log(10000.0) * pair / dim)
+    table = jnp.stack([jnp.sin(angle), jnp.cos(angle)], axis=-1).reshape(length, -1)
+    return table[:, :dim].astype(dtype)
+
+
+def sinusoidal_positions_reference(length: int, dim: int) -> np.ndarray:
+    """Element-by-element loops in float64 numpy, the formula exactly as written."""
+    _check(length, dim)
+    table = np.zeros((length, dim))
+    for t in range(length):
+        for j in range(dim):
+            freq = 10000.0 ** ((j - j % 2) / dim)
+            table[t, j] = math.sin(t / freq) if j % 2 == 0 else math.cos(t / freq)
+    return table
