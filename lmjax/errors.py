@@ -49,7 +49,8 @@ class CheckpointError(LMJaxError, OSError):
 
 
 def _short(value: Any, limit: int = 120) -> str:
-    text = repr(value)
+    # One line whatever the value: an array's repr spans several, so whitespace is collapsed.
+    text = " ".join(repr(value).split())
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 

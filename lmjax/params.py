@@ -8,6 +8,8 @@ sharding rules) goes through `mask`, so a pattern means the same thing everywher
 Order. Keys are visited in *natural* order at every level: digit runs compare as numbers, so
 `blocks.2` comes before `blocks.10`, and the order never depends on dict insertion order (which
 `jax.tree.map` does not preserve). Flattening the same tree twice always gives the same order.
+An empty sub-dict has no leaves, so it has no flat name and `unflatten(flatten(t))` drops it;
+`mask` and `map_with_names` keep the structure exactly.
 """
 
 from __future__ import annotations
@@ -26,8 +28,13 @@ _DIGITS = re.compile(r"(\d+)")
 
 
 def natural_key(name: str) -> tuple:
-    """Sort key that orders `"10"` after `"2"`: digit runs compare as integers."""
-    return tuple(int(part) if part.isdigit() else part for part in _DIGITS.split(name))
+    """Sort key that orders `"10"` after `"2"`: digit runs compare as integers.
+
+    The name itself is the last element, so names that compare equal as numbers ("1" and "01")
+    still have one fixed order.
+    """
+    parts = tuple(int(p) if p.isdecimal() else p for p in _DIGITS.split(name))
+    return parts, name
 
 
 def _check_key(key: Any, prefix: str) -> str:
@@ -123,7 +130,18 @@ def mask(params: Tree, patterns: str | Iterable[str], *, require_match: bool = F
                     f"(e.g. {next(iter(flat), '<none>')!r})",
                     "check the spelling against lmjax.params.flatten(params).keys()",
                 )
-    return unflatten({name: matches(name, patterns) for name in flat})
+    return map_with_names(lambda name, _: matches(name, patterns), params)
 
 
-__all__ = ["flatten", "unflatten", "count", "mask", "matches", "natural_key"]
+def map_with_names(fn, params: Tree, prefix: str = "") -> dict:
+    """`fn(name, leaf)` at every leaf, keeping the exact structure (empty sub-dicts too)."""
+    out = {}
+    for key, value in params.items():
+        name = f"{prefix}.{_check_key(key, prefix)}" if prefix else _check_key(key, prefix)
+        out[key] = (
+            map_with_names(fn, value, name) if isinstance(value, Mapping) else fn(name, value)
+        )
+    return out
+
+
+__all__ = ["flatten", "unflatten", "count", "mask", "map_with_names", "matches", "natural_key"]

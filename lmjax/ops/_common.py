@@ -7,6 +7,7 @@ array (a bias, a mask) is spelt out here rather than left implicit.
 from __future__ import annotations
 
 import math
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +29,11 @@ def expand_left(a: jax.Array, ndim: int) -> jax.Array:
 def sum_to_last(g: jax.Array) -> jax.Array:
     """Reduce every leading axis: `[..., D] -> [D]` (the VJP of broadcasting a `[D]` vector)."""
     return g.reshape(-1, g.shape[-1]).sum(axis=0) if g.ndim > 1 else g
+
+
+def is_real(value) -> bool:
+    """A plain real number (Python or numpy), not a bool: for hyper-parameters such as eps."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool | np.bool_)
 
 
 def is_concrete(x) -> bool:

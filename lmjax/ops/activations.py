@@ -1,21 +1,8 @@
-"""Element-wise activations, each with a hand-written derivative.
+"""Element-wise activations, each a custom VJP `dx = g * f'(x)` with f' written by hand.
 
-Every op maps x `[...]` -> y `[...]` (same shape and dtype; computed in at least float32). The
-VJP of an element-wise `f` is `dx = g * f'(x)`; the derivatives used are:
-
-    gelu        f = x Phi(x) = x/2 (1 + erf(x/sqrt2))     f' = Phi(x) + x phi(x)
-    gelu_tanh   f = x/2 (1 + tanh(u)),  u = c (x + 0.044715 x^3),  c = sqrt(2/pi)
-                f' = (1 + t)/2 + x/2 (1 - t^2) c (1 + 3 * 0.044715 x^2),  t = tanh(u)
-    relu        f = max(x, 0)                             f' = 1 if x > 0 else 0 (so relu'(0) = 0)
-    leaky_relu  f = x if x > 0 else a x  (a = 0.01)       f' = 1 if x > 0 else a
-    sigmoid     f = s = 1 / (1 + e^-x)                    f' = s (1 - s)
-    tanh        f = t                                     f' = 1 - t^2
-    silu        f = x s                                   f' = s (1 + x (1 - s))
-    swiglu      f(gate, up) = silu(gate) * up
-                d_gate = g * up * silu'(gate),  d_up = g * silu(gate)
-
-NaN in, NaN out, forward and backward: the piecewise derivatives (relu, leaky_relu) return NaN
-where x is NaN instead of choosing a branch, and `g * f'` keeps a NaN cotangent NaN.
+All map x `[...]` -> `[...]` in x's dtype, computed in at least float32. NaN in, NaN out,
+forward and backward: piecewise derivatives (relu, leaky_relu) return NaN where x is NaN
+instead of choosing a branch, and `g * f'` keeps a NaN cotangent NaN.
 """
 
 from __future__ import annotations
@@ -132,32 +119,52 @@ _silu = _elementwise(_silu_f, _silu_df)
 
 
 def gelu(x: jax.Array) -> jax.Array:
-    """Exact GELU, `x/2 (1 + erf(x / sqrt 2))`; `[...] -> [...]`."""
+    """Exact (erf) GELU. Shapes: x `[...]` -> `[...]`.
+
+    f(x)  = x Phi(x) = x/2 (1 + erf(x / sqrt 2))
+    f'(x) = Phi(x) + x phi(x),   phi(x) = exp(-x^2/2) / sqrt(2 pi)
+    """
     return _gelu(x)
 
 
 def gelu_tanh(x: jax.Array) -> jax.Array:
-    """GPT-2's tanh GELU, `x/2 (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`; `[...] -> [...]`."""
+    """GPT-2's tanh-approximated GELU. Shapes: x `[...]` -> `[...]`.
+
+    f(x)  = x/2 (1 + t),  t = tanh(c (x + 0.044715 x^3)),  c = sqrt(2/pi)
+    f'(x) = (1 + t)/2 + x/2 (1 - t^2) c (1 + 3 * 0.044715 x^2)
+    """
     return _gelu_tanh(x)
 
 
 def relu(x: jax.Array) -> jax.Array:
-    """`max(x, 0)` with `relu'(0) = 0` and NaN propagated; `[...] -> [...]`."""
+    """Rectified linear unit. Shapes: x `[...]` -> `[...]`.
+
+    f(x) = max(x, 0),   f'(x) = 1 if x > 0 else 0   (so relu'(0) = 0; NaN stays NaN)
+    """
     return _relu(x)
 
 
 def sigmoid(x: jax.Array) -> jax.Array:
-    """`1 / (1 + exp(-x))`; `[...] -> [...]`."""
+    """Logistic sigmoid. Shapes: x `[...]` -> `[...]`.
+
+    s = 1 / (1 + exp(-x)),   f'(x) = s (1 - s)
+    """
     return _sigmoid(x)
 
 
 def tanh(x: jax.Array) -> jax.Array:
-    """`tanh(x)`; `[...] -> [...]`."""
+    """Hyperbolic tangent. Shapes: x `[...]` -> `[...]`.
+
+    t = tanh(x),   f'(x) = 1 - t^2
+    """
     return _tanh(x)
 
 
 def silu(x: jax.Array) -> jax.Array:
-    """`x * sigmoid(x)` (a.k.a. swish); `[...] -> [...]`."""
+    """SiLU (swish). Shapes: x `[...]` -> `[...]`.
+
+    f(x) = x s,  s = sigmoid(x),   f'(x) = s (1 + x (1 - s))
+    """
     return _silu(x)
 
 
@@ -189,7 +196,10 @@ _leaky_relu.defvjp(_leaky_relu_fwd, _leaky_relu_bwd)
 
 
 def leaky_relu(x: jax.Array, negative_slope: float = 0.01) -> jax.Array:
-    """`x if x > 0 else negative_slope * x`; `[...] -> [...]`."""
+    """Leaky ReLU with slope `a = negative_slope` (default 0.01). Shapes: x `[...]` -> `[...]`.
+
+    f(x) = x if x > 0 else a x,   f'(x) = 1 if x > 0 else a   (NaN stays NaN)
+    """
     return _leaky_relu(x, float(negative_slope))
 
 
@@ -215,7 +225,11 @@ _swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 
 def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
-    """SwiGLU gating, `silu(gate) * up`; gate and up `[..., F]` -> `[..., F]`."""
+    """SwiGLU gate of the Llama MLP. Shapes: gate, up `[..., F]` -> `[..., F]`.
+
+        f(gate, up) = silu(gate) * up
+    VJP: d_gate = g * up * silu'(gate),   d_up = g * silu(gate)
+    """
     require_shape(up, gate.shape, "up", "the same shape as gate")
     return _swiglu(gate, up)
 

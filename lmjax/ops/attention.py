@@ -1,25 +1,4 @@
-"""Scaled dot-product attention in the layout of `jax.nn.dot_product_attention`.
-
-Shapes: q `[B, T, H, Dh]`, k and v `[B, S, H, Dh]` -> out `[B, T, H, Dh]`.
-
-    s[b,h,t,u] = q[b,t,h,:] . k[b,u,h,:] / sqrt(Dh)
-    keep[b,h,t,u] = (not causal or u <= t + offset) and mask[b,h,t,u]
-                    (mask 0/1, broadcast from the right, e.g. [B,1,1,S] key padding)
-    p = masked softmax of s over u (masked p = 0 exactly)
-    out[b,t,h,:] = sum_u p[b,h,t,u] v[b,u,h,:]
-  VJP of the materialized form, with dO = dL/dout (and dP = dL/dp when p is returned too):
-    dv  = p^T dO                          dP' = dO v^T + dP
-    ds  = p * (dP' - rowsum(dP' * p))     (0 where masked)
-    dq  = ds k / sqrt(Dh)                 dk  = ds^T q / sqrt(Dh)
-
-`offset` places query t at absolute position t + offset, so decoding one token against a
-cache of S keys uses `offset = S - 1`. A query row with no visible key returns zeros (and
-zero gradients) in every impl, never NaN.
-
-Impls: "materialized" (this file's custom VJP; `return_probabilities=True` also returns p for
-inspection), "xla" (`jax.nn.dot_product_attention`, differentiated by JAX) and "flash" (the
-Pallas kernel of SPEC section 7, not available yet).
-"""
+"""Scaled dot-product attention (materialized custom VJP, or XLA)."""
 
 from __future__ import annotations
 
@@ -128,8 +107,28 @@ def attention(
     impl: str = "materialized",
     return_probabilities: bool = False,
 ):
-    """Multi-head attention (module docstring). Returns out `[B,T,H,Dh]`, or `(out, p[B,H,T,S])`
-    when `return_probabilities=True`."""
+    """Scaled dot-product attention in the layout of `jax.nn.dot_product_attention`.
+
+    Shapes: q `[B, T, H, Dh]`, k and v `[B, S, H, Dh]` -> out `[B, T, H, Dh]`.
+
+        s[b,h,t,u] = q[b,t,h,:] . k[b,u,h,:] / sqrt(Dh)
+        keep[b,h,t,u] = (not causal or u <= t + offset) and mask[b,h,t,u]
+                        (mask 0/1, broadcast from the right, e.g. [B,1,1,S] key padding)
+        p = masked softmax of s over u (masked p = 0 exactly)
+        out[b,t,h,:] = sum_u p[b,h,t,u] v[b,u,h,:]
+      VJP of the materialized form, with dO = dL/dout (and dP = dL/dp when p is returned too):
+        dv  = p^T dO                          dP' = dO v^T + dP
+        ds  = p * (dP' - rowsum(dP' * p))     (0 where masked)
+        dq  = ds k / sqrt(Dh)                 dk  = ds^T q / sqrt(Dh)
+
+    `offset` places query t at absolute position t + offset, so decoding one token against a
+    cache of S keys uses `offset = S - 1`. A query row with no visible key returns zeros (and
+    zero gradients) in every impl, never NaN.
+
+    Impls: "materialized" (the custom VJP above; `return_probabilities=True` also returns p for
+    inspection), "xla" (`jax.nn.dot_product_attention`, differentiated by JAX) and "flash" (the
+    Pallas kernel of SPEC section 7, not available yet).
+    """
     _check(q, k, v, impl, return_probabilities)
     keep = keep_mask(q.shape, k.shape, causal=causal, offset=offset, mask=mask)
     if impl == "xla":

@@ -1,10 +1,4 @@
-"""Inverted dropout with an explicit PRNG key (never a global random stream).
-
-Shapes: x `[...]` -> y `[...]`. With keep-mask m ~ Bernoulli(1 - rate) drawn from `key`:
-    y = m * x / (1 - rate)
-  VJP: dx = m * g / (1 - rate)   (the same mask; the key gets no gradient)
-`deterministic=True` or `rate == 0` returns x unchanged. `rate` must lie in [0, 1).
-"""
+"""Inverted dropout with an explicit PRNG key."""
 
 from __future__ import annotations
 
@@ -14,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from lmjax.errors import ConfigError
-from lmjax.ops._common import require_float
+from lmjax.ops._common import is_real, require_float
 
 
 def keep_mask(key: jax.Array, shape, rate: float) -> jax.Array:
@@ -43,7 +37,7 @@ _dropout.defvjp(_dropout_fwd, _dropout_bwd)
 
 
 def _check_rate(rate) -> float:
-    if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0.0 <= rate < 1.0:
+    if not (is_real(rate) and 0.0 <= rate < 1.0):
         raise ConfigError.describe(
             "dropout rate", rate, "a float in [0, 1)", "use e.g. 0.1, or 0.0 to disable dropout"
         )
@@ -51,7 +45,13 @@ def _check_rate(rate) -> float:
 
 
 def dropout(key: jax.Array, x: jax.Array, rate: float, deterministic: bool) -> jax.Array:
-    """Zero each entry of x with probability `rate`, scale the rest by 1/(1 - rate)."""
+    """Inverted dropout with an explicit PRNG key (never a global random stream).
+
+    Shapes: x `[...]` -> y `[...]`. With keep-mask m ~ Bernoulli(1 - rate) drawn from `key`:
+        y = m * x / (1 - rate)
+      VJP: dx = m * g / (1 - rate)   (the same mask; the key gets no gradient)
+    `deterministic=True` or `rate == 0` returns x unchanged. `rate` must lie in [0, 1).
+    """
     rate = _check_rate(rate)
     require_float(x, "x")
     if deterministic or rate == 0.0:

@@ -1,14 +1,4 @@
-"""Embedding lookup: `out[..., :] = table[ids[...], :]`.
-
-Shapes: table `[V, D]`, ids `[...]` (any integer dtype, any rank) -> out `[..., D]`.
-
-VJP: `dtable[v] = sum over every position p with ids[p] == v of dout[p]` (a scatter-add, so a
-token that occurs twice receives both contributions); ids are integers and get no gradient.
-
-Out-of-range ids are a `TokenError` whenever the ids are concrete (eager calls and every
-public entry point). Inside `jit` they cannot raise, so they produce NaN rows (and contribute
-nothing to `dtable`) instead of silently reading a clamped or wrapped row.
-"""
+"""Embedding lookup with a scatter-add VJP."""
 
 from __future__ import annotations
 
@@ -67,7 +57,17 @@ def check_ids(ids, vocab_size: int, what: str = "ids") -> None:
 
 
 def embedding(table: jax.Array, ids: jax.Array) -> jax.Array:
-    """Gather rows of `table[V, D]` at `ids[...]` -> `[..., D]`; scatter-add VJP (module doc)."""
+    """Embedding lookup: `out[..., :] = table[ids[...], :]`.
+
+    Shapes: table `[V, D]`, ids `[...]` (any integer dtype, any rank) -> out `[..., D]`.
+
+    VJP: `dtable[v] = sum over every position p with ids[p] == v of dout[p]` (a scatter-add, so a
+    token that occurs twice receives both contributions); ids are integers and get no gradient.
+
+    Out-of-range ids are a `TokenError` whenever the ids are concrete (eager calls and every
+    public entry point). Inside `jit` they cannot raise, so they produce NaN rows (and contribute
+    nothing to `dtable`) instead of silently reading a clamped or wrapped row.
+    """
     require_rank(table, 2, "table", "[vocab, d_model]")
     require_float(table, "table")
     require_int(ids, "ids")

@@ -1,15 +1,4 @@
-"""Affine projection over the last axis: `y = x W^T + b`.
-
-Shapes: params `{"weight": [O, I], "bias": [O]}` (the bias leaf is absent for a biasless layer),
-x `[..., I]` with any number of leading axes -> y `[..., O]`.
-
-VJP, with `g = dL/dy` and the leading axes flattened to N rows:
-    dx = g W                    [..., I]
-    dW = sum_n g_n^T x_n        [O, I]
-    db = sum_n g_n              [O]
-
-Init (`init_linear`): Xavier-uniform weight, `U(-a, a)` with `a = sqrt(6 / (I + O))`, zero bias.
-"""
+"""Affine projection over the last axis, and its Xavier-uniform initializer."""
 
 from __future__ import annotations
 
@@ -83,7 +72,18 @@ def _check(params: Params, x: jax.Array) -> None:
 
 
 def linear(params: Params, x: jax.Array) -> jax.Array:
-    """`x[..., I] -> x W^T + b`, `[..., O]`, with a hand-written VJP (module docstring)."""
+    """Affine projection over the last axis: `y = x W^T + b`.
+
+    Shapes: params `{"weight": [O, I], "bias": [O]}` (the bias leaf is absent for a biasless layer),
+    x `[..., I]` with any number of leading axes -> y `[..., O]`.
+
+    VJP, with `g = dL/dy` and the leading axes flattened to N rows:
+        dx = g W                    [..., I]
+        dW = sum_n g_n^T x_n        [O, I]
+        db = sum_n g_n              [O]
+
+    Init (`init_linear`): Xavier-uniform weight, `U(-a, a)` with `a = sqrt(6 / (I + O))`, zero bias.
+    """
     _check(params, x)
     return _linear(dict(params), x)
 

@@ -1,27 +1,8 @@
-"""Losses, each a scalar mean with a hand-written VJP (computed in at least float32).
-
-cross_entropy: logits `[..., V]`, integer targets `[...]` -> scalar. With counted positions
-    c_n = (y_n != ignore_index) and (n's time step in time_range, if given),  N = sum_n c_n,
-    lse_n = log sum_k exp(z_nk)   (max-subtracted),
-    L = (1/N) sum_n c_n (lse_n - z_{n, y_n})
-  dL/dz_nk = c_n (p_nk - [k = y_n]) / N  with p = softmax(z_n): exactly 0 at uncounted positions.
-  `time_range=(offset, count)` counts only time steps offset..offset+count-1 (time is the last
-  axis of targets) of every row. If nothing is counted (N = 0) the loss and gradient are 0.
-  A target outside [0, V) that is not ignore_index is a `TokenError` when targets are concrete;
-  inside `jit` it makes the loss NaN (loud, never a silent clamp).
-
-softmax_cross_entropy (dense / soft targets): logits and target probabilities `[..., V]`:
-    L = -(1/N) sum_n sum_k q_nk log p_nk,  N = number of positions
-  dL/dz_nk = (p_nk sum_j q_nj - q_nk) / N,  dL/dq_nk = -log p_nk / N.
-
-mse: `L = mean((a - b)^2)`;  dL/da = 2 (a - b) / M = -dL/db  (M elements).
-
-binary_cross_entropy_with_logits: logits x, targets y in [0, 1] (same shape):
-    l = max(x, 0) - x y + log(1 + exp(-|x|)),  L = mean(l)
-  dL/dx = (sigmoid(x) - y) / M,  dL/dy = -x / M.
-"""
+"""Losses: scalar means with hand-written VJPs, computed in at least float32."""
 
 from __future__ import annotations
+
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -110,7 +91,7 @@ def _check_ce(logits, targets, ignore_index, time_range):
         steps = targets.shape[-1] if targets.ndim else 0
         ok = (
             len(time_range) == 2
-            and all(isinstance(v, int) for v in time_range)
+            and all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in time_range)
             and time_range[0] >= 0
             and time_range[1] >= 1
             and sum(time_range) <= steps
@@ -142,7 +123,20 @@ def cross_entropy(
     ignore_index: int = -100,
     time_range: tuple[int, int] | None = None,
 ) -> jax.Array:
-    """Mean token cross-entropy fused from logits (module docstring); custom VJP."""
+    """Mean token cross-entropy, fused from logits.
+
+    Shapes: logits `[..., V]`, integer targets `[...]` -> scalar (float32 or wider).
+
+    With counted positions c_n = (y_n != ignore_index) and (n's time step in time_range),
+    N = sum_n c_n and a max-subtracted lse_n = log sum_k exp(z_nk):
+        L = (1/N) sum_n c_n (lse_n - z_{n, y_n})
+    VJP: dL/dz_nk = c_n (softmax(z_n)_k - [k = y_n]) / N, exactly 0 at uncounted positions.
+
+    `time_range=(offset, count)` counts only time steps offset .. offset+count-1 of every row
+    (time is the last axis of targets). If nothing is counted (N = 0) loss and gradient are 0.
+    A target outside [0, V) that is not ignore_index is a `TokenError` when targets are concrete;
+    inside `jit` it makes the loss NaN (loud, never a silent clamp).
+    """
     _check_ce(logits, targets, ignore_index, time_range)
     targets = jnp.asarray(targets)
     counted = counted_positions(targets, ignore_index, time_range)
@@ -200,7 +194,12 @@ def _require_same_shape(a, b, what_a: str, what_b: str) -> None:
 
 
 def softmax_cross_entropy(logits: jax.Array, target_probs: jax.Array) -> jax.Array:
-    """Cross-entropy against dense (one-hot or soft) targets, mean over positions."""
+    """Cross-entropy against dense (one-hot or soft) targets, mean over positions.
+
+    Shapes: logits and target_probs `[..., V]` -> scalar; N = number of positions.
+        L = -(1/N) sum_n sum_k q_nk log p_nk,   p = softmax(z)
+    VJP: dL/dz_nk = (p_nk sum_j q_nj - q_nk) / N,   dL/dq_nk = -log p_nk / N
+    """
     _require_same_shape(logits, target_probs, "logits", "target_probs")
     return _softmax_cross_entropy(_flat_rows(logits), _flat_rows(target_probs))
 
@@ -233,7 +232,11 @@ _mse.defvjp(_mse_fwd, _mse_bwd)
 
 
 def mse(predictions: jax.Array, targets: jax.Array) -> jax.Array:
-    """Mean squared error over every element."""
+    """Mean squared error. Shapes: predictions, targets `[...]` (equal) -> scalar.
+
+        L = (1/M) sum (a - b)^2  over the M elements
+    VJP: dL/da = 2 (a - b) / M = -dL/db
+    """
     _require_same_shape(predictions, targets, "predictions", "targets")
     return _mse(predictions, targets)
 
@@ -272,7 +275,12 @@ _bce.defvjp(_bce_fwd, _bce_bwd)
 
 
 def binary_cross_entropy_with_logits(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """Mean binary cross-entropy from logits, stable for large |logits|."""
+    """Mean binary cross-entropy from logits, stable for large |x|.
+
+    Shapes: logits x, targets y in [0, 1], `[...]` (equal) -> scalar; M elements.
+        l = max(x, 0) - x y + log(1 + exp(-|x|)),   L = mean(l)
+    VJP: dL/dx = (sigmoid(x) - y) / M,   dL/dy = -x / M
+    """
     _require_same_shape(logits, targets, "logits", "targets")
     return _bce(logits, targets)
 

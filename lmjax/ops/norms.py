@@ -1,20 +1,4 @@
-"""Normalisations over the last axis: LayerNorm and RMSNorm.
-
-Shapes: x `[..., D]`, scale and bias `[D]` -> y `[..., D]`. Statistics are computed in at least
-float32 (bf16 inputs are upcast) and the result is cast back to x's dtype.
-
-LayerNorm (population variance, eps inside the square root):
-    mu = mean(x),  var = mean((x - mu)^2),  r = 1 / sqrt(var + eps),  xh = (x - mu) r
-    y  = xh * scale + bias
-  VJP, with g = dL/dy and dxh = g * scale:
-    dx     = r * (dxh - mean(dxh) - xh * mean(dxh * xh))
-    dscale = sum over rows of g * xh,    dbias = sum over rows of g
-  A constant slice has var = 0, so r = 1/sqrt(eps) is finite, xh = 0 and y = bias.
-
-RMSNorm:
-    r = 1 / sqrt(mean(x^2) + eps),  xh = x r,  y = xh * scale
-  VJP: dx = r * (dxh - xh * mean(dxh * xh)),  dscale = sum over rows of g * xh.
-"""
+"""Normalisations over the last axis, statistics in at least float32: LayerNorm, RMSNorm."""
 
 from __future__ import annotations
 
@@ -24,7 +8,14 @@ import jax
 import jax.numpy as jnp
 
 from lmjax.errors import ConfigError
-from lmjax.ops._common import compute_dtype, expand_left, require_float, require_shape, sum_to_last
+from lmjax.ops._common import (
+    compute_dtype,
+    expand_left,
+    is_real,
+    require_float,
+    require_shape,
+    sum_to_last,
+)
 
 
 def _mean(a: jax.Array) -> jax.Array:
@@ -84,7 +75,7 @@ def _check(x, scale, bias, eps, what):
     require_shape(scale, d, "scale", f"one entry per feature of x {x.shape}")
     if bias is not None:
         require_shape(bias, d, "bias", f"one entry per feature of x {x.shape}")
-    if not (isinstance(eps, int | float) and eps > 0 and eps < float("inf")):
+    if not (is_real(eps) and 0 < eps < float("inf")):
         raise ConfigError.describe(
             f"{what} eps",
             eps,
@@ -94,7 +85,18 @@ def _check(x, scale, bias, eps, what):
 
 
 def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float = 1e-5) -> jax.Array:
-    """`(x - mean) / sqrt(var + eps) * scale + bias` over the last axis; fused VJP (module doc)."""
+    """LayerNorm over the last axis (population variance, eps inside the square root).
+
+    Shapes: x `[..., D]`, scale `[D]`, bias `[D]` -> `[..., D]` in x's dtype (statistics in
+    float32 or wider).
+
+        mu = mean(x),  var = mean((x - mu)^2),  r = 1 / sqrt(var + eps),  xh = (x - mu) r
+        y  = xh * scale + bias
+    VJP (fused), with g = dL/dy and dxh = g * scale:
+        dx     = r * (dxh - mean(dxh) - xh * mean(dxh * xh))
+        dscale = sum over rows of g * xh,    dbias = sum over rows of g
+    A constant slice has var = 0, so r = 1/sqrt(eps) stays finite, xh = 0 and y = bias.
+    """
     _check(x, scale, bias, eps, "layer_norm")
     return _layer_norm(x, scale, bias, float(eps))
 
@@ -132,7 +134,14 @@ _rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float = 1e-6) -> jax.Array:
-    """`x / sqrt(mean(x^2) + eps) * scale` over the last axis; fused VJP (module doc)."""
+    """RMSNorm over the last axis.
+
+    Shapes: x `[..., D]`, scale `[D]` -> `[..., D]` in x's dtype (statistics in float32 or wider).
+
+        r = 1 / sqrt(mean(x^2) + eps),  xh = x r,  y = xh * scale
+    VJP, with g = dL/dy and dxh = g * scale:
+        dx = r * (dxh - xh * mean(dxh * xh)),   dscale = sum over rows of g * xh
+    """
     _check(x, scale, None, eps, "rms_norm")
     return _rms_norm(x, scale, float(eps))
 

@@ -1,12 +1,4 @@
-"""Sinusoidal position encoding of "Attention Is All You Need".
-
-Shape: `sinusoidal_positions(T, D) -> [T, D]` float32 (a constant: it has no inputs to
-differentiate, so it needs no VJP).
-
-    PE[t, 2i]     = sin(t / 10000^(2i / D))
-    PE[t, 2i + 1] = cos(t / 10000^(2i / D))
-An odd D ends with a sin column.
-"""
+"""Sinusoidal position encoding."""
 
 from __future__ import annotations
 
@@ -28,7 +20,15 @@ def _check(length: int, dim: int) -> None:
 
 
 def sinusoidal_positions(length: int, dim: int, dtype=jnp.float32) -> jax.Array:
-    """`[length, dim]` table (module docstring), vectorised over t and i."""
+    """Sinusoidal position encoding of "Attention Is All You Need".
+
+    Shape: `sinusoidal_positions(T, D) -> [T, D]` float32 (a constant: it has no inputs to
+    differentiate, so it needs no VJP).
+
+        PE[t, 2i]     = sin(t / 10000^(2i / D))
+        PE[t, 2i + 1] = cos(t / 10000^(2i / D))
+    An odd D ends with a sin column.
+    """
     _check(length, dim)
     t = jnp.arange(length, dtype=jnp.float32)[:, None]
     pair = jnp.arange(0, dim, 2, dtype=jnp.float32)[None, :]  # 2i for each sin/cos pair

@@ -1,16 +1,4 @@
-"""Rotary position embedding, rotate-half convention (as Hugging Face Llama).
-
-Shapes: x `[B, T, H, Dh]` (Dh even), positions `[T]` or `[B, T]` integers (default
-`offset + arange(T)`) -> `[B, T, H, Dh]`.
-
-With half = Dh/2, inverse frequencies f_i = theta^(-2i/Dh) for i < half, angle a = pos * f:
-    cos = [cos a, cos a],  sin = [sin a, sin a]        (each [.., Dh])
-    rot(x) = [-x2, x1]       where x = [x1, x2] split at half
-    y = x * cos + rot(x) * sin
-  The map is a rotation per (i, i + half) pair, so its VJP is the inverse rotation:
-    dx = g * cos + rot^T(g * sin),   rot^T(y) = [y2, -y1]
-Positions are integers and get no gradient. Angles are computed in float32 (or wider).
-"""
+"""Rotary position embedding (rotate-half convention)."""
 
 from __future__ import annotations
 
@@ -88,7 +76,19 @@ def _positions_BT(x, positions, offset) -> jax.Array:
 def rope(
     x: jax.Array, positions: jax.Array | None = None, *, offset=0, theta: float = 10000.0
 ) -> jax.Array:
-    """Rotate `x[B,T,H,Dh]` by `positions + offset` (module docstring); custom VJP."""
+    """Rotary position embedding, rotate-half convention (as Hugging Face Llama).
+
+    Shapes: x `[B, T, H, Dh]` (Dh even), positions `[T]` or `[B, T]` integers (default
+    `offset + arange(T)`) -> `[B, T, H, Dh]`.
+
+    With half = Dh/2, inverse frequencies f_i = theta^(-2i/Dh) for i < half, angle a = pos * f:
+        cos = [cos a, cos a],  sin = [sin a, sin a]        (each [.., Dh])
+        rot(x) = [-x2, x1]       where x = [x1, x2] split at half
+        y = x * cos + rot(x) * sin
+      The map is a rotation per (i, i + half) pair, so its VJP is the inverse rotation:
+        dx = g * cos + rot^T(g * sin),   rot^T(y) = [y2, -y1]
+    Positions are integers and get no gradient. Angles are computed in float32 (or wider).
+    """
     require_rank(x, 4, "x", "[batch, time, heads, d_head]")
     require_float(x, "x")
     if x.shape[-1] % 2:

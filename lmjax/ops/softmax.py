@@ -1,18 +1,4 @@
-"""Numerically stable, optionally masked softmax along one axis.
-
-Shapes: x `[...]`, mask broadcastable from the right to x (0/1 or bool; 1 keeps an entry),
--> p with x's shape and dtype (computed in at least float32).
-
-    m = max over kept entries of x
-    p_i = exp(x_i - m) / sum_{kept j} exp(x_j - m)   for kept i,   p_i = 0 for masked i
-  VJP, with g = dL/dp:
-    dx_i = p_i (g_i - sum_j g_j p_j)                 for kept i,   dx_i = 0 exactly for masked i
-
-Subtracting the max keeps `softmax([10000, 10001, 10002])` finite. A slice whose entries are
-all masked has nothing to normalise: with a concrete mask that is a `MaskError`; inside `jit`
-(where values cannot raise) such a slice yields zeros, the convention attention uses for rows
-with no visible key.
-"""
+"""Numerically stable, optionally masked softmax."""
 
 from __future__ import annotations
 
@@ -80,7 +66,21 @@ def check_not_fully_masked(mask, shape: tuple[int, ...], axis: int, what: str = 
 
 
 def softmax(x: jax.Array, axis: int = -1, mask: jax.Array | None = None) -> jax.Array:
-    """Stable masked softmax of `x` along `axis` (module docstring), custom VJP."""
+    """Numerically stable, optionally masked softmax along one axis.
+
+    Shapes: x `[...]`, mask broadcastable from the right to x (0/1 or bool; 1 keeps an entry),
+    -> p with x's shape and dtype (computed in at least float32).
+
+        m = max over kept entries of x
+        p_i = exp(x_i - m) / sum_{kept j} exp(x_j - m)   for kept i,   p_i = 0 for masked i
+      VJP, with g = dL/dp:
+        dx_i = p_i (g_i - sum_j g_j p_j)                 for kept i,   dx_i = 0 exactly for masked i
+
+    Subtracting the max keeps `softmax([10000, 10001, 10002])` finite. A slice whose entries are
+    all masked has nothing to normalise: with a concrete mask that is a `MaskError`; inside `jit`
+    (where values cannot raise) such a slice yields zeros, the convention attention uses for rows
+    with no visible key.
+    """
     require_float(x, "x")
     axis = axis % max(x.ndim, 1)
     keep = None if mask is None else broadcast_mask(mask, x.shape)

@@ -1,0 +1,5 @@
+import sys
+
+from lmjax.cli import main
+
+sys.exit(main())

@@ -1,0 +1,78 @@
+"""The `lmjax` command line: thin parsing around library calls, one-line errors.
+
+Subcommands so far: `gradcheck` (every primitive's hand-written VJP against `jax.grad` of its
+reference and against float64 finite differences). Training, generation and interop commands
+of SPEC section 10 arrive with their issues.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import sys
+import time
+
+from lmjax.errors import LMJaxError
+
+
+def _gradcheck(args: argparse.Namespace) -> int:
+    import jax
+
+    from lmjax import testing
+
+    cases = [c for c in testing.OP_CASES if fnmatch.fnmatchcase(c.name, args.ops)]
+    if not cases:
+        names = ", ".join(c.name for c in testing.OP_CASES)
+        raise LMJaxError(
+            f"--ops = {args.ops!r} matches no op case; expected a glob over: "
+            f"{names}. Fix: e.g. --ops 'attention*'."
+        )
+    header = f"{'op case':34} {'|value diff|':>12} {'|grad diff|':>12} {'FD rel err':>11}  ok"
+    print("custom VJP vs jax.grad(reference) in float32, and vs finite differences in float64")
+    print(header)
+    print("-" * len(header))
+    failures, start = 0, time.perf_counter()
+    for case in cases:
+        report = testing.compare_with_reference(case, args.seed, transform=jax.jit)
+        fd = testing.finite_difference_error(case, args.seed)
+        ok = report.ok and fd <= testing.FD_RTOL
+        failures += not ok
+        print(
+            f"{case.name:34} {report.value_error:12.2e} {report.grad_error:12.2e} "
+            f"{fd:11.2e}  {'yes' if ok else 'NO'}",
+            flush=True,
+        )
+    print(
+        f"{len(cases) - failures}/{len(cases)} op cases agree "
+        f"(float32 rtol {testing.F32_RTOL:g}, finite-difference rtol {testing.FD_RTOL:g}) "
+        f"in {time.perf_counter() - start:.1f}s"
+    )
+    return 1 if failures else 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lmjax", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    grad = sub.add_parser(
+        "gradcheck",
+        help="check every primitive's hand-written VJP against jax.grad and finite differences",
+        description="Compare each op's custom VJP with jax.grad of its plain-jnp reference "
+        "(float32) and with centered finite differences (float64). Exits 1 if any disagrees.",
+    )
+    grad.add_argument("--ops", default="*", help="glob over op-case names (default: all)")
+    grad.add_argument("--seed", type=int, default=0, help="PRNG seed for the inputs")
+    grad.set_defaults(run=_gradcheck)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except LMJaxError as err:
+        print(f"lmjax {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

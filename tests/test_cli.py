@@ -1,0 +1,85 @@
+"""Tests for the `lmjax` command line (SPEC section 10): --help, gradcheck, one-line errors."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lmjax.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
+    return subprocess.run(
+        [sys.executable, "-m", "lmjax", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+
+
+def test_help_lists_gradcheck():
+    proc = _run("--help")
+    assert proc.returncode == 0, proc.stderr
+    assert "gradcheck" in proc.stdout
+    assert proc.stdout.lstrip().startswith("usage: lmjax")
+
+
+def test_gradcheck_help():
+    proc = _run("gradcheck", "--help")
+    assert proc.returncode == 0, proc.stderr
+    assert "--ops" in proc.stdout and "--seed" in proc.stdout
+
+
+def test_gradcheck_relu_passes():
+    proc = _run("gradcheck", "--ops", "relu*")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    rows = [line for line in lines if line.split() and line.split()[0] == "relu_rank3"]
+    assert len(rows) == 1
+    assert rows[0].split()[-1] == "yes"
+    # Only relu cases were selected: no other op case row appears.
+    assert not any(line.startswith(("gelu", "leaky_relu", "softmax")) for line in lines)
+    assert any(line.startswith("1/1 op cases agree") for line in lines)
+
+
+def test_gradcheck_bad_ops_one_line_error():
+    proc = _run("gradcheck", "--ops", "nope")
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    err_lines = proc.stderr.splitlines()
+    assert len(err_lines) == 1, proc.stderr
+    assert err_lines[0].startswith("lmjax gradcheck: error:")
+    assert "'nope'" in err_lines[0] and "Fix:" in err_lines[0]
+
+
+def test_main_bad_ops_in_process(capsys):
+    assert main(["gradcheck", "--ops", "nope"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    lines = err.splitlines()
+    assert len(lines) == 1
+    assert lines[0].startswith("lmjax gradcheck: error:")
+    assert "relu_rank3" in lines[0]  # the message lists the valid op-case names
+
+
+def test_no_subcommand_exits_nonzero(capsys):
+    with pytest.raises(SystemExit) as info:
+        main([])
+    assert info.value.code not in (0, None)
+    assert "usage: lmjax" in capsys.readouterr().err
+
+
+def test_unknown_subcommand_exits_nonzero(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["frobnicate"])
+    assert info.value.code not in (0, None)
+    capsys.readouterr()

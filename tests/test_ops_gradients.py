@@ -1,0 +1,70 @@
+"""Every op case of `lmjax.testing.OP_CASES` against its two numerical witnesses.
+
+1. Values and the hand-written VJP equal the plain-jnp reference differentiated by `jax.grad`
+   (float32, `F32_RTOL`), jitted and not jitted (chex variants).
+2. The hand-written VJP equals centered finite differences in float64 (`FD_RTOL`).
+
+The third witness, an outside implementation, is tests/test_torch_parity.py.
+"""
+
+import chex
+import jax
+import jax.numpy as jnp
+import pytest
+from absl.testing import parameterized
+
+from lmjax import testing
+from lmjax.testing import F32_RTOL, FD_RTOL, OP_CASES
+
+CASE_PARAMS = [(c.name, c) for c in OP_CASES]
+
+
+class ReferenceTest(chex.TestCase):
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.named_parameters(*CASE_PARAMS)
+    def test_matches_reference(self, case):
+        report = testing.compare_with_reference(case, seed=0, transform=self.variant)
+        assert report.value_error <= F32_RTOL * max(1.0, report.value_scale), report
+        assert report.grad_error <= F32_RTOL * max(1.0, report.grad_scale), report
+        assert report.grad_scale > 0, "a case whose gradient is all zero checks nothing"
+
+
+@pytest.mark.parametrize("case", OP_CASES, ids=lambda c: c.name)
+def test_matches_finite_differences(case):
+    assert testing.finite_difference_error(case, seed=0) <= FD_RTOL
+
+
+def _with_wrong_vjp(op, factor):
+    """`op` with its VJP scaled by `factor`: a deliberately broken backward."""
+
+    @jax.custom_vjp
+    def wrong(*args):
+        return op(*args)
+
+    def fwd(*args):
+        out, pullback = jax.vjp(op, *args)
+        return out, pullback
+
+    def bwd(pullback, g):
+        grads = pullback(g)
+        return jax.tree.map(
+            lambda d: d * factor if jnp.issubdtype(d.dtype, jnp.inexact) else d, grads
+        )
+
+    wrong.defvjp(fwd, bwd)
+    return wrong
+
+
+@pytest.mark.parametrize(
+    "name", ["layer_norm_rank3", "cross_entropy_time_range", "attention_key_padding", "rope"]
+)
+def test_harness_catches_a_wrong_vjp(name):
+    """Both witnesses must reject a backward that is off by 10% (values stay right)."""
+    case = testing.case(name)
+    broken = testing.OpCase(
+        case.name, _with_wrong_vjp(case.op, 1.1), case.reference, case.make_args, case.argnums
+    )
+    report = testing.compare_with_reference(broken, seed=0, transform=jax.jit)
+    assert report.value_error <= F32_RTOL * max(1.0, report.value_scale)
+    assert report.grad_error > 100 * F32_RTOL * max(1.0, report.grad_scale)
+    assert testing.finite_difference_error(broken, seed=0) > 1e3 * FD_RTOL
