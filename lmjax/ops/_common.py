@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lmjax.errors import ShapeError
+from lmjax.errors import ShapeError, TokenError
 
 
 def compute_dtype(dtype) -> jnp.dtype:
@@ -81,23 +81,50 @@ def require_shape(x, shape: tuple[int, ...], what: str, why: str) -> None:
         )
 
 
-def require_float(x, what: str) -> None:
-    if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
+def _require_kind(x, kind, kind_name: str, cast_to: str, what: str) -> None:
+    if not jnp.issubdtype(jnp.result_type(x), kind):
         raise ShapeError.describe(
             f"{what}.dtype",
             jnp.result_type(x),
-            "a floating dtype",
-            f"cast {what} with .astype(jnp.float32)",
+            f"{kind_name} dtype",
+            f"cast {what} with .astype({cast_to})",
         )
 
 
+def require_float(x, what: str) -> None:
+    _require_kind(x, jnp.floating, "a floating", "jnp.float32", what)
+
+
 def require_int(x, what: str) -> None:
-    if not jnp.issubdtype(jnp.result_type(x), jnp.integer):
-        raise ShapeError.describe(
-            f"{what}.dtype",
-            jnp.result_type(x),
-            "an integer dtype",
-            f"cast {what} with .astype(jnp.int32)",
+    _require_kind(x, jnp.integer, "an integer", "jnp.int32", what)
+
+
+def check_token_ids(
+    ids,
+    vocab_size: int,
+    what: str,
+    *,
+    ignore_index: int | None = None,
+    fix: str = "re-tokenize with the model's tokenizer or enlarge vocab_size",
+):
+    """Host-side range check: raise `TokenError` naming the first id outside `[0, V)`.
+
+    `ids` must be concrete. Entries equal to `ignore_index` (if given) are allowed.
+    """
+    ids_np = np.asarray(ids)
+    bad = (ids_np < 0) | (ids_np >= vocab_size)
+    if ignore_index is not None:
+        bad &= ids_np != ignore_index
+    if bad.any():
+        where = tuple(int(i) for i in np.argwhere(bad)[0])
+        allowed = f"an id in [0, {vocab_size})" + (
+            "" if ignore_index is None else f" or ignore_index={ignore_index}"
+        )
+        raise TokenError.describe(
+            f"{what}{list(where)}",
+            int(ids_np[where]),
+            f"{allowed} ({int(bad.sum())} of {ids_np.size} are outside)",
+            fix,
         )
 
 

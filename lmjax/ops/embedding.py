@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from lmjax.errors import TokenError
-from lmjax.ops._common import is_concrete, require_float, require_int, require_rank
+from lmjax.ops._common import (
+    check_token_ids,
+    is_concrete,
+    require_float,
+    require_int,
+    require_rank,
+)
 
 
 def _valid(ids: jax.Array, vocab: int) -> jax.Array:
@@ -42,20 +46,6 @@ def _embedding_bwd(res, dout_ND):
 _embedding.defvjp(_embedding_fwd, _embedding_bwd)
 
 
-def check_ids(ids, vocab_size: int, what: str = "ids") -> None:
-    """Host-side range check: raise `TokenError` naming the first id outside `[0, V)`."""
-    ids_np = np.asarray(ids)
-    bad = (ids_np < 0) | (ids_np >= vocab_size)
-    if bad.any():
-        where = tuple(int(i) for i in np.argwhere(bad)[0])
-        raise TokenError.describe(
-            f"{what}{list(where)}",
-            int(ids_np[where]),
-            f"an id in [0, {vocab_size}) ({int(bad.sum())} of {ids_np.size} ids are outside)",
-            "re-tokenize with the model's tokenizer or enlarge vocab_size",
-        )
-
-
 def embedding(table: jax.Array, ids: jax.Array) -> jax.Array:
     """Embedding lookup: `out[..., :] = table[ids[...], :]`.
 
@@ -72,7 +62,7 @@ def embedding(table: jax.Array, ids: jax.Array) -> jax.Array:
     require_float(table, "table")
     require_int(ids, "ids")
     if is_concrete(ids):
-        check_ids(ids, table.shape[0])
+        check_token_ids(ids, table.shape[0], "ids")
     return _embedding(table, jnp.asarray(ids))
 
 

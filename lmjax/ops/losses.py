@@ -6,10 +6,15 @@ import numbers
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from lmjax.errors import ShapeError, TokenError
-from lmjax.ops._common import compute_dtype, is_concrete, require_float, require_int
+from lmjax.errors import ShapeError
+from lmjax.ops._common import (
+    check_token_ids,
+    compute_dtype,
+    is_concrete,
+    require_float,
+    require_int,
+)
 
 # ---- cross_entropy -----------------------------------------------------------------------------
 
@@ -105,16 +110,13 @@ def _check_ce(logits, targets, ignore_index, time_range):
                 "pass a window inside the sequence",
             )
     if is_concrete(targets):
-        t = np.asarray(targets)
-        bad = (t != ignore_index) & ((t < 0) | (t >= logits.shape[-1]))
-        if bad.any():
-            where = tuple(int(i) for i in np.argwhere(bad)[0])
-            raise TokenError.describe(
-                f"targets{list(where)}",
-                int(t[where]),
-                f"an id in [0, {logits.shape[-1]}) or ignore_index={ignore_index}",
-                "fix the targets or mark the position with ignore_index",
-            )
+        check_token_ids(
+            targets,
+            logits.shape[-1],
+            "targets",
+            ignore_index=ignore_index,
+            fix="fix the targets or mark the position with ignore_index",
+        )
 
 
 def cross_entropy(
