@@ -1,8 +1,8 @@
 """lmjax: decoder-only transformer LMs as pure functions over parameter pytrees.
 
 The public surface a notebook needs: `lmjax.ops` (primitives with hand-written VJPs),
-`lmjax.params` (flatten/unflatten/count/mask by name), `lmjax.errors` (one exception family)
-and `lmjax.testing` (the gradient-check harness).
+`lmjax.params` (flatten/unflatten/count/mask by name) and `lmjax.errors` (one exception
+family). `import lmjax.testing` brings the gradient-check harness.
 """
 
 from lmjax import errors, ops, params

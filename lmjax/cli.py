@@ -51,7 +51,10 @@ def _gradcheck(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lmjax", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="lmjax",
+        description="lmjax: decoder-only transformer LMs in JAX, from the command line.",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     grad = sub.add_parser(
         "gradcheck",

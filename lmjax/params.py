@@ -8,8 +8,11 @@ sharding rules) goes through `mask`, so a pattern means the same thing everywher
 Order. Keys are visited in *natural* order at every level: digit runs compare as numbers, so
 `blocks.2` comes before `blocks.10`, and the order never depends on dict insertion order (which
 `jax.tree.map` does not preserve). Flattening the same tree twice always gives the same order.
-An empty sub-dict has no leaves, so it has no flat name and `unflatten(flatten(t))` drops it;
-`mask` and `map_with_names` keep the structure exactly.
+This is not `jax.tree.leaves` order (JAX sorts keys as strings, so `blocks.10` precedes
+`blocks.2`): pair names with leaves through `flatten` or `map_with_names`, never by zipping
+`flatten(p).values()` with `jax.tree.leaves(p)`. An empty sub-dict has no leaves, so it has no
+flat name and `unflatten(flatten(t))` drops it; `mask` and `map_with_names` keep the structure
+exactly.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ the cost of checking dozens of tiny ops.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -31,6 +32,8 @@ from lmjax import ops
 # magnitude); the float64 finite-difference error is already relative (see below).
 F32_RTOL = 1e-5
 FD_RTOL = 1e-6
+# bf16 inputs (computed in float32 inside, rounded once on the way out): 4 bf16 ulps, 2^-6.
+BF16_RTOL = 2.0**-6
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,8 +57,12 @@ class ReferenceReport:
 
     @property
     def ok(self) -> bool:
-        return self.value_error <= F32_RTOL * max(1.0, self.value_scale) and (
-            self.grad_error <= F32_RTOL * max(1.0, self.grad_scale)
+        return self.within(F32_RTOL)
+
+    def within(self, rtol: float) -> bool:
+        """Values and VJPs agree to `rtol` relative to max(1, the reference's largest entry)."""
+        return self.value_error <= rtol * max(1.0, self.value_scale) and (
+            self.grad_error <= rtol * max(1.0, self.grad_scale)
         )
 
 
@@ -100,6 +107,19 @@ def compare_with_reference(
     case: OpCase, seed: int = 0, dtype=jnp.float32, transform: Callable = lambda f: f
 ) -> ReferenceReport:
     """The op (through `transform`: `jax.jit`, a chex variant...) against its reference."""
+    with _strict_numerics():
+        return _compare(case, seed, dtype, transform)
+
+
+@contextlib.contextmanager
+def _strict_numerics():
+    """Full-precision float32 matmuls (GPUs default to TF32, which a 1e-5 check would fail) and
+    no implicit rank promotion (a silent broadcast is an error), whoever calls the harness."""
+    with jax.default_matmul_precision("highest"), jax.numpy_rank_promotion("raise"):
+        yield
+
+
+def _compare(case, seed, dtype, transform):
     args = case.make_args(np.random.default_rng(seed), dtype)
     out, grads = transform(lambda *a: vjp_of(case.op, a, case.argnums, seed + 1))(*args)
     # The reference always runs jitted: it is only the yardstick, and eager dispatch of its
@@ -123,7 +143,7 @@ def finite_difference_error(
     Relative to `max(|AD|, |FD|, 1e-3 * scale)`, where scale is the largest |AD| seen, so a
     direction that happens to be nearly orthogonal to the gradient cannot pass vacuously.
     """
-    with jax.enable_x64(True):
+    with jax.enable_x64(True), _strict_numerics():
         args = case.make_args(np.random.default_rng(seed), jnp.float64)
         out, grads = jax.jit(lambda *a: vjp_of(case.op, a, case.argnums, seed + 1))(*args)
         weights = random_like(seed + 1, out)
@@ -256,6 +276,13 @@ def _cases() -> list[OpCase]:
             o.layer_norm_reference,
             _norm_args((2, 3, 6), True),
             (0, 1, 2),
+        ),
+        OpCase(
+            "layer_norm_nobias",
+            lambda x, s: o.layer_norm(x, s, None),
+            lambda x, s: o.layer_norm_reference(x, s, None),
+            _norm_args((2, 3, 6), False),
+            (0, 1),
         ),
         OpCase(
             "layer_norm_rank4",

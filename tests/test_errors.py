@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from lmjax import errors as E
+from lmjax import ops
 
 VALUE_ERRORS = ["ConfigError", "ShapeError", "TokenError", "MaskError", "FileFormatError"]
 
@@ -85,3 +86,35 @@ def test_describe_array_value_stays_one_line():
     msg = str(E.ShapeError.describe("tokens", np.zeros((3, 3)), "rank 1", "flatten it"))
     assert "\n" not in msg
     assert "expected" in msg and "Fix:" in msg
+
+
+# ---- bad input to the ops stays inside the lmjax.errors family --------------------------------
+
+_BAD_CALLS = {
+    "embedding float ids": lambda: ops.embedding([[0.0, 1.0]], [0.5]),
+    "linear list x wrong width": lambda: ops.linear(
+        {"weight": np.zeros((2, 3), np.float32)}, [[1.0, 2.0]]
+    ),
+    "layer_norm scalar": lambda: ops.layer_norm(1.0, np.ones(1), np.zeros(1)),
+    "relu of ints": lambda: ops.relu([1, 2]),
+    "softmax bad axis": lambda: ops.softmax([1.0, 2.0], axis=1),
+    "cross_entropy int time_range": lambda: ops.cross_entropy(
+        np.zeros((1, 3, 4), np.float32), np.zeros((1, 3), np.int32), time_range=3
+    ),
+    "mse lists of different length": lambda: ops.mse([1.0, 2.0], [1.0]),
+    "attention empty keys": lambda: ops.attention(
+        np.zeros((1, 2, 1, 4), np.float32),
+        np.zeros((1, 0, 1, 4), np.float32),
+        np.zeros((1, 0, 1, 4), np.float32),
+        causal=False,
+    ),
+    "sinusoidal float size": lambda: ops.sinusoidal_positions(4.0, 2),
+}
+
+
+@pytest.mark.parametrize("call", _BAD_CALLS.values(), ids=_BAD_CALLS.keys())
+def test_bad_op_input_raises_an_lmjax_error_with_value_expected_and_fix(call):
+    with pytest.raises(E.LMJaxError) as info:
+        call()
+    message = str(info.value)
+    assert "expected" in message and "Fix:" in message and "\n" not in message

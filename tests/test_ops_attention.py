@@ -145,6 +145,14 @@ def test_attention_rejects_mismatched_shapes(shapes, message):
         ops.attention(q, k, v, causal=False)
 
 
+def test_attention_rejects_mixed_dtypes_and_empty_axes():
+    q, k, v = _qkv(2, 3)
+    with pytest.raises(ShapeError, match="dtypes"):
+        ops.attention(q.astype(jnp.bfloat16), k, v, causal=False, impl="xla")
+    with pytest.raises(ShapeError, match="zero-size"):
+        ops.attention(q, k[:, :0], v[:, :0], causal=False)
+
+
 def test_attention_rejects_a_mask_that_does_not_broadcast():
     q, k, v = _qkv(3, 5)
     with pytest.raises(ShapeError, match="broadcastable from the right"):

@@ -23,6 +23,15 @@ def test_repeated_ids_accumulate_every_occurrence():
     assert np.all(np.asarray(dtable[1]) == 0) and np.all(np.asarray(dtable[3]) == 0)
 
 
+def test_bf16_table_accumulates_past_256_repeats():
+    # A bf16 running sum stalls at 256 (256 + 1 rounds back to 256); accumulation is float32.
+    table = jnp.zeros((3, 2), jnp.bfloat16)
+    ids = jnp.zeros((1000,), jnp.int32)
+    dtable = jax.grad(lambda t: ops.embedding(t, ids).astype(jnp.float32).sum())(table)
+    assert dtable.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(dtable, np.float32)[0], [1000.0, 1000.0])
+
+
 def test_embedding_gathers_rows_of_any_rank():
     table = jnp.arange(12.0).reshape(6, 2)
     ids = jnp.array([[[5], [0]], [[3], [3]]])  # rank 3
@@ -101,6 +110,9 @@ def test_linear_rejects_mismatched_shapes(params, x, message):
         ops.linear(params, x)
 
 
-def test_init_linear_rejects_zero_sizes():
+def test_init_linear_rejects_zero_sizes_and_accepts_numpy_ints():
     with pytest.raises(ShapeError, match="in_features = 0"):
         ops.init_linear(jax.random.PRNGKey(0), 0, 3)
+    with pytest.raises(ShapeError, match="out_features = 2.0"):
+        ops.init_linear(jax.random.PRNGKey(0), 3, 2.0)
+    assert ops.init_linear(jax.random.PRNGKey(0), np.int64(4), 3)["weight"].shape == (3, 4)

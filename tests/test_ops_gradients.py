@@ -14,7 +14,7 @@ import pytest
 from absl.testing import parameterized
 
 from lmjax import testing
-from lmjax.testing import F32_RTOL, FD_RTOL, OP_CASES
+from lmjax.testing import BF16_RTOL, F32_RTOL, FD_RTOL, OP_CASES
 
 CASE_PARAMS = [(c.name, c) for c in OP_CASES]
 
@@ -24,9 +24,14 @@ class ReferenceTest(chex.TestCase):
     @parameterized.named_parameters(*CASE_PARAMS)
     def test_matches_reference(self, case):
         report = testing.compare_with_reference(case, seed=0, transform=self.variant)
-        assert report.value_error <= F32_RTOL * max(1.0, report.value_scale), report
-        assert report.grad_error <= F32_RTOL * max(1.0, report.grad_scale), report
+        assert report.within(F32_RTOL), report
         assert report.grad_scale > 0, "a case whose gradient is all zero checks nothing"
+
+
+@pytest.mark.parametrize("case", OP_CASES, ids=lambda c: c.name)
+def test_bf16_inputs_match_reference_within_bf16_rounding(case):
+    report = testing.compare_with_reference(case, seed=0, dtype=jnp.bfloat16, transform=jax.jit)
+    assert report.within(BF16_RTOL), report
 
 
 @pytest.mark.parametrize("case", OP_CASES, ids=lambda c: c.name)

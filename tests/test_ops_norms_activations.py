@@ -35,6 +35,23 @@ def test_layer_norm_of_a_constant_slice_is_bias_with_finite_gradients():
     assert all(np.isfinite(np.asarray(g)).all() for g in grads)
 
 
+@pytest.mark.parametrize("value, dim", [(1000.1, 768), (0.1, 768), (-3.7e4, 64)])
+def test_layer_norm_of_an_inexact_constant_is_exactly_bias(value, dim):
+    # 1000.1 is not representable, and a float32 mean of 768 copies is not exactly it: the
+    # shift by the slice's first entry must make the centred slice exactly zero anyway.
+    bias = _rng_f32((dim,), 4)
+    out = ops.layer_norm(jnp.full((2, dim), value, jnp.float32), jnp.ones(dim), bias)
+    np.testing.assert_array_equal(out, np.broadcast_to(np.asarray(bias), (2, dim)))
+
+
+def test_biasless_layer_norm_has_no_bias_gradient():
+    x = _rng_f32((2, 3, 4))
+    out, pullback = jax.vjp(lambda x, s: ops.layer_norm(x, s, None), x, jnp.ones(4))
+    np.testing.assert_allclose(out, ops.layer_norm(x, jnp.ones(4), jnp.zeros(4)), rtol=1e-6)
+    dx, dscale = pullback(jnp.ones_like(out))
+    assert dx.shape == x.shape and dscale.shape == (4,)
+
+
 def test_rms_norm_of_zeros_is_zero_and_finite():
     grads = jax.grad(lambda x: ops.rms_norm(x, jnp.ones(4)).sum())(jnp.zeros((2, 4)))
     np.testing.assert_array_equal(ops.rms_norm(jnp.zeros((2, 4)), jnp.ones(4)), 0.0)
@@ -114,6 +131,18 @@ def test_exact_and_tanh_gelu_are_different_functions():
 def test_activations_keep_dtype(name):
     x = jnp.array([-1.0, 0.5], jnp.bfloat16)
     assert getattr(ops, name)(x).dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("name", ACTIVATIONS)
+def test_activations_reject_integer_input_instead_of_truncating(name):
+    with pytest.raises(ShapeError, match="floating dtype"):
+        getattr(ops, name)(jnp.array([1, 2]))
+
+
+@pytest.mark.parametrize("slope", [None, "0.1", jnp.asarray(0.1)])
+def test_leaky_relu_rejects_a_slope_that_is_not_a_static_number(slope):
+    with pytest.raises(ConfigError, match="negative_slope"):
+        ops.leaky_relu(jnp.ones(2), negative_slope=slope)
 
 
 def test_swiglu_rejects_mismatched_halves():

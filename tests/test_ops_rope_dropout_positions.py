@@ -43,6 +43,7 @@ def test_rope_scores_depend_only_on_relative_position():
 def test_rope_offset_and_per_row_positions_agree_with_explicit_positions():
     x = _f32((2, 3, 1, 4))
     np.testing.assert_allclose(ops.rope(x, offset=5), ops.rope(x, jnp.arange(5, 8)), rtol=1e-6)
+    np.testing.assert_allclose(ops.rope(x, jnp.arange(3)[None, :]), ops.rope(x), rtol=1e-6)
     per_row = ops.rope(x, jnp.array([[0, 1, 2], [7, 8, 9]]))
     np.testing.assert_allclose(per_row[0], ops.rope(x[:1], jnp.arange(3))[0], rtol=1e-6)
     np.testing.assert_allclose(per_row[1], ops.rope(x[1:], jnp.arange(7, 10))[0], rtol=1e-6)
@@ -62,6 +63,12 @@ def test_rope_rejects_bad_input(x, positions, message):
         ops.rope(x, positions)
 
 
+@pytest.mark.parametrize("theta", [0.0, -1.0, float("inf"), "10000"])
+def test_rope_rejects_bad_theta(theta):
+    with pytest.raises(ConfigError, match="rope theta"):
+        ops.rope(jnp.zeros((1, 2, 1, 4)), theta=theta)
+
+
 # ---- dropout ------------------------------------------------------------------------------------
 
 
@@ -70,6 +77,11 @@ def test_dropout_deterministic_or_rate_zero_is_the_identity():
     key = jax.random.PRNGKey(0)
     assert ops.dropout(key, x, 0.5, deterministic=True) is x
     assert ops.dropout(key, x, 0.0, deterministic=False) is x
+
+
+def test_dropout_without_a_key_says_how_to_fix_it():
+    with pytest.raises(ConfigError, match="deterministic=True"):
+        ops.dropout(None, jnp.ones(3), 0.1, deterministic=False)
 
 
 @pytest.mark.parametrize("rate", [1.0, -0.1, 1.5, True, "0.1"])

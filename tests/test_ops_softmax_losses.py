@@ -35,6 +35,10 @@ def test_masked_entries_get_exactly_zero_probability_and_gradient():
     (dx,) = pullback(jnp.asarray(g))
     assert np.all(np.asarray(p)[~mask] == 0.0)
     assert np.all(np.asarray(dx)[~mask] == 0.0)
+    # ...and kept entries get exactly the gradient of a cotangent that is 0 where masked.
+    (dx_clean,) = pullback(jnp.asarray(np.where(mask, g, 0.0), jnp.float32))
+    assert np.isfinite(np.asarray(dx)).all()
+    np.testing.assert_array_equal(dx, dx_clean)
     np.testing.assert_allclose(np.asarray(p).sum(-1), 1.0, rtol=1e-6)
     expected = _np_softmax(np.where(mask, np.asarray(x), -np.inf))
     np.testing.assert_allclose(p, expected, rtol=1e-6, atol=1e-7)
@@ -65,6 +69,12 @@ def test_fully_masked_slice_inside_jit_gives_zeros_not_nan():
     p_rows = jax.jit(lambda x, m: ops.softmax(x, mask=m))(jnp.ones((2, 2)), mask)
     np.testing.assert_array_equal(p_rows, [[1.0, 0.0], [0.0, 0.0]])
     assert np.isfinite(np.asarray(dx)).all() and np.all(np.asarray(dx)[1] == 0)
+
+
+@pytest.mark.parametrize("axis, shape", [(3, (2, 3, 4)), (-4, (2, 3, 4)), (0, ())])
+def test_softmax_rejects_an_axis_that_does_not_exist(axis, shape):
+    with pytest.raises(ShapeError, match="softmax axis"):
+        ops.softmax(jnp.zeros(shape), axis=axis)
 
 
 def test_softmax_along_a_middle_axis():
@@ -129,9 +139,12 @@ def test_target_outside_vocab_raises_when_concrete(bad):
         ops.cross_entropy(_f32((2, 3, 7)), jnp.array([[0, bad, 1], [2, 3, 4]]))
 
 
-def test_target_outside_vocab_inside_jit_makes_the_loss_nan():
-    loss = jax.jit(ops.cross_entropy)(_f32((2, 3, 7)), jnp.array([[0, 9, 1], [2, 3, 4]]))
+def test_target_outside_vocab_inside_jit_makes_loss_and_its_row_gradient_nan():
+    targets = jnp.array([[0, 9, 1], [2, 3, 4]])
+    loss, grad = jax.jit(jax.value_and_grad(ops.cross_entropy))(_f32((2, 3, 7)), targets)
     assert np.isnan(float(loss))
+    assert np.isnan(np.asarray(grad)[0, 1]).all()
+    assert np.isfinite(np.asarray(grad)[1]).all()
 
 
 @pytest.mark.parametrize(

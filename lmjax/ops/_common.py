@@ -36,6 +36,11 @@ def is_real(value) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool | np.bool_)
 
 
+def is_int(value) -> bool:
+    """A plain integer (Python or numpy), not a bool: for sizes and offsets."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool | np.bool_)
+
+
 def is_concrete(x) -> bool:
     """True when `x` holds values now (not a tracer inside jit/vmap/grad's traced arguments)."""
     return x is not None and not isinstance(x, jax.core.Tracer)

@@ -14,7 +14,8 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from lmjax.ops._common import compute_dtype, require_shape
+from lmjax.errors import ConfigError
+from lmjax.ops._common import compute_dtype, is_real, require_float, require_shape
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
@@ -50,7 +51,13 @@ def _elementwise(f: Callable, df: Callable) -> Callable:
         return (g * df32(x).astype(g.dtype),)
 
     op.defvjp(fwd, bwd)
-    return op
+
+    def checked(x):
+        x = jnp.asarray(x)
+        require_float(x, "x")
+        return op(x)
+
+    return checked
 
 
 # ---- the functions and their derivatives (plain jnp, float32 or wider) -------------------------
@@ -200,6 +207,15 @@ def leaky_relu(x: jax.Array, negative_slope: float = 0.01) -> jax.Array:
 
     f(x) = x if x > 0 else a x,   f'(x) = 1 if x > 0 else a   (NaN stays NaN)
     """
+    x = jnp.asarray(x)
+    require_float(x, "x")
+    if not is_real(negative_slope):
+        raise ConfigError.describe(
+            "leaky_relu negative_slope",
+            negative_slope,
+            "a Python or numpy real number",
+            "pass a constant such as 0.01 (a traced slope cannot be a static hyper-parameter)",
+        )
     return _leaky_relu(x, float(negative_slope))
 
 
@@ -230,6 +246,9 @@ def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
         f(gate, up) = silu(gate) * up
     VJP: d_gate = g * up * silu'(gate),   d_up = g * silu(gate)
     """
+    gate, up = jnp.asarray(gate), jnp.asarray(up)
+    require_float(gate, "gate")
+    require_float(up, "up")
     require_shape(up, gate.shape, "up", "the same shape as gate")
     return _swiglu(gate, up)
 
@@ -246,8 +265,9 @@ def gelu_tanh_reference(x):
 
 
 def relu_reference(x):
-    # jax.nn.relu's derivative at exactly 0 is 0 as well; values elsewhere are unambiguous.
-    return jax.nn.relu(x)
+    # Not jax.nn.relu, which carries its own custom derivative: plain where, so jax.grad
+    # differentiates the select (derivative 0 at exactly 0).
+    return jnp.where(x > 0, x, 0.0)
 
 
 def sigmoid_reference(x):

@@ -63,6 +63,20 @@ def _check(q, k, v, impl, return_probabilities):
     for name, a in (("q", q), ("k", k), ("v", v)):
         require_rank(a, 4, name, "[batch, time, heads, d_head]")
         require_float(a, name)
+        if 0 in a.shape:
+            raise ShapeError.describe(
+                f"{name}.shape",
+                a.shape,
+                "no zero-size axis",
+                "attend over at least one key and one query (drop empty batches before the call)",
+            )
+    if not q.dtype == k.dtype == v.dtype:
+        raise ShapeError.describe(
+            "(q, k, v) dtypes",
+            (str(q.dtype), str(k.dtype), str(v.dtype)),
+            "one dtype",
+            "cast k and v to q's dtype (e.g. all bf16 with f32 accumulation inside)",
+        )
     if k.shape != v.shape:
         raise ShapeError.describe(
             "v.shape",
@@ -129,6 +143,7 @@ def attention(
     inspection), "xla" (`jax.nn.dot_product_attention`, differentiated by JAX) and "flash" (the
     Pallas kernel of SPEC section 7, not available yet).
     """
+    q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     _check(q, k, v, impl, return_probabilities)
     keep = keep_mask(q.shape, k.shape, causal=causal, offset=offset, mask=mask)
     if impl == "xla":
@@ -145,7 +160,12 @@ def attention_reference(q, k, v, *, causal: bool, offset=0, mask=None):
     dtype = compute_dtype(q.dtype)
     qf, kf, vf = (a.astype(dtype) for a in (q, k, v))
     s = jnp.einsum("BTHD,BSHD->BHTS", qf, kf) / jnp.sqrt(jnp.asarray(q.shape[-1], dtype))
-    keep = keep_mask(q.shape, k.shape, causal=causal, offset=offset, mask=mask)
+    # Its own mask construction (not keep_mask), so a semantic slip there cannot hide.
+    t_idx = jax.lax.broadcasted_iota(jnp.int32, s.shape, 2)
+    s_idx = jax.lax.broadcasted_iota(jnp.int32, s.shape, 3)
+    keep = (s_idx <= t_idx + offset) if causal else jnp.ones(s.shape, bool)
+    if mask is not None:
+        keep = keep & (jnp.broadcast_to(jnp.asarray(mask), s.shape) != 0)
     s = jnp.where(keep, s, jnp.finfo(dtype).min)
     e = jnp.exp(s - jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True)))
     p = jnp.where(keep, e / jnp.sum(e, axis=-1, keepdims=True), 0.0)

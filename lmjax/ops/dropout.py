@@ -53,9 +53,17 @@ def dropout(key: jax.Array, x: jax.Array, rate: float, deterministic: bool) -> j
     `deterministic=True` or `rate == 0` returns x unchanged. `rate` must lie in [0, 1).
     """
     rate = _check_rate(rate)
+    x = jnp.asarray(x)
     require_float(x, "x")
     if deterministic or rate == 0.0:
         return x
+    if key is None:
+        raise ConfigError.describe(
+            "dropout key",
+            None,
+            "a PRNG key (jax.random.key or PRNGKey)",
+            "pass a key split from the run's key, or deterministic=True for evaluation",
+        )
     return _dropout(x, keep_mask(key, x.shape, rate), rate)
 
 

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 
 from lmjax.ops._common import (
     check_token_ids,
+    compute_dtype,
     is_concrete,
     require_float,
     require_int,
@@ -37,10 +38,10 @@ def _embedding_bwd(res, dout_ND):
     vocab = table_VD.shape[0]
     # Invalid ids are pointed past the end and dropped, so they add nothing anywhere.
     safe_ids = jnp.where(_valid(ids, vocab), ids, vocab)
-    dtable_VD = (
-        jnp.zeros_like(table_VD).at[safe_ids].add(dout_ND.astype(table_VD.dtype), mode="drop")
-    )
-    return dtable_VD, None
+    # Accumulate in float32 (or wider): in bf16 a sum of repeated rows stalls at 256 copies.
+    acc = compute_dtype(table_VD.dtype)
+    dtable_VD = jnp.zeros(table_VD.shape, acc).at[safe_ids].add(dout_ND.astype(acc), mode="drop")
+    return dtable_VD.astype(table_VD.dtype), None
 
 
 _embedding.defvjp(_embedding_fwd, _embedding_bwd)
@@ -58,12 +59,13 @@ def embedding(table: jax.Array, ids: jax.Array) -> jax.Array:
     public entry point). Inside `jit` they cannot raise, so they produce NaN rows (and contribute
     nothing to `dtable`) instead of silently reading a clamped or wrapped row.
     """
+    table, ids = jnp.asarray(table), jnp.asarray(ids)
     require_rank(table, 2, "table", "[vocab, d_model]")
     require_float(table, "table")
     require_int(ids, "ids")
     if is_concrete(ids):
         check_token_ids(ids, table.shape[0], "ids")
-    return _embedding(table, jnp.asarray(ids))
+    return _embedding(table, ids)
 
 
 def embedding_reference(table: jax.Array, ids: jax.Array) -> jax.Array:

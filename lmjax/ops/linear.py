@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from lmjax.errors import ShapeError
-from lmjax.ops._common import expand_left, require_rank, sum_to_last
+from lmjax.ops._common import expand_left, is_int, require_rank, sum_to_last
 
 Params = dict[str, jax.Array]
 
@@ -84,6 +84,7 @@ def linear(params: Params, x: jax.Array) -> jax.Array:
 
     Init (`init_linear`): Xavier-uniform weight, `U(-a, a)` with `a = sqrt(6 / (I + O))`, zero bias.
     """
+    x = jnp.asarray(x)
     _check(params, x)
     return _linear(dict(params), x)
 
@@ -98,7 +99,7 @@ def init_linear(
 ) -> Params:
     """Xavier-uniform `weight[O, I]` and (if `bias`) a zero `bias[O]`; no bias leaf otherwise."""
     for name, size in (("in_features", in_features), ("out_features", out_features)):
-        if not isinstance(size, int) or size <= 0:
+        if not is_int(size) or size <= 0:
             raise ShapeError.describe(name, size, "a positive int", f"pass {name} >= 1")
     limit = math.sqrt(6.0 / (in_features + out_features))
     weight = jax.random.uniform(key, (out_features, in_features), dtype, -limit, limit)

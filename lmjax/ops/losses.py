@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import numbers
-
 import jax
 import jax.numpy as jnp
 
@@ -12,6 +10,7 @@ from lmjax.ops._common import (
     check_token_ids,
     compute_dtype,
     is_concrete,
+    is_int,
     require_float,
     require_int,
 )
@@ -31,18 +30,19 @@ def counted_positions(targets: jax.Array, ignore_index: int, time_range) -> jax.
 
 
 def _log_softmax_parts(logits_NV):
-    """(z - max, log sum exp(z - max)); shared by both cross-entropies."""
-    shifted = logits_NV - jnp.max(logits_NV, axis=-1, keepdims=True)
-    return shifted, jnp.log(jnp.sum(jnp.exp(shifted), axis=-1, keepdims=True))
+    """(row max m `[N,1]`, log sum exp(z - m) `[N,1]`); shared by both cross-entropies.
+
+    Kept as two numbers rather than one lse = m + log-sum: for logits near 1e4 a float32 lse has
+    a spacing of 1e-3, while z - m and the log-sum are both small and exact enough.
+    """
+    m = jnp.max(logits_NV, axis=-1, keepdims=True)
+    return m, jnp.log(jnp.sum(jnp.exp(logits_NV - m), axis=-1, keepdims=True))
 
 
-def _target_logit(shifted_NV, targets_N):
-    """z_{n, y_n} by comparison with an iota: one fused pass, no gather."""
-    vocab = shifted_NV.shape[-1]
+def _target_hits(targets_N, vocab: int):
+    """(one-hot bool `[N, V]` by comparison with an iota, in-vocabulary bool `[N]`)."""
     hit = jnp.arange(vocab)[None, :] == targets_N[:, None]
-    picked = jnp.sum(jnp.where(hit, shifted_NV, 0.0), axis=-1)
-    valid = (targets_N >= 0) & (targets_N < vocab)
-    return jnp.where(valid, picked, jnp.nan), hit
+    return hit, (targets_N >= 0) & (targets_N < vocab)
 
 
 # The custom VJPs below see flattened float32+ operands (`[N, V]`, `[N]`): the public wrappers
@@ -51,11 +51,23 @@ def _target_logit(shifted_NV, targets_N):
 
 
 def _ce_parts(logits_NV, targets_N, counted_N):
-    shifted, lse = _log_softmax_parts(logits_NV)
-    picked, hit = _target_logit(shifted, targets_N)
-    n = jnp.maximum(jnp.sum(counted_N), 1).astype(shifted.dtype)
-    per_position = jnp.where(counted_N, lse[:, 0] - picked, 0.0)
-    return jnp.sum(per_position) / n, (shifted, lse, hit, counted_N, n)
+    m, log_sum = _log_softmax_parts(logits_NV)
+    hit, valid = _target_hits(targets_N, logits_NV.shape[-1])
+    # z_{n, y_n} - m by a fused compare-and-sum over the row: no gather.
+    picked = jnp.sum(jnp.where(hit, logits_NV - m, 0.0), axis=-1)
+    # A counted target outside the vocabulary makes the loss NaN, never a silent clamp.
+    nll = log_sum[:, 0] - jnp.where(valid, picked, jnp.nan)
+    n = jnp.maximum(jnp.sum(counted_N), 1).astype(logits_NV.dtype)
+    # Residuals: the logits (the caller keeps them alive anyway), two [N,1] row statistics and
+    # the targets; softmax and the one-hot are recomputed, not stored as [N, V] arrays.
+    return jnp.sum(jnp.where(counted_N, nll, 0.0)) / n, (
+        logits_NV,
+        m,
+        log_sum,
+        targets_N,
+        counted_N,
+        n,
+    )
 
 
 @jax.custom_vjp
@@ -68,9 +80,11 @@ def _cross_entropy_fwd(logits_NV, targets_N, counted_N):
 
 
 def _cross_entropy_bwd(res, g):
-    shifted, lse, hit, counted_N, n = res
-    p = jnp.exp(shifted - lse)
-    dz = jnp.where(counted_N[:, None], (p - hit) * (g / n), 0.0)
+    logits_NV, m, log_sum, targets_N, counted_N, n = res
+    p = jnp.exp(logits_NV - m - log_sum)
+    hit, valid = _target_hits(targets_N, logits_NV.shape[-1])
+    scale_N = jnp.where(valid, g / n, jnp.nan)  # an invalid counted target: NaN gradient too
+    dz = jnp.where(counted_N[:, None], (p - hit) * scale_N[:, None], 0.0)
     return dz, None, None
 
 
@@ -95,8 +109,9 @@ def _check_ce(logits, targets, ignore_index, time_range):
     if time_range is not None:
         steps = targets.shape[-1] if targets.ndim else 0
         ok = (
-            len(time_range) == 2
-            and all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in time_range)
+            isinstance(time_range, tuple | list)
+            and len(time_range) == 2
+            and all(is_int(v) for v in time_range)
             and time_range[0] >= 0
             and time_range[1] >= 1
             and sum(time_range) <= steps
@@ -139,8 +154,8 @@ def cross_entropy(
     A target outside [0, V) that is not ignore_index is a `TokenError` when targets are concrete;
     inside `jit` it makes the loss NaN (loud, never a silent clamp).
     """
+    logits, targets = jnp.asarray(logits), jnp.asarray(targets)
     _check_ce(logits, targets, ignore_index, time_range)
-    targets = jnp.asarray(targets)
     counted = counted_positions(targets, ignore_index, time_range)
     return _cross_entropy(_flat_rows(logits), targets.reshape(-1), counted.reshape(-1))
 
@@ -148,7 +163,10 @@ def cross_entropy(
 def cross_entropy_reference(logits, targets, ignore_index: int = -100, time_range=None):
     """`-log_softmax` gathered at the targets, masked mean; `jax.grad` does the rest."""
     logp = jax.nn.log_softmax(logits.astype(compute_dtype(logits.dtype)), axis=-1)
-    counted = counted_positions(targets, ignore_index, time_range)
+    counted = targets != ignore_index
+    if time_range is not None:  # written out again, not counted_positions: an independent check
+        step = jax.lax.broadcasted_iota(jnp.int32, targets.shape, targets.ndim - 1)
+        counted = counted & (step >= time_range[0]) & (step < time_range[0] + time_range[1])
     safe = jnp.where(counted, targets, 0)
     nll = -jnp.take_along_axis(logp, safe[..., None], axis=-1)[..., 0]
     return jnp.sum(jnp.where(counted, nll, 0.0)) / jnp.maximum(jnp.sum(counted), 1)
@@ -158,8 +176,8 @@ def cross_entropy_reference(logits, targets, ignore_index: int = -100, time_rang
 
 
 def _dense_parts(logits_NV, q_NV):
-    shifted, lse = _log_softmax_parts(logits_NV)
-    logp = shifted - lse
+    m, log_sum = _log_softmax_parts(logits_NV)
+    logp = logits_NV - m - log_sum
     return -jnp.sum(q_NV * logp) / logits_NV.shape[0], logp
 
 
@@ -183,7 +201,9 @@ def _softmax_cross_entropy_bwd(res, g):
 _softmax_cross_entropy.defvjp(_softmax_cross_entropy_fwd, _softmax_cross_entropy_bwd)
 
 
-def _require_same_shape(a, b, what_a: str, what_b: str) -> None:
+def _same_shape_floats(a, b, what_a: str, what_b: str) -> tuple[jax.Array, jax.Array]:
+    """Both as float arrays of one shape, else `ShapeError`."""
+    a, b = jnp.asarray(a), jnp.asarray(b)
     require_float(a, what_a)
     require_float(b, what_b)
     if a.shape != b.shape:
@@ -193,6 +213,7 @@ def _require_same_shape(a, b, what_a: str, what_b: str) -> None:
             f"{what_a}.shape = {a.shape}",
             f"give {what_b} exactly the shape of {what_a}",
         )
+    return a, b
 
 
 def softmax_cross_entropy(logits: jax.Array, target_probs: jax.Array) -> jax.Array:
@@ -202,7 +223,7 @@ def softmax_cross_entropy(logits: jax.Array, target_probs: jax.Array) -> jax.Arr
         L = -(1/N) sum_n sum_k q_nk log p_nk,   p = softmax(z)
     VJP: dL/dz_nk = (p_nk sum_j q_nj - q_nk) / N,   dL/dq_nk = -log p_nk / N
     """
-    _require_same_shape(logits, target_probs, "logits", "target_probs")
+    logits, target_probs = _same_shape_floats(logits, target_probs, "logits", "target_probs")
     return _softmax_cross_entropy(_flat_rows(logits), _flat_rows(target_probs))
 
 
@@ -239,7 +260,7 @@ def mse(predictions: jax.Array, targets: jax.Array) -> jax.Array:
         L = (1/M) sum (a - b)^2  over the M elements
     VJP: dL/da = 2 (a - b) / M = -dL/db
     """
-    _require_same_shape(predictions, targets, "predictions", "targets")
+    predictions, targets = _same_shape_floats(predictions, targets, "predictions", "targets")
     return _mse(predictions, targets)
 
 
@@ -283,7 +304,7 @@ def binary_cross_entropy_with_logits(logits: jax.Array, targets: jax.Array) -> j
         l = max(x, 0) - x y + log(1 + exp(-|x|)),   L = mean(l)
     VJP: dL/dx = (sigmoid(x) - y) / M,   dL/dy = -x / M
     """
-    _require_same_shape(logits, targets, "logits", "targets")
+    logits, targets = _same_shape_floats(logits, targets, "logits", "targets")
     return _bce(logits, targets)
 
 

@@ -7,7 +7,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from lmjax.errors import ConfigError
+from lmjax.errors import ConfigError, ShapeError
 from lmjax.ops._common import (
     compute_dtype,
     expand_left,
@@ -24,6 +24,10 @@ def _mean(a: jax.Array) -> jax.Array:
 
 def _layer_norm_stats(x, eps):
     xf = x.astype(compute_dtype(x.dtype))
+    # LayerNorm is shift-invariant; shifting by the slice's first entry first makes a constant
+    # slice exactly 0 (a float32 mean of 768 copies of 1000.1 is not exactly 1000.1, and the
+    # rounding error would be amplified by rsqrt(eps) ~ 316).
+    xf = xf - xf[..., :1]
     centered = xf - _mean(xf)
     rstd = jax.lax.rsqrt(_mean(centered * centered) + eps)
     return centered * rstd, rstd
@@ -62,7 +66,7 @@ def _layer_norm_bwd(eps, res, g):
     dxh = gf * expand_left(scale.astype(xh.dtype), xh.ndim)
     dx = rstd * (dxh - _mean(dxh) - xh * _mean(dxh * xh))
     dscale = sum_to_last(gf * xh).astype(scale.dtype)
-    dbias = sum_to_last(gf).astype(bias.dtype)
+    dbias = None if bias is None else sum_to_last(gf).astype(bias.dtype)
     return dx.astype(g.dtype), dscale, dbias
 
 
@@ -71,7 +75,14 @@ _layer_norm.defvjp(_layer_norm_fwd, _layer_norm_bwd)
 
 def _check(x, scale, bias, eps, what):
     require_float(x, "x")
-    d = x.shape[-1:] if x.ndim else ()
+    if x.ndim == 0:
+        raise ShapeError.describe(
+            f"{what} x.shape",
+            x.shape,
+            "rank >= 1 ([..., D])",
+            "normalise a vector or a batch of vectors",
+        )
+    d = x.shape[-1:]
     require_shape(scale, d, "scale", f"one entry per feature of x {x.shape}")
     if bias is not None:
         require_shape(bias, d, "bias", f"one entry per feature of x {x.shape}")
@@ -84,7 +95,9 @@ def _check(x, scale, bias, eps, what):
         )
 
 
-def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float = 1e-5) -> jax.Array:
+def layer_norm(
+    x: jax.Array, scale: jax.Array, bias: jax.Array | None, eps: float = 1e-5
+) -> jax.Array:
     """LayerNorm over the last axis (population variance, eps inside the square root).
 
     Shapes: x `[..., D]`, scale `[D]`, bias `[D]` -> `[..., D]` in x's dtype (statistics in
@@ -95,8 +108,10 @@ def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float = 1e-
     VJP (fused), with g = dL/dy and dxh = g * scale:
         dx     = r * (dxh - mean(dxh) - xh * mean(dxh * xh))
         dscale = sum over rows of g * xh,    dbias = sum over rows of g
-    A constant slice has var = 0, so r = 1/sqrt(eps) stays finite, xh = 0 and y = bias.
+    A constant slice has var = 0, so r = 1/sqrt(eps) stays finite, xh = 0 and y = bias exactly.
+    `bias=None` is a biasless LayerNorm (y = xh * scale; no bias gradient).
     """
+    x = jnp.asarray(x)
     _check(x, scale, bias, eps, "layer_norm")
     return _layer_norm(x, scale, bias, float(eps))
 
@@ -142,6 +157,7 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float = 1e-6) -> jax.Array:
     VJP, with g = dL/dy and dxh = g * scale:
         dx = r * (dxh - xh * mean(dxh * xh)),   dscale = sum over rows of g * xh
     """
+    x = jnp.asarray(x)
     _check(x, scale, None, eps, "rms_norm")
     return _rms_norm(x, scale, float(eps))
 

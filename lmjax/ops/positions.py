@@ -9,11 +9,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from lmjax.errors import ShapeError
+from lmjax.ops._common import is_int
 
 
 def _check(length: int, dim: int) -> None:
     for name, size in (("length", length), ("dim", dim)):
-        if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+        if not is_int(size) or size <= 0:
             raise ShapeError.describe(
                 f"sinusoidal_positions {name}", size, "a positive int", f"pass {name} >= 1"
             )
@@ -30,11 +31,12 @@ def sinusoidal_positions(length: int, dim: int, dtype=jnp.float32) -> jax.Array:
     An odd D ends with a sin column.
     """
     _check(length, dim)
-    t = jnp.arange(length, dtype=jnp.float32)[:, None]
-    pair = jnp.arange(0, dim, 2, dtype=jnp.float32)[None, :]  # 2i for each sin/cos pair
-    angle = t * jnp.exp(-math.log(10000.0) * pair / dim)
-    table = jnp.stack([jnp.sin(angle), jnp.cos(angle)], axis=-1).reshape(length, -1)
-    return table[:, :dim].astype(dtype)
+    # Built in float64 numpy (it is a constant): float32 angles t * freq lose ~1e-4 by t ~ 2k.
+    t = np.arange(length, dtype=np.float64)[:, None]
+    pair = np.arange(0, dim, 2, dtype=np.float64)[None, :]  # 2i for each sin/cos pair
+    angle = t * np.exp(-math.log(10000.0) * pair / dim)
+    table = np.stack([np.sin(angle), np.cos(angle)], axis=-1).reshape(length, -1)
+    return jnp.asarray(table[:, :dim], dtype)
 
 
 def sinusoidal_positions_reference(length: int, dim: int) -> np.ndarray:

@@ -7,8 +7,8 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from lmjax.errors import ShapeError
-from lmjax.ops._common import compute_dtype, require_float, require_int, require_rank
+from lmjax.errors import ConfigError, ShapeError
+from lmjax.ops._common import compute_dtype, is_real, require_float, require_int, require_rank
 
 
 def rope_angles(positions_BT: jax.Array, d_head: int, theta: float, dtype) -> tuple:
@@ -63,12 +63,12 @@ def _positions_BT(x, positions, offset) -> jax.Array:
     require_int(positions, "positions")
     if positions.shape == (t,):
         return positions[None, :] + offset
-    if positions.shape == (b, t):
+    if positions.shape in ((b, t), (1, t)):
         return positions + offset
     raise ShapeError.describe(
         "positions.shape",
         positions.shape,
-        f"({t},) or ({b}, {t})",
+        f"({t},), (1, {t}) or ({b}, {t})",
         "give one position per time step (optionally per batch row)",
     )
 
@@ -78,8 +78,9 @@ def rope(
 ) -> jax.Array:
     """Rotary position embedding, rotate-half convention (as Hugging Face Llama).
 
-    Shapes: x `[B, T, H, Dh]` (Dh even), positions `[T]` or `[B, T]` integers (default
-    `offset + arange(T)`) -> `[B, T, H, Dh]`.
+    Shapes: x `[B, T, H, Dh]` (Dh even), positions `[T]`, `[1, T]` or `[B, T]` integers
+    (default `arange(T)`) -> `[B, T, H, Dh]`. The rotation uses `positions + offset`: `offset`
+    shifts explicit positions too, so pass one or the other for decoding, not both.
 
     With half = Dh/2, inverse frequencies f_i = theta^(-2i/Dh) for i < half, angle a = pos * f:
         cos = [cos a, cos a],  sin = [sin a, sin a]        (each [.., Dh])
@@ -89,8 +90,16 @@ def rope(
         dx = g * cos + rot^T(g * sin),   rot^T(y) = [y2, -y1]
     Positions are integers and get no gradient. Angles are computed in float32 (or wider).
     """
+    x = jnp.asarray(x)
     require_rank(x, 4, "x", "[batch, time, heads, d_head]")
     require_float(x, "x")
+    if not (is_real(theta) and 0 < theta < float("inf")):
+        raise ConfigError.describe(
+            "rope theta",
+            theta,
+            "a finite float > 0",
+            "use the model's base, e.g. 10000.0 (Llama 2) or 500000.0",
+        )
     if x.shape[-1] % 2:
         raise ShapeError.describe(
             "d_head",

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lmjax.errors import MaskError
+from lmjax.errors import MaskError, ShapeError
 from lmjax.ops._common import broadcast_mask, compute_dtype, is_concrete, require_float
 
 
@@ -24,7 +24,13 @@ def masked_softmax(x: jax.Array, keep: jax.Array | None, axis: int) -> jax.Array
 
 
 def masked_softmax_vjp(p: jax.Array, g: jax.Array, keep: jax.Array | None, axis: int):
-    """`dx = p * (g - sum(g * p))`, forced to exactly 0 where masked (even for a NaN `g`)."""
+    """`dx = p * (g - sum(g * p))`, exactly 0 where masked.
+
+    The cotangent at masked entries is zeroed *before* the row sum: p = 0 there, but a NaN or
+    inf `g` would still turn `g * p` into NaN and poison every kept entry of the row.
+    """
+    if keep is not None:
+        g = jnp.where(keep, g, 0.0)
     dx = p * (g - jnp.sum(g * p, axis=axis, keepdims=True))
     return dx if keep is None else jnp.where(keep, dx, 0.0)
 
@@ -81,8 +87,16 @@ def softmax(x: jax.Array, axis: int = -1, mask: jax.Array | None = None) -> jax.
     (where values cannot raise) such a slice yields zeros, the convention attention uses for rows
     with no visible key.
     """
+    x = jnp.asarray(x)
     require_float(x, "x")
-    axis = axis % max(x.ndim, 1)
+    if x.ndim == 0 or not -x.ndim <= axis < x.ndim:
+        raise ShapeError.describe(
+            "softmax axis",
+            axis,
+            f"an axis of x.shape {x.shape}, in [-{x.ndim}, {x.ndim})",
+            "pass an existing axis (softmax of a scalar is not defined)",
+        )
+    axis = axis % x.ndim
     keep = None if mask is None else broadcast_mask(mask, x.shape)
     if keep is not None and is_concrete(mask):
         check_not_fully_masked(mask, x.shape, axis)
