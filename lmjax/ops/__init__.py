@@ -1,7 +1,7 @@
 """lmjax primitives (SPEC section 2).
 
 Each public op is a `jax.custom_vjp` whose backward is written by hand from the equations in
-its module docstring; each has a `*_reference` in plain `jax.numpy` that `jax.grad`
+its docstring; each has a `*_reference` in plain `jax.numpy` that `jax.grad`
 differentiates. `lmjax.testing` and the test suite compare the two, and both against float64
 finite differences. `python -m lmjax gradcheck` prints that comparison.
 """

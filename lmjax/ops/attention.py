@@ -14,7 +14,7 @@ AVAILABLE_IMPLS = ("materialized", "xla")
 
 
 def keep_mask(q_shape, k_shape, *, causal: bool, offset=0, mask=None) -> jax.Array:
-    """bool `[B, H, T, S]`: True where query t may attend to key u (module docstring)."""
+    """bool `[B, H, T, S]`: True where query t may attend to key u (see `attention`)."""
     (b, t, h, _), s = q_shape, k_shape[1]
     keep = jnp.ones((1, 1, t, s), bool)
     if causal:
