@@ -1,8 +1,9 @@
 """The `lmjax` command line: thin parsing around library calls, one-line errors.
 
 Subcommands so far: `gradcheck` (every primitive's hand-written VJP against `jax.grad` of its
-reference and against float64 finite differences). Training, generation and interop commands
-of SPEC section 10 arrive with their issues.
+reference and against float64 finite differences) and `inspect` (a preset's parameter table,
+count and memory estimate). Training, generation and interop commands of SPEC section 10
+arrive with their issues.
 """
 
 from __future__ import annotations
@@ -50,6 +51,24 @@ def _gradcheck(args: argparse.Namespace) -> int:
     return 1 if failures else 0
 
 
+def _inspect(args: argparse.Namespace) -> int:
+    from lmjax import models
+    from lmjax.config import parse_overrides
+
+    cfg = models.preset(args.preset, **parse_overrides(args.overrides))
+    for name, value in (("--batch-size", args.batch_size), ("--seq-len", args.seq_len)):
+        if value is not None and value < 1:
+            raise LMJaxError(f"{name} = {value}; expected an int >= 1. Fix: pass e.g. {name} 8.")
+    if args.seq_len is not None and args.seq_len > cfg.context_length:
+        raise LMJaxError(
+            f"--seq-len = {args.seq_len}; expected <= context_length = {cfg.context_length}. "
+            "Fix: lower --seq-len or override context_length."
+        )
+    print(f"{args.preset}: " + ", ".join(f"{k}={v}" for k, v in cfg.to_dict().items()))
+    print(models.format_summary(cfg, args.batch_size, args.seq_len))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lmjax",
@@ -65,6 +84,23 @@ def build_parser() -> argparse.ArgumentParser:
     grad.add_argument("--ops", default="*", help="glob over op-case names (default: all)")
     grad.add_argument("--seed", type=int, default=0, help="PRNG seed for the inputs")
     grad.set_defaults(run=_gradcheck)
+    from lmjax.models.config import PRESETS
+
+    insp = sub.add_parser(
+        "inspect",
+        help="print a model's parameter table, total count and memory estimate",
+        description="Print every parameter (name, shape, count) of a preset with optional "
+        "key=value overrides, the total, and a memory estimate for the parameters, AdamW state "
+        "and the activations the backward pass keeps (traced with jax.eval_shape, nothing is "
+        "allocated).",
+    )
+    insp.add_argument("preset", help=f"one of: {', '.join(PRESETS)}")
+    insp.add_argument("overrides", nargs="*", help="model fields, e.g. n_layers=4 dtype=bfloat16")
+    insp.add_argument("--batch-size", type=int, default=1, help="batch for the activation estimate")
+    insp.add_argument(
+        "--seq-len", type=int, default=None, help="sequence length (default: context_length)"
+    )
+    insp.set_defaults(run=_inspect)
     return parser
 
 

@@ -15,6 +15,7 @@ def test_readme_python_blocks_run(capsys):
     assert "max |custom VJP - jax.grad|" in printed
     assert "(2, 4, 2, 8) (2, 2, 4, 4)" in printed
     assert "blocks.0.attention.query.bias" in printed
+    assert "(2, 64, 65) 24800" in printed
 
 
 def test_readme_names_the_two_commands_that_the_makefile_defines():

@@ -27,7 +27,7 @@ from lmjax.ops.activations import (
 from lmjax.ops.attention import attention, attention_reference
 from lmjax.ops.dropout import dropout, dropout_reference
 from lmjax.ops.embedding import embedding, embedding_reference
-from lmjax.ops.linear import init_linear, linear, linear_reference
+from lmjax.ops.linear import init_linear, linear, linear_reference, xavier_uniform
 from lmjax.ops.losses import (
     binary_cross_entropy_with_logits,
     binary_cross_entropy_with_logits_reference,
@@ -87,4 +87,5 @@ __all__ = [
     "swiglu_reference",
     "tanh",
     "tanh_reference",
+    "xavier_uniform",
 ]

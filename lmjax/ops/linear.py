@@ -94,6 +94,13 @@ def linear_reference(params: Params, x: jax.Array) -> jax.Array:
     return _affine(params, x)
 
 
+def xavier_uniform(key: jax.Array, shape_OI: tuple[int, int], dtype=jnp.float32) -> jax.Array:
+    """`U(-a, a)` with `a = sqrt(6 / (I + O))` for a weight of shape `[O, I]`."""
+    out_features, in_features = shape_OI
+    limit = math.sqrt(6.0 / (in_features + out_features))
+    return jax.random.uniform(key, shape_OI, dtype, -limit, limit)
+
+
 def init_linear(
     key: jax.Array, in_features: int, out_features: int, *, bias: bool = True, dtype=jnp.float32
 ) -> Params:
@@ -101,8 +108,7 @@ def init_linear(
     for name, size in (("in_features", in_features), ("out_features", out_features)):
         if not is_int(size) or size <= 0:
             raise ShapeError.describe(name, size, "a positive int", f"pass {name} >= 1")
-    limit = math.sqrt(6.0 / (in_features + out_features))
-    weight = jax.random.uniform(key, (out_features, in_features), dtype, -limit, limit)
+    weight = xavier_uniform(key, (out_features, in_features), dtype)
     return (
         {"weight": weight, "bias": jnp.zeros((out_features,), dtype)}
         if bias

@@ -1,0 +1,62 @@
+"""Decoder-only transformers (GPT, GPT-2, Llama-style) as pure functions over pytrees (SPEC §3).
+
+    cfg = lmjax.models.preset("llama", vocab_size=65)
+    params = lmjax.models.init(jax.random.key(0), cfg)
+    logits_BTV = lmjax.models.forward(params, tokens_BT, cfg)
+
+`declare(cfg)` lists every parameter (name, shape, initializer, logical axes) once; `init`,
+`abstract_params` and `check_params` derive from it. `format_summary(cfg)` is what
+`lmjax inspect` prints.
+"""
+
+from lmjax.models.config import (
+    ACTIVATIONS,
+    ATTENTION_IMPLS,
+    DTYPES,
+    NORMS,
+    OPS,
+    POSITIONS,
+    PRESETS,
+    REMAT_POLICIES,
+    ModelConfig,
+    preset,
+)
+from lmjax.models.layout import ParamSpec, abstract_params, check_params, declare, init
+from lmjax.models.summary import (
+    MemoryEstimate,
+    format_summary,
+    memory_estimate,
+    param_count,
+    param_table,
+    residual_bytes,
+)
+from lmjax.models.transformer import block, check_tokens, embed, forward, head
+
+__all__ = [
+    "ACTIVATIONS",
+    "ATTENTION_IMPLS",
+    "DTYPES",
+    "NORMS",
+    "OPS",
+    "POSITIONS",
+    "PRESETS",
+    "REMAT_POLICIES",
+    "MemoryEstimate",
+    "ModelConfig",
+    "ParamSpec",
+    "abstract_params",
+    "block",
+    "check_params",
+    "check_tokens",
+    "declare",
+    "embed",
+    "format_summary",
+    "forward",
+    "head",
+    "init",
+    "memory_estimate",
+    "param_count",
+    "param_table",
+    "preset",
+    "residual_bytes",
+]

@@ -1,0 +1,215 @@
+"""`ModelConfig`: the frozen, validated description of a decoder (SPEC section 3), and presets."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from lmjax.errors import ConfigError
+from lmjax.ops._common import is_int, is_real
+
+NORMS = ("layernorm", "rmsnorm")
+ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "swiglu")
+POSITIONS = ("learned", "rope", "sinusoidal")
+ATTENTION_IMPLS = ("materialized", "xla", "flash")
+DTYPES = ("float32", "bfloat16", "float16")
+OPS = ("custom", "reference")
+
+# Remat policies: what the backward pass may keep from a block's forward instead of recomputing.
+REMAT_POLICIES: dict[str, Any] = {
+    "none": None,  # no jax.checkpoint: everything the VJPs need is stored
+    "block": jax.checkpoint_policies.nothing_saveable,  # keep block inputs only
+    "dots": jax.checkpoint_policies.dots_saveable,  # keep matmul outputs, recompute the rest
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+_SIZES = ("vocab_size", "context_length", "d_model", "n_heads", "n_layers", "d_ff")
+_CHOICES = {
+    "norm": NORMS,
+    "activation": ACTIVATIONS,
+    "positions": POSITIONS,
+    "attention": ATTENTION_IMPLS,
+    "remat": tuple(REMAT_POLICIES),
+    "dtype": DTYPES,
+    "param_dtype": DTYPES,
+    "ops": OPS,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """A decoder-only transformer, validated on construction (SPEC section 3).
+
+    Sizes: vocab_size V, context_length C, d_model D, n_heads H (d_head = D / H), n_layers N,
+    d_ff F. The language-model head has a bias exactly when `bias` is set and the head is not
+    tied to the token embedding. `ops="reference"` runs the plain-jnp `*_reference` primitives
+    (differentiated by `jax.grad`) instead of the hand-written VJPs, for gradient comparisons.
+    """
+
+    vocab_size: int
+    context_length: int
+    d_model: int
+    n_heads: int
+    n_layers: int
+    d_ff: int
+    norm: str = "layernorm"
+    activation: str = "gelu"
+    positions: str = "learned"
+    bias: bool = True
+    tie_embeddings: bool = False
+    attention: str = "materialized"
+    remat: str = "none"
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+    eps: float = 1e-5
+    dropout: float = 0.0
+    rope_theta: float = 10000.0
+    ops: str = "custom"
+
+    def __post_init__(self):
+        _validate(self)
+
+    @property
+    def d_head(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def head_bias(self) -> bool:
+        return self.bias and not self.tie_embeddings
+
+    @property
+    def compute_dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.dtype)
+
+    @property
+    def params_dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.param_dtype)
+
+    def replace(self, **changes) -> ModelConfig:
+        """A validated copy with `changes` applied (unknown field names are a ConfigError)."""
+        return ModelConfig(**{**self.to_dict(), **_checked_fields(changes)})
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, fields: dict[str, Any]) -> ModelConfig:
+        """Build from a plain mapping (e.g. YAML); unknown or missing keys are ConfigErrors."""
+        fields = _checked_fields(fields)
+        missing = [f.name for f in dataclasses.fields(cls) if f.name not in fields]
+        missing = [m for m in missing if m in _SIZES]
+        if missing:
+            raise ConfigError.describe(
+                "model config", f"missing {missing}", "every size field", "add them or use preset()"
+            )
+        return cls(**fields)
+
+
+def _checked_fields(fields: dict[str, Any]) -> dict[str, Any]:
+    known = [f.name for f in dataclasses.fields(ModelConfig)]
+    unknown = sorted(set(fields) - set(known))
+    if unknown:
+        raise ConfigError.describe(
+            "model config key", unknown[0], f"one of {known}", "fix the spelling or remove it"
+        )
+    return dict(fields)
+
+
+def _validate(cfg: ModelConfig) -> None:
+    for name in _SIZES:
+        value = getattr(cfg, name)
+        if not is_int(value) or value <= 0:
+            raise ConfigError.describe(
+                f"model.{name}", value, "an int >= 1", f"set {name} to a positive integer"
+            )
+    for name, allowed in _CHOICES.items():
+        if getattr(cfg, name) not in allowed:
+            raise ConfigError.describe(
+                f"model.{name}", getattr(cfg, name), f"one of {allowed}", "pick a listed value"
+            )
+    for name in ("bias", "tie_embeddings"):
+        if not isinstance(getattr(cfg, name), bool):
+            raise ConfigError.describe(
+                f"model.{name}", getattr(cfg, name), "True or False", "use a YAML boolean"
+            )
+    if cfg.d_model % cfg.n_heads:
+        raise ConfigError.describe(
+            "model.d_model % model.n_heads",
+            f"{cfg.d_model} % {cfg.n_heads} = {cfg.d_model % cfg.n_heads}",
+            "0 (every head gets d_model / n_heads features)",
+            "pick n_heads dividing d_model",
+        )
+    if cfg.positions == "rope" and cfg.d_head % 2:
+        raise ConfigError.describe(
+            "d_head with positions='rope'",
+            cfg.d_head,
+            "an even d_model / n_heads (RoPE rotates pairs of features)",
+            "change d_model or n_heads so their ratio is even",
+        )
+    if cfg.positions == "sinusoidal" and cfg.d_model % 2:
+        raise ConfigError.describe(
+            "d_model with positions='sinusoidal'",
+            cfg.d_model,
+            "an even number (sine and cosine halves)",
+            "use an even d_model",
+        )
+    _require_positive_finite("eps", cfg.eps, "use e.g. 1e-5 (LayerNorm) or 1e-6 (RMSNorm)")
+    _require_positive_finite("rope_theta", cfg.rope_theta, "use e.g. 10000.0")
+    if not (is_real(cfg.dropout) and 0.0 <= cfg.dropout < 1.0):
+        raise ConfigError.describe(
+            "model.dropout", cfg.dropout, "a float in [0, 1)", "use e.g. 0.1, or 0.0 for none"
+        )
+
+
+def _require_positive_finite(name: str, value, fix: str) -> None:
+    if not (is_real(value) and math.isfinite(value) and value > 0):
+        raise ConfigError.describe(f"model.{name}", value, "a finite float > 0", fix)
+
+
+_GPT = dict(
+    norm="layernorm", activation="gelu", positions="learned", bias=True, tie_embeddings=False
+)
+_GPT2 = dict(_GPT, activation="gelu_tanh", tie_embeddings=True, eps=1e-5)
+_LLAMA = dict(
+    norm="rmsnorm",
+    activation="swiglu",
+    positions="rope",
+    bias=False,
+    tie_embeddings=False,
+    eps=1e-6,
+)
+_GPT2_SMALL = dict(
+    vocab_size=50257, context_length=1024, d_model=768, n_heads=12, n_layers=12, d_ff=3072
+)
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # The reference 002 tiny decoder: 19,419 parameters.
+    "gpt": dict(_GPT, vocab_size=27, context_length=16, d_model=32, n_heads=4, n_layers=2, d_ff=64),
+    # Hugging Face GPT-2 small (124,439,808 parameters); the family default.
+    "gpt2": dict(_GPT2, **_GPT2_SMALL),
+    "gpt2-124m": dict(_GPT2, **_GPT2_SMALL),
+    # Hugging Face GPT-2 medium (354,823,168 parameters).
+    "gpt2-350m": {**_GPT2, **_GPT2_SMALL, "d_model": 1024, "n_heads": 16, "n_layers": 24}
+    | {"d_ff": 4096},
+    # The reference 001 tiny Llama: 21,664 parameters.
+    "llama": dict(
+        _LLAMA, vocab_size=16, context_length=32, d_model=32, n_heads=2, n_layers=2, d_ff=64
+    ),
+    # A byte-level Llama small enough to train on a laptop CPU in minutes.
+    "llama-tiny": dict(
+        _LLAMA, vocab_size=256, context_length=256, d_model=128, n_heads=4, n_layers=4, d_ff=384
+    ),
+}
+
+
+def preset(name: str, **overrides) -> ModelConfig:
+    """The named preset (`PRESETS`) with `overrides` applied, validated."""
+    if name not in PRESETS:
+        raise ConfigError.describe(
+            "model preset", name, f"one of {tuple(PRESETS)}", "pick a listed preset"
+        )
+    return ModelConfig(**{**PRESETS[name], **_checked_fields(overrides)})

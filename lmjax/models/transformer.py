@@ -1,0 +1,171 @@
+"""The decoder forward pass: tokens `[B, T]` -> logits `[B, T, V]` (SPEC section 3).
+
+    x_0 = E_token[tokens] (+ E_position[t] | + sinusoid(t))            [B, T, D]
+    for each block (pre-norm residual):
+        x = x + Attention(norm_a(x))     causal; RoPE on q and k when positions="rope"
+        x = x + FeedForward(norm_f(x))   W_project act(W_expand h), or SwiGLU:
+                                         W_down (silu(W_gate h) * W_up h)
+    logits = norm_final(x) W_head^T (+ b_head)      W_head = E_token when tie_embeddings
+
+Dropout (rate `cfg.dropout`, only when a `dropout_key` is given) is applied to the embedding
+sum and to each residual branch's output. Loss and optimizer live outside the model.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lmjax import ops
+from lmjax.errors import ShapeError
+from lmjax.models.config import REMAT_POLICIES, ModelConfig
+from lmjax.models.layout import check_params
+from lmjax.ops._common import check_token_ids, is_concrete, require_int
+
+
+def _op(cfg: ModelConfig, name: str):
+    """The primitive `name` from the op set the config selects (custom VJP or reference)."""
+    return getattr(ops, name if cfg.ops == "custom" else f"{name}_reference")
+
+
+def _norm(cfg: ModelConfig, p: dict, x_BTD: jax.Array) -> jax.Array:
+    if cfg.norm == "rmsnorm":
+        return _op(cfg, "rms_norm")(x_BTD, p["scale"], cfg.eps)
+    return _op(cfg, "layer_norm")(x_BTD, p["scale"], p.get("bias"), cfg.eps)
+
+
+def _dropout(cfg: ModelConfig, key, x: jax.Array) -> jax.Array:
+    if key is None or cfg.dropout == 0.0:
+        return x
+    return _op(cfg, "dropout")(key, x, cfg.dropout, False)
+
+
+def _attention(cfg: ModelConfig, p: dict, x_BTD: jax.Array) -> jax.Array:
+    b, t, _ = x_BTD.shape
+    linear = _op(cfg, "linear")
+    q_BTHK, k_BTHK, v_BTHK = (
+        linear(p[name], x_BTD).reshape(b, t, cfg.n_heads, cfg.d_head)
+        for name in ("query", "key", "value")
+    )
+    if cfg.positions == "rope":
+        rope = functools.partial(_op(cfg, "rope"), theta=cfg.rope_theta)
+        q_BTHK, k_BTHK = rope(q_BTHK), rope(k_BTHK)
+    if cfg.ops == "custom":
+        out_BTHK = ops.attention(q_BTHK, k_BTHK, v_BTHK, causal=True, impl=cfg.attention)
+    else:
+        out_BTHK = ops.attention_reference(q_BTHK, k_BTHK, v_BTHK, causal=True)
+    return linear(p["output"], out_BTHK.reshape(b, t, cfg.d_model))
+
+
+def _feed_forward(cfg: ModelConfig, p: dict, x_BTD: jax.Array) -> jax.Array:
+    linear = _op(cfg, "linear")
+    if cfg.activation == "swiglu":
+        h_BTF = _op(cfg, "swiglu")(linear(p["gate"], x_BTD), linear(p["up"], x_BTD))
+        return linear(p["down"], h_BTF)
+    h_BTF = _op(cfg, cfg.activation)(linear(p["expand"], x_BTD))
+    return linear(p["project"], h_BTF)
+
+
+def block(p: dict, x_BTD: jax.Array, keys: tuple, cfg: ModelConfig) -> jax.Array:
+    """One pre-norm block: `x + Attn(norm(x))`, then `x + FF(norm(x))`; `[B,T,D] -> [B,T,D]`."""
+    attn_key, ff_key = keys
+    x_BTD = x_BTD + _dropout(
+        cfg, attn_key, _attention(cfg, p["attention"], _norm(cfg, p["attention_norm"], x_BTD))
+    )
+    x_BTD = x_BTD + _dropout(
+        cfg,
+        ff_key,
+        _feed_forward(cfg, p["feed_forward"], _norm(cfg, p["feed_forward_norm"], x_BTD)),
+    )
+    return x_BTD
+
+
+def _block_fn(cfg: ModelConfig):
+    fn = functools.partial(block, cfg=cfg)
+    if cfg.remat == "none":
+        return fn
+    # prevent_cse keeps XLA from merging the recomputation back into the forward pass.
+    return jax.checkpoint(fn, policy=REMAT_POLICIES[cfg.remat], prevent_cse=True)
+
+
+def embed(p: dict, tokens_BT: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Token embedding plus absolute positions (learned or sinusoidal): `[B, T] -> [B, T, D]`."""
+    x_BTD = _op(cfg, "embedding")(p["token_embedding"]["weight"], tokens_BT)
+    t = tokens_BT.shape[1]
+    if cfg.positions == "learned":
+        pos_1TD = _op(cfg, "embedding")(p["position_embedding"]["weight"], jnp.arange(t)[None])
+        x_BTD = x_BTD + pos_1TD
+    elif cfg.positions == "sinusoidal":
+        x_BTD = x_BTD + ops.sinusoidal_positions(t, cfg.d_model, x_BTD.dtype)[None]
+    return x_BTD
+
+
+def head(p: dict, x_BTD: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Final norm and the language-model head (the token table when tied): `[B,T,D] -> [B,T,V]`."""
+    x_BTD = _norm(cfg, p["final_norm"], x_BTD)
+    w = (
+        {"weight": p["token_embedding"]["weight"]}
+        if cfg.tie_embeddings
+        else p["language_model_head"]
+    )
+    return _op(cfg, "linear")(w, x_BTD)
+
+
+def check_tokens(tokens, cfg: ModelConfig) -> jax.Array:
+    """Shape checks at trace time; the id range check whenever the ids are concrete."""
+    tokens = jnp.asarray(tokens) if not isinstance(tokens, jax.Array) else tokens
+    fix_shape = "pass token ids as a [batch, time] integer array"
+    if tokens.ndim != 2:
+        raise ShapeError.describe("tokens.shape", tokens.shape, "rank 2, [batch, time]", fix_shape)
+    require_int(tokens, "tokens")
+    b, t = tokens.shape
+    if b == 0 or t == 0:
+        raise ShapeError.describe(
+            "tokens.shape", tokens.shape, "batch >= 1 and time >= 1", "drop empty batches"
+        )
+    if t > cfg.context_length:
+        raise ShapeError.describe(
+            "tokens time length T",
+            t,
+            f"T <= context_length = {cfg.context_length}",
+            "crop the sequence to the last context_length tokens or raise context_length",
+        )
+    if is_concrete(tokens):
+        check_token_ids(
+            np.asarray(tokens),
+            cfg.vocab_size,
+            "tokens",
+            fix=f"re-tokenize with the model's tokenizer (vocab_size = {cfg.vocab_size})",
+        )
+    return tokens
+
+
+def cast(params: Any, dtype) -> Any:
+    """Every float leaf in `dtype` (the compute copy of f32 master weights); a no-op if equal."""
+    return jax.tree.map(lambda a: a.astype(dtype) if a.dtype != dtype else a, params)
+
+
+def forward(params: dict, tokens, cfg: ModelConfig, *, dropout_key=None) -> jax.Array:
+    """Logits `[B, T, V]` (float32) for tokens `[B, T]`; see the module docstring.
+
+    The computation runs in `cfg.dtype` (params are cast from `cfg.param_dtype`, so gradients
+    come back in the master dtype); the logits are returned in float32 for the loss. Without a
+    `dropout_key` dropout is off (evaluation). Raises `ShapeError` for a bad token shape, `T > C`
+    or params that do not match `cfg`, and `TokenError` for an id outside `[0, V)` when the ids
+    are concrete (under `jit` the caller checks ids at its host-side boundary).
+    """
+    tokens_BT = check_tokens(tokens, cfg)
+    check_params(params, cfg)
+    p = cast(params, cfg.compute_dtype)
+    keys = [None] * (2 * cfg.n_layers + 1)
+    if dropout_key is not None and cfg.dropout > 0.0:
+        keys = [jax.random.fold_in(dropout_key, i) for i in range(len(keys))]
+    x_BTD = _dropout(cfg, keys[0], embed(p, tokens_BT, cfg))
+    run_block = _block_fn(cfg)
+    for i in range(cfg.n_layers):
+        x_BTD = run_block(p["blocks"][str(i)], x_BTD, (keys[2 * i + 1], keys[2 * i + 2]))
+    return head(p, x_BTD, cfg).astype(jnp.float32)
