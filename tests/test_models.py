@@ -50,6 +50,13 @@ def value_and_grad(cfg: models.ModelConfig):
     return jax.jit(jax.value_and_grad(loss_fn), static_argnums=2)
 
 
+def losses_and_grads(cfg: models.ModelConfig, **changes):
+    """(loss, grads) of `cfg` and of `cfg.replace(**changes)` on the same params and batch."""
+    params, tokens = models.init(jax.random.key(0), cfg), tokens_for(cfg)
+    other = cfg.replace(**changes)
+    return value_and_grad(cfg)(params, tokens, cfg), value_and_grad(other)(params, tokens, other)
+
+
 def max_rel_error(a, b) -> float:
     """Worst per-leaf `max |a - b|` over the whole tree's `max |b|`.
 
@@ -264,10 +271,8 @@ REMAT_RTOL = 1e-6  # jit fuses the recomputed graph differently: a few float32 u
 @pytest.mark.parametrize("policy", ["block", "dots", "dots_no_batch"])
 def test_remat_gives_the_same_outputs_and_gradients_under_jit(policy):
     cfg = CONFIGS["llama"]
-    params, tokens = models.init(jax.random.key(0), cfg), tokens_for(cfg)
-    loss0, grad0 = value_and_grad(cfg)(params, tokens, cfg)
+    (loss0, grad0), (loss1, grad1) = losses_and_grads(cfg, remat=policy)
     remat = cfg.replace(remat=policy)
-    loss1, grad1 = value_and_grad(remat)(params, tokens, remat)
     np.testing.assert_allclose(loss1, loss0, rtol=REMAT_RTOL)
     assert max_rel_error(grad1, grad0) < REMAT_RTOL
     # Remat really changes what the backward keeps: fewer residual bytes.
@@ -291,22 +296,15 @@ def test_remat_is_bit_identical_op_by_op():
 
 
 def test_attention_impls_agree_inside_the_model():
-    cfg = CONFIGS["gpt"]
-    params, tokens = models.init(jax.random.key(0), cfg), tokens_for(cfg)
-    loss0, grad0 = value_and_grad(cfg)(params, tokens, cfg)
-    xla = cfg.replace(attention="xla")
-    loss1, grad1 = value_and_grad(xla)(params, tokens, xla)
+    (loss0, grad0), (loss1, grad1) = losses_and_grads(CONFIGS["gpt"], attention="xla")
     np.testing.assert_allclose(loss0, loss1, rtol=F32_RTOL)
     assert max_rel_error(grad1, grad0) < F32_RTOL
 
 
 def test_bf16_compute_with_f32_master_weights():
-    cfg = CONFIGS["llama"]
-    params, tokens = models.init(jax.random.key(0), cfg), tokens_for(cfg)
-    loss32, grad32 = value_and_grad(cfg)(params, tokens, cfg)
-    mixed = cfg.replace(dtype="bfloat16")
-    loss16, grad16 = value_and_grad(mixed)(params, tokens, mixed)
-    assert models.forward(params, tokens, mixed).dtype == jnp.float32
+    (loss32, grad32), (loss16, grad16) = losses_and_grads(CONFIGS["llama"], dtype="bfloat16")
+    mixed, tokens = CONFIGS["llama"].replace(dtype="bfloat16"), tokens_for(CONFIGS["llama"])
+    assert models.forward(models.init(jax.random.key(0), mixed), tokens, mixed).dtype == jnp.float32
     assert {g.dtype for g in jax.tree.leaves(grad16)} == {jnp.dtype(jnp.float32)}
     np.testing.assert_allclose(loss16, loss32, rtol=BF16_RTOL)
     assert max_rel_error(grad16, grad32) < 10 * BF16_RTOL  # per-leaf max error over max |g|

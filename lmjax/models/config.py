@@ -136,33 +136,38 @@ def _validate(cfg: ModelConfig) -> None:
             raise ConfigError.describe(
                 f"model.{name}", getattr(cfg, name), "True or False", "use a YAML boolean"
             )
-    if cfg.d_model % cfg.n_heads:
-        raise ConfigError.describe(
-            "model.d_model % model.n_heads",
-            f"{cfg.d_model} % {cfg.n_heads} = {cfg.d_model % cfg.n_heads}",
-            "0 (every head gets d_model / n_heads features)",
-            "pick n_heads dividing d_model",
-        )
-    if cfg.positions == "rope" and cfg.d_head % 2:
-        raise ConfigError.describe(
-            "d_head with positions='rope'",
-            cfg.d_head,
-            "an even d_model / n_heads (RoPE rotates pairs of features)",
-            "change d_model or n_heads so their ratio is even",
-        )
-    if cfg.positions == "sinusoidal" and cfg.d_model % 2:
-        raise ConfigError.describe(
-            "d_model with positions='sinusoidal'",
-            cfg.d_model,
-            "an even number (sine and cosine halves)",
-            "use an even d_model",
-        )
+    _reject_if(
+        cfg.d_model % cfg.n_heads != 0,
+        "model.d_model % model.n_heads",
+        f"{cfg.d_model} % {cfg.n_heads} = {cfg.d_model % cfg.n_heads}",
+        "0 (every head gets d_model / n_heads features)",
+        "pick n_heads dividing d_model",
+    )
+    _reject_if(
+        cfg.positions == "rope" and cfg.d_head % 2 == 1,
+        "d_head with positions='rope'",
+        cfg.d_head,
+        "an even d_model / n_heads (RoPE rotates pairs of features)",
+        "change d_model or n_heads so their ratio is even",
+    )
+    _reject_if(
+        cfg.positions == "sinusoidal" and cfg.d_model % 2 == 1,
+        "d_model with positions='sinusoidal'",
+        cfg.d_model,
+        "an even number (sine and cosine halves)",
+        "use an even d_model",
+    )
     _require_positive_finite("eps", cfg.eps, "use e.g. 1e-5 (LayerNorm) or 1e-6 (RMSNorm)")
     _require_positive_finite("rope_theta", cfg.rope_theta, "use e.g. 10000.0")
     if not (is_real(cfg.dropout) and 0.0 <= cfg.dropout < 1.0):
         raise ConfigError.describe(
             "model.dropout", cfg.dropout, "a float in [0, 1)", "use e.g. 0.1, or 0.0 for none"
         )
+
+
+def _reject_if(bad: bool, what: str, value, expected: str, fix: str) -> None:
+    if bad:
+        raise ConfigError.describe(what, value, expected, fix)
 
 
 def _require_positive_finite(name: str, value, fix: str) -> None:
