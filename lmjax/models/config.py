@@ -47,7 +47,8 @@ class ModelConfig:
     Sizes: vocab_size V, context_length C, d_model D, n_heads H (d_head = D / H), n_layers N,
     d_ff F. The language-model head has a bias exactly when `bias` is set and the head is not
     tied to the token embedding. `ops="reference"` runs the plain-jnp `*_reference` primitives
-    (differentiated by `jax.grad`) instead of the hand-written VJPs, for gradient comparisons.
+    (differentiated by `jax.grad`) instead of the hand-written VJPs, for gradient comparisons;
+    it then uses `attention_reference` whatever `attention` says.
     """
 
     vocab_size: int
