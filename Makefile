@@ -32,8 +32,8 @@ bench: $(STAMP)
 	else echo "no benchmarks yet"; fi
 
 lint: $(STAMP)
-	$(PY) -m ruff check lmjax pallas_kernels tests
-	$(PY) -m ruff format --check lmjax pallas_kernels tests
+	$(PY) -m ruff check lmjax pallas_kernels tests benchmarks
+	$(PY) -m ruff format --check lmjax pallas_kernels tests benchmarks
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

@@ -1,5 +1,8 @@
 """Pallas kernels (SPEC section 7): flash attention and the NF4 quantized matmul.
 
-Empty for now; the kernels, their pure-JAX references and interpret-mode tests arrive with
-their issues.
+`pallas_kernels.flash_attention` holds FlashAttention-2 with a hand-written VJP, a GPU (Triton)
+kernel and a TPU (Mosaic) kernel (interpreted on CPU), its `BlockSizes` and its pure-JAX
+`attention_reference`; `lmjax.ops.attention(impl="flash")` dispatches to it. Nothing is
+re-exported here: a function named like its module would shadow the module. The NF4 matmul
+arrives with its issue.
 """

@@ -1,4 +1,8 @@
-"""Edge cases of SPEC section 2 for attention: causal offset, masks, impls, fully masked rows."""
+"""Edge cases of SPEC section 2 for attention: causal offset, masks, impls, fully masked rows.
+
+impl="flash" runs the Pallas kernel (interpreted on CPU); its own tests are in
+test_flash_attention.py, these check that the op dispatches to it with the op's semantics.
+"""
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +12,7 @@ import pytest
 from lmjax import ops
 from lmjax.errors import ConfigError, ShapeError
 
-IMPLS = ["materialized", "xla"]
+IMPLS = ["materialized", "xla", "flash"]
 
 
 def _qkv(t, s, seed=0, b=2, h=2, d=4):
@@ -48,12 +52,11 @@ def test_key_padding_equals_dropping_the_padded_keys(impl):
     mask = np.ones((2, 1, 1, 6), np.int32)
     mask[1, ..., 4:] = 0  # row 1 has 4 real keys
     out = ops.attention(q, k, v, causal=False, mask=mask, impl=impl)
-    np.testing.assert_allclose(
-        out[1], ops.attention(q[1:], k[1:, :4], v[1:, :4], causal=False)[0], rtol=1e-5, atol=1e-6
-    )
-    np.testing.assert_allclose(
-        out[0], ops.attention(q[:1], k[:1], v[:1], causal=False)[0], rtol=1e-6
-    )
+    # Against the same impl without the padded keys (impls differ in summation order).
+    dropped = ops.attention(q[1:], k[1:, :4], v[1:, :4], causal=False, impl=impl)
+    np.testing.assert_allclose(out[1], dropped[0], rtol=1e-5, atol=1e-6)
+    unmasked = ops.attention(q[:1], k[:1], v[:1], causal=False, impl=impl)
+    np.testing.assert_allclose(out[0], unmasked[0], rtol=1e-6)
 
 
 def test_masked_probabilities_and_gradients_are_exactly_zero():
@@ -120,14 +123,68 @@ def test_traced_offset_under_jit_matches_static_offset():
         )
 
 
-def test_flash_is_not_available_yet_and_says_what_is():
+def test_unknown_impls_and_probabilities_without_materialized_are_rejected():
     q, k, v = _qkv(2, 2)
-    with pytest.raises(ConfigError, match=r"available impls \('materialized', 'xla'\)"):
-        ops.attention(q, k, v, causal=True, impl="flash")
-    with pytest.raises(ConfigError, match="one of"):
+    with pytest.raises(ConfigError, match=r"one of \('materialized', 'xla', 'flash'\)"):
         ops.attention(q, k, v, causal=True, impl="cuda")
-    with pytest.raises(ConfigError, match="return_probabilities"):
-        ops.attention(q, k, v, causal=True, impl="xla", return_probabilities=True)
+    for impl in ("xla", "flash"):
+        with pytest.raises(ConfigError, match="return_probabilities"):
+            ops.attention(q, k, v, causal=True, impl=impl, return_probabilities=True)
+
+
+def _key_padding_mask(b, s):
+    mask = np.ones((b, 1, 1, s), bool)
+    mask[1, ..., -2:] = False
+    return mask
+
+
+@pytest.mark.parametrize(
+    "t, s, kwargs",
+    [
+        (5, 5, dict(causal=True)),
+        (2, 5, dict(causal=True, offset=3)),
+        (3, 5, dict(causal=False, mask=_key_padding_mask(2, 5))),
+        (3, 5, dict(causal=True, offset=1, mask=_key_padding_mask(2, 5)[1:])),  # [1,1,1,S]
+        (4, 4, dict(causal=True, offset=-2)),  # queries 0 and 1 see no key
+    ],
+    ids=["causal", "causal_offset", "key_padding", "causal_padding_broadcast", "empty_rows"],
+)
+def test_flash_impl_matches_materialized_values_and_gradients(t, s, kwargs):
+    q, k, v = _qkv(t, s, seed=7)
+    g = jnp.asarray(np.random.default_rng(8).standard_normal(q.shape), jnp.float32)
+
+    def run(impl):
+        out, pull = jax.vjp(lambda *a: ops.attention(*a, impl=impl, **kwargs), q, k, v)
+        return out, pull(g)
+
+    (out_f, grads_f), (out_m, grads_m) = jax.jit(lambda: (run("flash"), run("materialized")))()
+    np.testing.assert_allclose(out_f, out_m, rtol=1e-5, atol=1e-6)
+    for name, a, b in zip(("dq", "dk", "dv"), grads_f, grads_m, strict=True):
+        assert np.isfinite(np.asarray(a)).all(), name
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize(
+    "mask",
+    [np.ones((2, 1, 3, 5)), np.ones((1, 2, 1, 5)), np.ones((3, 5))],
+    ids=["per_query", "per_head", "query_by_key"],
+)
+def test_flash_impl_takes_only_key_padding_masks(mask):
+    q, k, v = _qkv(3, 5)
+    with pytest.raises(
+        ConfigError, match=r"broadcastable from \[B, 1, 1, S\].*impl='materialized'"
+    ):
+        ops.attention(q, k, v, causal=False, mask=mask, impl="flash")
+    ops.attention(q, k, v, causal=False, mask=mask, impl="materialized")  # valid for the others
+
+
+def test_flash_impl_needs_a_static_offset():
+    q, k, v = _qkv(1, 6)
+    step = jax.jit(
+        lambda q, k, v, off: ops.attention(q, k, v, causal=True, offset=off, impl="flash")
+    )
+    with pytest.raises(ConfigError, match="offset with impl='flash'.*static Python int"):
+        step(q, k, v, jnp.asarray(3))
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""Scaled dot-product attention (materialized custom VJP, or XLA)."""
+"""Scaled dot-product attention (materialized custom VJP, XLA, or the Pallas flash kernel)."""
 
 from __future__ import annotations
 
@@ -6,11 +6,18 @@ import jax
 import jax.numpy as jnp
 
 from lmjax.errors import ConfigError, ShapeError
-from lmjax.ops._common import broadcast_mask, compute_dtype, inv_sqrt, require_float, require_rank
+from lmjax.ops._common import (
+    broadcast_mask,
+    compute_dtype,
+    inv_sqrt,
+    is_int,
+    require_float,
+    require_rank,
+)
 from lmjax.ops.softmax import masked_softmax, masked_softmax_vjp
 
 IMPLS = ("materialized", "xla", "flash")
-AVAILABLE_IMPLS = ("materialized", "xla")
+AVAILABLE_IMPLS = ("materialized", "xla", "flash")
 
 
 def keep_mask(q_shape, k_shape, *, causal: bool, offset=0, mask=None) -> jax.Array:
@@ -99,7 +106,7 @@ def _check(q, k, v, impl, return_probabilities):
             "impl",
             impl,
             f"one of the available impls {AVAILABLE_IMPLS}",
-            "use 'materialized' or 'xla'; the Pallas flash kernel lands with SPEC section 7",
+            f"use one of {AVAILABLE_IMPLS}",
         )
     if return_probabilities and impl != "materialized":
         raise ConfigError.describe(
@@ -140,11 +147,16 @@ def attention(
     zero gradients) in every impl, never NaN.
 
     Impls: "materialized" (the custom VJP above; `return_probabilities=True` also returns p for
-    inspection), "xla" (`jax.nn.dot_product_attention`, differentiated by JAX) and "flash" (the
-    Pallas kernel of SPEC section 7, not available yet).
+    inspection), "xla" (`jax.nn.dot_product_attention`, differentiated by JAX) and "flash"
+    (`pallas_kernels.flash_attention`: FlashAttention-2, O(T) memory, logsumexp saved and
+    probabilities recomputed in the backward; interpreted on CPU, compiled on GPU and TPU).
+    "flash" takes float32/bf16/f16 inputs, a static int `offset`, and only key-padding masks
+    (broadcastable from [B, 1, 1, S]); anything else raises `ConfigError`.
     """
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     _check(q, k, v, impl, return_probabilities)
+    if impl == "flash":
+        return _flash(q, k, v, causal=causal, offset=offset, mask=mask)
     keep = keep_mask(q.shape, k.shape, causal=causal, offset=offset, mask=mask)
     if impl == "xla":
         out = jax.nn.dot_product_attention(q, k, v, mask=keep, implementation="xla")
@@ -153,6 +165,40 @@ def attention(
         return jnp.where(visible_BTH1, out, 0.0).astype(q.dtype)
     out, p = _attention_materialized(q, k, v, keep)
     return (out, p) if return_probabilities else out
+
+
+def _flash(q, k, v, *, causal: bool, offset, mask):
+    """Dispatch to the Pallas kernel, turning a [B|1, 1, 1, S] mask into its [B, S] form."""
+    # Imported here: pallas_kernels imports lmjax (errors, helpers), so a module-level import
+    # would be circular whichever package is imported first.
+    from pallas_kernels.flash_attention import flash_attention
+
+    if not is_int(offset):
+        raise ConfigError.describe(
+            "offset with impl='flash'",
+            offset,
+            "a static Python int (the kernel fixes its causal block skipping at trace time)",
+            "pass an int offset, or use impl='materialized' or impl='xla' for a traced one",
+        )
+    key_mask = None if mask is None else _key_padding(mask, q.shape, k.shape[1])
+    return flash_attention(q, k, v, causal=causal, offset=int(offset), mask=key_mask)
+
+
+def _key_padding(mask, q_shape, s: int) -> jax.Array:
+    """bool [B, S] from a mask broadcastable from [B, 1, 1, S]; other masks are rejected."""
+    (b, t, h, _), mask = q_shape, jnp.asarray(mask)
+    # A mask no impl could use is the ShapeError every impl raises; checked abstractly, so no
+    # [B, H, T, S] array is allocated.
+    jax.eval_shape(lambda m: broadcast_mask(m, (b, h, t, s)), mask)
+    mask_4d = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
+    if mask_4d.shape[1:3] != (1, 1):
+        raise ConfigError.describe(
+            "mask.shape with impl='flash'",
+            mask.shape,
+            f"a key-padding mask broadcastable from [B, 1, 1, S] = [{b}, 1, 1, {s}]",
+            "use impl='materialized' (or 'xla') for masks that vary over heads or queries",
+        )
+    return jnp.broadcast_to(mask_4d[:, 0, 0, :] != 0, (b, s))
 
 
 def attention_reference(q, k, v, *, causal: bool, offset=0, mask=None):
