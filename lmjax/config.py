@@ -11,12 +11,13 @@ from typing import Any
 
 from lmjax.errors import ConfigError
 
-# Only these spellings are special, so a string option such as "yes" stays a string.
-_WORDS = {"true": True, "false": False, "null": None, "none": None}
+# Only these spellings are special, so string options such as "yes" or "none" (remat=none)
+# stay strings.
+_WORDS = {"true": True, "false": False, "null": None}
 
 
 def parse_value(text: str) -> Any:
-    """`"4"` -> 4, `"1e-5"` -> 1e-05, `"true"` -> True, `"null"` -> None, `"gelu"` -> "gelu"."""
+    """`"4"` -> 4, `"1e-5"` -> 1e-05, `"true"` -> True, `"null"` -> None, `"none"` -> "none"."""
     for convert in (int, float):
         try:
             return convert(text)

@@ -257,8 +257,11 @@ def _q_range(plan: _Plan, j, bq: int, bk: int):
         full = _min(_cdiv0((j + 1) * bk - 1 - plan.offset, bq), end)
     if plan.s_pad != plan.s:
         # A key block with padded keys always needs the mask; one with no real key, no work.
-        full = jnp.where((j + 1) * bk > plan.s, end, full)
-        lo = jnp.where(j * bk >= plan.s, end, lo)
+        # int32 on both branches: Triton's select lowering gives weak Python ints the
+        # predicate's type (i1), which would turn the loop bounds into booleans.
+        end32 = jnp.int32(end)
+        full = jnp.where((j + 1) * bk > plan.s, end32, jnp.asarray(full, jnp.int32))
+        lo = jnp.where(j * bk >= plan.s, end32, jnp.asarray(lo, jnp.int32))
     if plan.has_mask:
         full = end
     return lo, full, end

@@ -300,13 +300,20 @@ def test_causal_skips_key_blocks_above_the_diagonal(kernel):
 
 
 @pytest.mark.parametrize("kernel, platform", [("gpu", "cuda"), ("tpu", "tpu")])
-def test_compiled_kernels_lower_for_their_platform(kernel, platform):
+@pytest.mark.parametrize(
+    "causal, s, has_mask",
+    [(True, 300, True), (False, 300, False), (False, 256, True), (True, 256, False)],
+    ids=["causal-ragged-mask", "full-ragged", "full-even-mask", "causal-even"],
+)
+def test_compiled_kernels_lower_for_their_platform(kernel, platform, causal, s, has_mask):
     """Lower forward + backward to Triton / Mosaic IR (no device needed); running them
-    compiled is scripts/gpu_check.sh's job on a GPU."""
+    compiled is scripts/gpu_check.sh's job on a GPU. Ragged S (not a block multiple) and
+    non-causal calls take different loop-bound code paths, so both are lowered."""
     q = jax.ShapeDtypeStruct((2, 200, 4, 40), jnp.bfloat16)
-    k = jax.ShapeDtypeStruct((2, 300, 4, 40), jnp.bfloat16)
-    mask = jax.ShapeDtypeStruct((2, 300), jnp.int32)
-    plan = fa._make_plan(q.shape, k.shape, BlockSizes.default(kernel), kernel, False, True, 5, True)
+    k = jax.ShapeDtypeStruct((2, s, 4, 40), jnp.bfloat16)
+    mask = jax.ShapeDtypeStruct((2, s), jnp.int32) if has_mask else None
+    sizes = BlockSizes.default(kernel)
+    plan = fa._make_plan(q.shape, k.shape, sizes, kernel, False, causal, 5, has_mask)
 
     def loss(q, k, v, mask):
         out, lse = fa._flash_padded(plan, q, k, v, mask)

@@ -223,6 +223,24 @@ def test_reference_switch_really_changes_the_op_set():
     assert "custom_vjp" in custom and "custom_vjp" not in ref
 
 
+@pytest.mark.parametrize("positions", ["learned", "sinusoidal", "rope"])
+def test_embedding_adds_the_configured_positions(positions):
+    # Written from the equations with numpy (and the float64 sinusoid reference), not lmjax.
+    cfg = CONFIGS["gpt"].replace(positions=positions)
+    params, tokens = models.init(jax.random.key(0), cfg), tokens_for(cfg)
+    table = np.asarray(params["token_embedding"]["weight"])
+    expected = table[np.asarray(tokens)]
+    if positions == "learned":
+        expected = expected + np.asarray(params["position_embedding"]["weight"])[None]
+    elif positions == "sinusoidal":
+        expected = expected + ops.sinusoidal_positions_reference(cfg.context_length, cfg.d_model)
+    got = models.embed(params, tokens, cfg)
+    np.testing.assert_allclose(got, expected, rtol=F32_RTOL, atol=1e-7)
+    # A model that ignored its positions would give identical logits for a repeated token.
+    logits = models.forward(params, jnp.full((1, 4), 3, jnp.int32), cfg)
+    assert not np.allclose(logits[0, 0], logits[0, 3])
+
+
 @pytest.mark.parametrize("name", ["gpt", "llama"])
 def test_causality_through_gradients(name):
     cfg = CONFIGS[name]
@@ -304,7 +322,8 @@ def test_attention_impls_agree_inside_the_model():
 def test_bf16_compute_with_f32_master_weights():
     (loss32, grad32), (loss16, grad16) = losses_and_grads(CONFIGS["llama"], dtype="bfloat16")
     mixed, tokens = CONFIGS["llama"].replace(dtype="bfloat16"), tokens_for(CONFIGS["llama"])
-    assert models.forward(models.init(jax.random.key(0), mixed), tokens, mixed).dtype == jnp.float32
+    logits = jax.jit(models.forward)(models.init(jax.random.key(0), mixed), tokens, mixed)
+    assert logits.dtype == jnp.float32  # jit needs no static_argnames: configs are static
     assert {g.dtype for g in jax.tree.leaves(grad16)} == {jnp.dtype(jnp.float32)}
     np.testing.assert_allclose(loss16, loss32, rtol=BF16_RTOL)
     assert max_rel_error(grad16, grad32) < 10 * BF16_RTOL  # per-leaf max error over max |g|

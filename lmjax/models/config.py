@@ -27,6 +27,7 @@ REMAT_POLICIES: dict[str, Any] = {
     "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
 
+MAX_SIZE = 2**31 - 1
 _SIZES = ("vocab_size", "context_length", "d_model", "n_heads", "n_layers", "d_ff")
 _CHOICES = {
     "norm": NORMS,
@@ -72,6 +73,8 @@ class ModelConfig:
     ops: str = "custom"
 
     def __post_init__(self):
+        for name in ("dtype", "param_dtype"):  # accept jnp.bfloat16 as well as "bfloat16"
+            object.__setattr__(self, name, _dtype_name(getattr(self, name)))
         _validate(self)
 
     @property
@@ -110,6 +113,20 @@ class ModelConfig:
         return cls(**fields)
 
 
+# A config is static data: `jax.jit(forward)(params, tokens, cfg)` treats it as part of the
+# compiled function (hashed), not as an array argument, so no static_argnames is needed.
+jax.tree_util.register_static(ModelConfig)
+
+
+def _dtype_name(value):
+    if isinstance(value, str):
+        return value
+    try:
+        return jnp.dtype(value).name
+    except TypeError:
+        return value  # not a dtype: _validate names it
+
+
 def _checked_fields(fields: dict[str, Any]) -> dict[str, Any]:
     known = [f.name for f in dataclasses.fields(ModelConfig)]
     unknown = sorted(set(fields) - set(known))
@@ -123,9 +140,13 @@ def _checked_fields(fields: dict[str, Any]) -> dict[str, Any]:
 def _validate(cfg: ModelConfig) -> None:
     for name in _SIZES:
         value = getattr(cfg, name)
-        if not is_int(value) or value <= 0:
+        # Token ids and positions are int32 inside the model, so sizes must fit in one.
+        if not is_int(value) or not 1 <= value <= MAX_SIZE:
             raise ConfigError.describe(
-                f"model.{name}", value, "an int >= 1", f"set {name} to a positive integer"
+                f"model.{name}",
+                value,
+                f"an int in [1, {MAX_SIZE}]",
+                f"set {name} to a positive integer that fits in int32",
             )
     for name, allowed in _CHOICES.items():
         if getattr(cfg, name) not in allowed:
@@ -135,7 +156,10 @@ def _validate(cfg: ModelConfig) -> None:
     for name in ("bias", "tie_embeddings"):
         if not isinstance(getattr(cfg, name), bool):
             raise ConfigError.describe(
-                f"model.{name}", getattr(cfg, name), "True or False", "use a YAML boolean"
+                f"model.{name}",
+                getattr(cfg, name),
+                "True or False",
+                "write true or false (a YAML boolean, or name=true on the command line)",
             )
     _reject_if(
         cfg.d_model % cfg.n_heads != 0,
@@ -199,13 +223,14 @@ PRESETS: dict[str, dict[str, Any]] = {
     "gpt2": dict(_GPT2, **_GPT2_SMALL),
     "gpt2-124m": dict(_GPT2, **_GPT2_SMALL),
     # Hugging Face GPT-2 medium (354,823,168 parameters).
-    "gpt2-350m": {**_GPT2, **_GPT2_SMALL, "d_model": 1024, "n_heads": 16, "n_layers": 24}
-    | {"d_ff": 4096},
+    "gpt2-350m": dict(_GPT2, **_GPT2_SMALL)
+    | dict(d_model=1024, n_heads=16, n_layers=24, d_ff=4096),
     # The reference 001 tiny Llama: 21,664 parameters.
     "llama": dict(
         _LLAMA, vocab_size=16, context_length=32, d_model=32, n_heads=2, n_layers=2, d_ff=64
     ),
-    # A byte-level Llama small enough to train on a laptop CPU in minutes.
+    # A byte-level Llama small enough to train on a laptop CPU in minutes (918,656 parameters;
+    # not SPEC section 5's overfit model, which is the "llama" preset above).
     "llama-tiny": dict(
         _LLAMA, vocab_size=256, context_length=256, d_model=128, n_heads=4, n_layers=4, d_ff=384
     ),

@@ -151,7 +151,8 @@ def check_params(params, cfg: ModelConfig) -> None:
     for name, spec in specs.items():
         if name not in flat:
             raise ShapeError.describe("missing parameter", name, f"shape {spec.shape}", fix)
-        if tuple(flat[name].shape) != spec.shape:
-            raise ShapeError.describe(f"{name}.shape", flat[name].shape, spec.shape, fix)
-        if not jnp.issubdtype(flat[name].dtype, jnp.floating):
-            raise ShapeError.describe(f"{name}.dtype", flat[name].dtype, "a float dtype", fix)
+        shape, dtype = jnp.shape(flat[name]), jnp.result_type(flat[name])
+        if tuple(shape) != spec.shape:
+            raise ShapeError.describe(f"{name}.shape", shape, spec.shape, fix)
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise ShapeError.describe(f"{name}.dtype", dtype, "a float dtype", fix)

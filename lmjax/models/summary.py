@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -10,21 +11,23 @@ import jax.numpy as jnp
 from lmjax.models.config import ModelConfig
 from lmjax.models.layout import abstract_params, declare
 
-# AdamW keeps two float32 moments per parameter (optax.adamw's mu and nu).
-ADAMW_BYTES_PER_PARAM = 8
+# AdamW keeps two moments per parameter (optax.adamw's mu and nu, in the parameters' dtype).
+ADAMW_MOMENTS = 2
 
 
 @dataclasses.dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes for parameters, AdamW state, and what the backward pass keeps for one batch."""
+    """Bytes of one training step: parameters, their gradients, AdamW state, and what the
+    backward pass keeps for one batch (the model's residuals; the loss's own are not counted)."""
 
     params: int
+    gradients: int
     optimizer: int
     activations: int
 
     @property
     def total(self) -> int:
-        return self.params + self.optimizer + self.activations
+        return self.params + self.gradients + self.optimizer + self.activations
 
 
 def param_table(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], int]]:
@@ -36,34 +39,38 @@ def param_count(cfg: ModelConfig) -> int:
     return sum(count for _, _, count in param_table(cfg))
 
 
-def _nbytes(tree) -> int:
-    return sum(leaf.size * jnp.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(tree))
-
-
 def residual_bytes(cfg: ModelConfig, batch: int, seq_len: int) -> int:
     """Bytes the VJP of `forward` keeps for a `[batch, seq_len]` batch, traced, not run.
 
-    It counts the leaves of `jax.vjp`'s residuals (under `jax.eval_shape`) minus the master
-    parameters they reference, so it reflects the attention impl and the remat policy.
+    The residuals are the outputs of the jaxpr that builds `jax.vjp`'s pullback; those that are
+    the function's own inputs (the master parameters a linear layer reads back) cost nothing
+    extra and are left out, while bf16 copies of f32 weights are counted. So the figure
+    reflects the attention impl, the remat policy and the compute dtype.
     """
     from lmjax.models.transformer import forward
-
-    tokens = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32)
 
     def residuals(params, tokens_BT):
         return jax.vjp(lambda p: forward(p, tokens_BT, cfg), params)[1]
 
-    shapes = jax.eval_shape(residuals, abstract_params(cfg), tokens)
-    return max(_nbytes(shapes) - _nbytes(abstract_params(cfg)), 0)
+    tokens = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32)
+    jaxpr = jax.make_jaxpr(residuals)(abstract_params(cfg), tokens).jaxpr
+    inputs, seen, total = {id(v) for v in jaxpr.invars}, set(), 0
+    for var in jaxpr.outvars:
+        if id(var) in inputs or id(var) in seen:
+            continue
+        seen.add(id(var))
+        total += math.prod(var.aval.shape) * jnp.dtype(var.aval.dtype).itemsize
+    return total
 
 
 def memory_estimate(cfg: ModelConfig, batch: int = 1, seq_len: int | None = None) -> MemoryEstimate:
-    """Parameters (in `param_dtype`), AdamW moments, and backward residuals for one batch."""
+    """Parameters and gradients (in `param_dtype`), AdamW moments, backward residuals."""
     seq_len = cfg.context_length if seq_len is None else seq_len
-    n = param_count(cfg)
+    param_bytes = param_count(cfg) * cfg.params_dtype.itemsize
     return MemoryEstimate(
-        params=n * cfg.params_dtype.itemsize,
-        optimizer=n * ADAMW_BYTES_PER_PARAM,
+        params=param_bytes,
+        gradients=param_bytes,
+        optimizer=ADAMW_MOMENTS * param_bytes,
         activations=residual_bytes(cfg, batch, seq_len),
     )
 
@@ -88,13 +95,18 @@ def format_summary(cfg: ModelConfig, batch: int = 1, seq_len: int | None = None)
     lines.append(f"{'total':{width}}  {'':>14}  {param_count(cfg):>12,}")
     seq_len = cfg.context_length if seq_len is None else seq_len
     mem = memory_estimate(cfg, batch, seq_len)
+    rows = [
+        (f"parameters ({cfg.param_dtype})", mem.params),
+        (f"gradients ({cfg.param_dtype})", mem.gradients),
+        (f"AdamW state (2 x {cfg.param_dtype})", mem.optimizer),
+        (f"activations kept for grad ({cfg.dtype})", mem.activations),
+        ("total", mem.total),
+    ]
+    label = max(len(text) for text, _ in rows)
     lines += [
         "",
         f"memory estimate (batch {batch}, sequence {seq_len}, attention {cfg.attention}, "
         f"remat {cfg.remat}):",
-        f"  parameters ({cfg.param_dtype})      {_human(mem.params):>12}",
-        f"  AdamW state (2 x float32)   {_human(mem.optimizer):>12}",
-        f"  activations kept for grad   {_human(mem.activations):>12}",
-        f"  total                       {_human(mem.total):>12}",
     ]
+    lines += [f"  {text:{label}}  {_human(nbytes):>10}" for text, nbytes in rows]
     return "\n".join(lines)

@@ -116,8 +116,14 @@ def head(p: dict, x_BTD: jax.Array, cfg: ModelConfig) -> jax.Array:
 
 
 def check_tokens(tokens, cfg: ModelConfig) -> jax.Array:
-    """Shape checks at trace time; the id range check whenever the ids are concrete."""
-    tokens = jnp.asarray(tokens) if not isinstance(tokens, jax.Array) else tokens
+    """Shape checks at trace time; the id range check whenever the ids are concrete.
+
+    Concrete ids are range-checked before they become a JAX array, so an int64 id that int32
+    cannot hold is reported, not wrapped around.
+    """
+    concrete = is_concrete(tokens)
+    if concrete and not isinstance(tokens, jax.Array):
+        tokens = np.asarray(tokens)
     fix_shape = "pass token ids as a [batch, time] integer array"
     if tokens.ndim != 2:
         raise ShapeError.describe("tokens.shape", tokens.shape, "rank 2, [batch, time]", fix_shape)
@@ -134,14 +140,14 @@ def check_tokens(tokens, cfg: ModelConfig) -> jax.Array:
             f"T <= context_length = {cfg.context_length}",
             "crop the sequence to the last context_length tokens or raise context_length",
         )
-    if is_concrete(tokens):
+    if concrete:
         check_token_ids(
             np.asarray(tokens),
             cfg.vocab_size,
             "tokens",
             fix=f"re-tokenize with the model's tokenizer (vocab_size = {cfg.vocab_size})",
         )
-    return tokens
+    return jnp.asarray(tokens)
 
 
 def cast(params: Any, dtype) -> Any:

@@ -108,6 +108,13 @@ def _check(q, k, v, impl, return_probabilities):
             f"one of the available impls {AVAILABLE_IMPLS}",
             f"use one of {AVAILABLE_IMPLS}",
         )
+    if impl == "xla" and q.dtype == jnp.float16 and jax.default_backend() == "cpu":
+        raise ConfigError.describe(
+            "impl='xla' with float16 inputs on CPU",
+            str(q.dtype),
+            "float32 or bfloat16 (XLA's CPU dot_general has no float16 with float32 accumulation)",
+            "use impl='materialized', or bfloat16",
+        )
     if return_probabilities and impl != "materialized":
         raise ConfigError.describe(
             "return_probabilities with impl",
@@ -157,6 +164,11 @@ def attention(
     _check(q, k, v, impl, return_probabilities)
     if impl == "flash":
         return _flash(q, k, v, causal=causal, offset=offset, mask=mask)
+    if impl == "xla" and mask is None and (not causal or (is_int(offset) and offset == 0)):
+        # Every row sees at least key 0: let XLA build the causal mask itself instead of
+        # keeping a [B, H, T, S] boolean for the backward.
+        out = jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="xla")
+        return out.astype(q.dtype)
     keep = keep_mask(q.shape, k.shape, causal=causal, offset=offset, mask=mask)
     if impl == "xla":
         out = jax.nn.dot_product_attention(q, k, v, mask=keep, implementation="xla")
