@@ -116,3 +116,13 @@ def test_init_linear_rejects_zero_sizes_and_accepts_numpy_ints():
     with pytest.raises(ShapeError, match="out_features = 2.0"):
         ops.init_linear(jax.random.PRNGKey(0), 3, 2.0)
     assert ops.init_linear(jax.random.PRNGKey(0), np.int64(4), 3)["weight"].shape == (3, 4)
+
+
+def test_int64_ids_beyond_int32_are_reported_not_wrapped():
+    # Converting to int32 first would read 2**32 + 3 as the valid id 3.
+    table = jnp.ones((5, 3))
+    big = np.array([2**32 + 3], np.int64)
+    with pytest.raises(TokenError, match="4294967299"):
+        ops.embedding(table, big)
+    with pytest.raises(TokenError, match="4294967299"):
+        ops.cross_entropy(jnp.zeros((1, 5)), big)

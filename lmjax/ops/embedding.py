@@ -59,12 +59,14 @@ def embedding(table: jax.Array, ids: jax.Array) -> jax.Array:
     public entry point). Inside `jit` they cannot raise, so they produce NaN rows (and contribute
     nothing to `dtable`) instead of silently reading a clamped or wrapped row.
     """
+    # Range-check the caller's ids before conversion: int32 would wrap an int64 2**32 + 3 to 3.
+    raw_ids = ids
     table, ids = jnp.asarray(table), jnp.asarray(ids)
     require_rank(table, 2, "table", "[vocab, d_model]")
     require_float(table, "table")
     require_int(ids, "ids")
-    if is_concrete(ids):
-        check_token_ids(ids, table.shape[0], "ids")
+    if is_concrete(raw_ids):
+        check_token_ids(raw_ids, table.shape[0], "ids")
     return _embedding(table, ids)
 
 

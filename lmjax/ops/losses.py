@@ -96,7 +96,7 @@ def _flat_rows(logits):
     return logits.reshape(-1, logits.shape[-1]).astype(compute_dtype(logits.dtype))
 
 
-def _check_ce(logits, targets, ignore_index, time_range):
+def _check_ce(logits, targets, ignore_index, time_range, raw_targets):
     require_float(logits, "logits")
     require_int(targets, "targets")
     if logits.ndim < 1 or targets.shape != logits.shape[:-1]:
@@ -124,9 +124,9 @@ def _check_ce(logits, targets, ignore_index, time_range):
                 f"and offset + count <= {steps} time steps",
                 "pass a window inside the sequence",
             )
-    if is_concrete(targets):
+    if is_concrete(raw_targets):
         check_token_ids(
-            targets,
+            raw_targets,
             logits.shape[-1],
             "targets",
             ignore_index=ignore_index,
@@ -154,8 +154,10 @@ def cross_entropy(
     A target outside [0, V) that is not ignore_index is a `TokenError` when targets are concrete;
     inside `jit` it makes the loss NaN (loud, never a silent clamp).
     """
+    # Range-check the caller's ids before conversion: int32 would wrap an int64 2**32 + 3 to 3.
+    raw_targets = targets
     logits, targets = jnp.asarray(logits), jnp.asarray(targets)
-    _check_ce(logits, targets, ignore_index, time_range)
+    _check_ce(logits, targets, ignore_index, time_range, raw_targets)
     counted = counted_positions(targets, ignore_index, time_range)
     return _cross_entropy(_flat_rows(logits), targets.reshape(-1), counted.reshape(-1))
 
