@@ -90,8 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
         "inspect",
         help="print a model's parameter table, total count and memory estimate",
         description="Print every parameter (name, shape, count) of a preset with optional "
-        "key=value overrides, the total, and a memory estimate for the parameters, AdamW state "
-        "and the activations the backward pass keeps (traced with jax.eval_shape, nothing is "
+        "key=value overrides, the total, and a memory estimate for the parameters, gradients, "
+        "AdamW state and the activations the backward pass keeps (traced, nothing is "
         "allocated).",
     )
     insp.add_argument("preset", help=f"one of: {', '.join(PRESETS)}")

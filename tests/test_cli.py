@@ -39,6 +39,15 @@ def test_gradcheck_help():
     assert "--ops" in proc.stdout and "--seed" in proc.stdout
 
 
+def test_inspect_help_and_a_real_run():
+    proc = _run("inspect", "--help")
+    assert proc.returncode == 0, proc.stderr
+    assert "--batch-size" in proc.stdout and "gpt2-350m" in proc.stdout
+    proc = _run("inspect", "llama", "dtype=bfloat16")
+    assert proc.returncode == 0, proc.stderr
+    assert "21,664" in proc.stdout and "activations kept for grad (bfloat16)" in proc.stdout
+
+
 def test_gradcheck_relu_passes():
     proc = _run("gradcheck", "--ops", "relu*")
     assert proc.returncode == 0, proc.stdout + proc.stderr
