@@ -6,7 +6,13 @@ about its speed). Memory is read from compiled programs instead, without allocat
   residual bytes  the arrays `jax.vjp` keeps for the backward pass (`jax.eval_shape` of the
                   pullback), i.e. what training holds per attention layer between the passes
   temp bytes      `memory_analysis()` of the compiled forward+backward (`jit(grad(loss))`):
-                  XLA's scratch for the whole step; `peak` adds arguments and outputs
+                  XLA's scratch for the whole step
+  args_out_temp   arguments + outputs + temp bytes of that program (a plain sum, an upper
+                  bound: buffers that are never live at once are all counted)
+  peak memory     `memory_analysis().peak_memory_in_bytes` (`peak_memory_bytes`), recorded
+                  when this jax/backend reports it. Read it with care: on CPU (jax 0.10-0.11)
+                  it is about arguments + outputs and leaves out the temp buffers, so it grows
+                  ~T^1 for every impl; temp bytes stay the figure that shows the [T, S] scores
 
 A log-log fit of bytes against T gives the growth exponent: about 2 when the [T, S] scores or
 probabilities are kept, about 1 for flash (q, k, v, out and the logsumexp only).
@@ -55,13 +61,18 @@ def forward_backward(impl: str):
 
 
 def compiled_bytes(impl: str, spec) -> dict[str, int]:
+    """`memory_analysis()` of the compiled forward+backward; keys get a `_bytes` suffix."""
     memory = forward_backward(impl).lower(spec, spec, spec).compile().memory_analysis()
     sizes = {
         "temp": memory.temp_size_in_bytes,
         "arguments": memory.argument_size_in_bytes,
         "outputs": memory.output_size_in_bytes,
     }
-    return {**sizes, "peak": sum(sizes.values())}
+    sizes["args_out_temp"] = sum(sizes.values())
+    peak = getattr(memory, "peak_memory_in_bytes", None)  # absent from older jaxlibs
+    if isinstance(peak, int) and peak > 0:
+        sizes["peak_memory"] = peak
+    return sizes
 
 
 def time_ms(impl: str, spec, repeats: int = 10) -> float:
@@ -101,7 +112,9 @@ def fits(rows, seq_lens) -> dict:
     out = {}
     for impl in IMPLS:
         mine = [r for r in rows if r["impl"] == impl]
-        for key in ("residual_bytes", "temp_bytes", "peak_bytes"):
+        for key in ("residual_bytes", "temp_bytes", "args_out_temp_bytes", "peak_memory_bytes"):
+            if not all(key in r for r in mine):
+                continue  # peak_memory_bytes: only where memory_analysis() reports it
             values = [r[key] for r in mine]
             out[f"{impl}.{key}"] = {
                 "slope_all": round(slope(seq_lens, values), 3),
@@ -126,7 +139,7 @@ def print_table(result: dict, seq_lens) -> None:
         print(f"{t:6d} " + "".join(cells))
     print("\nlog-log slope of bytes vs T (all T / largest 3 T):")
     for key, fit in result["fits"].items():
-        if not key.endswith("peak_bytes"):
+        if key.split(".")[1] in ("residual_bytes", "temp_bytes"):  # the rest: the JSON
             print(f"  {key:28s} {fit['slope_all']:6.3f} / {fit['slope_largest3']:6.3f}")
 
 
@@ -186,6 +199,13 @@ def main(argv=None) -> None:
         "jax": jax.__version__,
         "python": platform.python_version(),
         "timed": backend == "gpu",
+    }
+    result["fields"] = {
+        "residual_bytes": "arrays jax.vjp keeps for the backward pass",
+        "temp_bytes": "memory_analysis().temp_size_in_bytes of jit(grad(loss))",
+        "args_out_temp_bytes": "arguments_bytes + outputs_bytes + temp_bytes (a plain sum)",
+        "peak_memory_bytes": "memory_analysis().peak_memory_in_bytes where reported; on CPU "
+        "about arguments + outputs, without the temp buffers",
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")

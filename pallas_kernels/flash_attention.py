@@ -834,9 +834,31 @@ def flash_attention_with_lse(
     return _flash_padded(plan, q, k, v, kmask)
 
 
-def flash_attention(q, k, v, *, causal: bool, mask=None, offset: int = 0, **options):
-    """FlashAttention-2: `out [B, T, H, D]` (see `flash_attention_with_lse` for the options)."""
-    return flash_attention_with_lse(q, k, v, causal=causal, mask=mask, offset=offset, **options)[0]
+def flash_attention(
+    q,
+    k,
+    v,
+    *,
+    causal: bool,
+    mask=None,
+    offset: int = 0,
+    block_sizes: BlockSizes | None = None,
+    backend: str | None = None,
+    interpret: bool | None = None,
+):
+    """FlashAttention-2: `out [B, T, H, D]` (the arguments as in `flash_attention_with_lse`)."""
+    out, _ = flash_attention_with_lse(
+        q,
+        k,
+        v,
+        causal=causal,
+        mask=mask,
+        offset=offset,
+        block_sizes=block_sizes,
+        backend=backend,
+        interpret=interpret,
+    )
+    return out
 
 
 def attention_reference(q, k, v, *, causal: bool, mask=None, offset: int = 0, return_lse=False):

@@ -38,6 +38,11 @@ F32_RTOL = 1e-5
 # p @ v (and ds @ k, ds^T @ q) matmuls, as every bf16 flash kernel does; one bf16 rounding is
 # 2^-9 relative, a few of them summed stay well under 1e-2 of the largest entry.
 BF16_RTOL = 1e-2
+# float16 inputs: the same roundings at 2^-11 (10 mantissa bits against bf16's 7), so the bf16
+# bound holds with room (about 1e-3 is seen). Its narrow range (max 65504) does not bite: the
+# scores, softmax statistics and every sum are float32; only the inputs, p and ds are float16.
+F16_RTOL = 1e-2
+RTOL = {"float32": F32_RTOL, "bfloat16": BF16_RTOL, "float16": F16_RTOL}
 
 GPU_BLOCKS = [BlockSizes(16, 16, 16, 16), BlockSizes(32, 16, 16, 32)]
 TPU_BLOCKS = [BlockSizes(8, 16, 16, 8), BlockSizes(16, 8, 8, 24)]
@@ -51,6 +56,20 @@ def kernel_param(kernel: str):
 
 
 KERNEL_PARAMS = [kernel_param("gpu"), kernel_param("tpu")]
+
+# The compiled smoke subset `scripts/gpu_check.sh` runs first on a GPU, before its timings:
+# pytest node ids in this file (the script reads this tuple with `ast`, so keep it a literal of
+# plain strings; test_gpu_smoke_ids_name_fast_tests checks every id still names a fast test).
+# One case per path: causal with ragged T != S and D padded, non-causal with ragged S and key
+# padding, bf16 and f16 inputs, rows that see no key, and causal block skipping.
+GPU_SMOKE = (
+    "test_matches_reference[b2t37s50h2d24-causal+0-none-float32-gpu]",
+    "test_matches_reference[b2t37s50h2d24-full-padding-float32-gpu]",
+    "test_bf16_inputs_accumulate_in_float32[gpu]",
+    "test_f16_inputs_accumulate_in_float32[gpu]",
+    "test_fully_masked_rows_give_zeros_and_zero_gradients[gpu]",
+    "test_causal_skips_key_blocks_above_the_diagonal[gpu]",
+)
 
 
 def sizes_for(kernel: str, sizes: BlockSizes) -> BlockSizes:
@@ -144,7 +163,7 @@ def assert_close(actual, expected, rtol: float, what: str):
 
 
 def assert_matches_reference(case: Case, kernel: str, sizes: BlockSizes):
-    rtol = F32_RTOL if case.dtype == "float32" else BF16_RTOL
+    rtol = RTOL[case.dtype]
     out, lse, grads = run_flash(case, kernel, sizes)
     ref_out, ref_lse, ref_grads = run_reference(case)
     assert out.dtype == jnp.dtype(case.dtype) and lse.dtype == jnp.float32
@@ -177,6 +196,13 @@ def test_matches_reference(case, kernel):
 def test_bf16_inputs_accumulate_in_float32(kernel):
     case = Case(2, 40, 40, 2, 32, causal=True, mask="padding", dtype="bfloat16")
     assert_matches_reference(case, kernel, GPU_BLOCKS[0] if kernel == "gpu" else TPU_BLOCKS[0])
+
+
+@pytest.mark.parametrize("kernel", KERNEL_PARAMS)
+def test_f16_inputs_accumulate_in_float32(kernel):
+    # Small, and non-causal with a ragged S and padding: the bf16 test covers the causal path.
+    case = Case(1, 24, 40, 2, 16, causal=False, mask="padding", dtype="float16")
+    assert_matches_reference(case, kernel, GPU_BLOCKS[1] if kernel == "gpu" else TPU_BLOCKS[1])
 
 
 # ---- the slow product: shapes x head dims x causal x kernels, the rest cycled --------------------
@@ -330,6 +356,25 @@ def test_compiled_kernels_lower_for_their_platform(kernel, platform, causal, s, 
         pytest.skip(f"this jax {jax.__version__} needs a GPU to lower Triton: {err}")
     target = "__gpu$xla.gpu.triton" if kernel == "gpu" else "tpu_custom_call"
     assert text.count(target) == 3  # forward, dq, dk/dv
+
+
+# ---- the GPU smoke subset is addressable -------------------------------------------------------
+
+
+def test_gpu_smoke_ids_name_fast_tests():
+    """Collect GPU_SMOKE by node id (in process, nothing runs): each id names exactly one test
+    of this file and none is slow, so `scripts/gpu_check.sh` cannot lose one to a rename."""
+
+    class Collected:
+        def pytest_collection_finish(self, session):
+            self.items = list(session.items)
+
+    collected = Collected()
+    node_ids = [f"{__file__}::{test_id}" for test_id in GPU_SMOKE]
+    args = ["--collect-only", "-q", "-p", "no:cacheprovider", *node_ids]
+    assert pytest.main(args, plugins=[collected]) == pytest.ExitCode.OK
+    assert sorted(item.name for item in collected.items) == sorted(GPU_SMOKE)
+    assert not [item.name for item in collected.items if item.get_closest_marker("slow")]
 
 
 # ---- configuration: backends, interpret mode, padding --------------------------------------------
