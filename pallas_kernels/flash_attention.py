@@ -62,6 +62,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
 from lmjax.errors import ConfigError, ShapeError
+from lmjax.ops.attention import attention_reference as _ops_attention_reference
 
 KERNELS = ("gpu", "tpu")
 # On a CPU host nothing compiles; the GPU-style kernel is the one interpreted by default.
@@ -862,28 +863,14 @@ def flash_attention(
 
 
 def attention_reference(q, k, v, *, causal: bool, mask=None, offset: int = 0, return_lse=False):
-    """Plain jnp in float32, differentiated by jax.grad: out (and lse [B, H, T] if asked).
-
-    Rows with no visible key: out 0, lse -inf (and zero gradients).
+    """The kernel's contract in plain jnp (float32 math), differentiated by jax.grad: out, and
+    lse [B, H, T] if asked. `lmjax.ops.attention_reference` with the [B, S] key-padding mask
+    broadcast over heads and queries; rows with no visible key: out 0, lse -inf.
     """
-    qf, kf, vf = (jnp.asarray(a).astype(jnp.float32) for a in (q, k, v))
-    s_BHTS = jnp.einsum("BTHD,BSHD->BHTS", qf, kf) / math.sqrt(q.shape[-1])
-    t_idx = lax.broadcasted_iota(jnp.int32, s_BHTS.shape, 2)
-    u_idx = lax.broadcasted_iota(jnp.int32, s_BHTS.shape, 3)
-    keep = (u_idx <= t_idx + offset) if causal else jnp.ones(s_BHTS.shape, bool)
-    if mask is not None:
-        keep = keep & (jnp.asarray(mask) != 0)[:, None, None, :]
-    s_BHTS = jnp.where(keep, s_BHTS, jnp.finfo(jnp.float32).min)
-    m = lax.stop_gradient(jnp.max(s_BHTS, axis=-1, keepdims=True))
-    e = jnp.where(keep, jnp.exp(s_BHTS - m), 0.0)
-    total = jnp.sum(e, axis=-1, keepdims=True)
-    seen = total > 0
-    p = e / jnp.where(seen, total, 1.0)
-    out = jnp.einsum("BHTS,BSHD->BTHD", p, vf).astype(q.dtype)
-    if not return_lse:
-        return out
-    lse = jnp.where(seen, m + jnp.log(jnp.where(seen, total, 1.0)), -jnp.inf)[..., 0]
-    return out, lse
+    key_mask = None if mask is None else jnp.asarray(mask)[:, None, None, :]
+    return _ops_attention_reference(
+        q, k, v, causal=causal, offset=offset, mask=key_mask, return_lse=return_lse
+    )
 
 
 __all__ = [

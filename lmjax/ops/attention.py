@@ -213,10 +213,14 @@ def _key_padding(mask, q_shape, s: int) -> jax.Array:
     return jnp.broadcast_to(mask_4d[:, 0, 0, :] != 0, (b, s))
 
 
-def attention_reference(q, k, v, *, causal: bool, offset=0, mask=None):
-    """Plain jnp: masked logits get the most negative float, rows with no key are zeroed."""
+def attention_reference(q, k, v, *, causal: bool, offset=0, mask=None, return_lse=False):
+    """Plain jnp: masked logits get the most negative float, rows with no key are zeroed.
+
+    With `return_lse=True` also the per-row logsumexp `[B, H, T]` of the visible scores
+    (-inf for a row with no visible key), which the flash kernel saves for its backward.
+    """
     dtype = compute_dtype(q.dtype)
-    qf, kf, vf = (a.astype(dtype) for a in (q, k, v))
+    qf, kf, vf = (jnp.asarray(a).astype(dtype) for a in (q, k, v))
     s = jnp.einsum("BTHD,BSHD->BHTS", qf, kf) / jnp.sqrt(jnp.asarray(q.shape[-1], dtype))
     # Its own mask construction (not keep_mask), so a semantic slip there cannot hide.
     t_idx = jax.lax.broadcasted_iota(jnp.int32, s.shape, 2)
@@ -225,6 +229,13 @@ def attention_reference(q, k, v, *, causal: bool, offset=0, mask=None):
     if mask is not None:
         keep = keep & (jnp.broadcast_to(jnp.asarray(mask), s.shape) != 0)
     s = jnp.where(keep, s, jnp.finfo(dtype).min)
-    e = jnp.exp(s - jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True)))
-    p = jnp.where(keep, e / jnp.sum(e, axis=-1, keepdims=True), 0.0)
-    return jnp.einsum("BHTS,BSHD->BTHD", p, vf).astype(q.dtype)
+    m = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
+    e = jnp.where(keep, jnp.exp(s - m), 0.0)
+    total = jnp.sum(e, axis=-1, keepdims=True)
+    seen = total > 0
+    p = e / jnp.where(seen, total, 1.0)
+    out = jnp.einsum("BHTS,BSHD->BTHD", p, vf).astype(q.dtype)
+    if not return_lse:
+        return out
+    lse = jnp.where(seen, m + jnp.log(jnp.where(seen, total, 1.0)), -jnp.inf)[..., 0]
+    return out, lse
