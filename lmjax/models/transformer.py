@@ -73,15 +73,10 @@ def _feed_forward(cfg: ModelConfig, p: dict, x_BTD: jax.Array) -> jax.Array:
 def block(p: dict, x_BTD: jax.Array, keys: tuple, cfg: ModelConfig) -> jax.Array:
     """One pre-norm block: `x + Attn(norm(x))`, then `x + FF(norm(x))`; `[B,T,D] -> [B,T,D]`."""
     attn_key, ff_key = keys
-    x_BTD = x_BTD + _dropout(
-        cfg, attn_key, _attention(cfg, p["attention"], _norm(cfg, p["attention_norm"], x_BTD))
-    )
-    x_BTD = x_BTD + _dropout(
-        cfg,
-        ff_key,
-        _feed_forward(cfg, p["feed_forward"], _norm(cfg, p["feed_forward_norm"], x_BTD)),
-    )
-    return x_BTD
+    h_BTD = _norm(cfg, p["attention_norm"], x_BTD)
+    x_BTD = x_BTD + _dropout(cfg, attn_key, _attention(cfg, p["attention"], h_BTD))
+    h_BTD = _norm(cfg, p["feed_forward_norm"], x_BTD)
+    return x_BTD + _dropout(cfg, ff_key, _feed_forward(cfg, p["feed_forward"], h_BTD))
 
 
 def _block_fn(cfg: ModelConfig):
