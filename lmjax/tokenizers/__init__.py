@@ -1,0 +1,70 @@
+"""Tokenizers: text <-> token ids (SPEC section 8).
+
+Every tokenizer has `encode(text) -> list[int]`, `decode(ids) -> str`, `vocab_size`, a `kind`
+string and `save(directory)`; `load(directory)` reads any of them back. On disk a tokenizer is a
+directory with `tokenizer.json` (`{"kind": ..., ...}`) plus whatever files its kind needs.
+
+- `ByteTokenizer`: the 256 byte values of UTF-8; never fails on any text.
+- `CharTokenizer`: one id per distinct character of a training corpus, sorted by code point;
+  encoding a character it never saw raises `TokenError` naming it.
+- `BPETokenizer` (`lmjax.tokenizers.bpe`): byte-level BPE in the GPT-2 scheme.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from lmjax.tokenizers._base import Tokenizer, read_manifest, write_manifest
+from lmjax.tokenizers.simple import ByteTokenizer, CharTokenizer
+
+# kind -> loader(directory, manifest). Kinds register here so `load` stays one function.
+_LOADERS = {
+    "byte": lambda directory, manifest: ByteTokenizer(),
+    "char": lambda directory, manifest: CharTokenizer.from_manifest(manifest),
+}
+
+
+def register(kind: str, loader) -> None:
+    """Make `load` understand `kind`: `loader(directory: Path, manifest: dict) -> Tokenizer`."""
+    _LOADERS[kind] = loader
+
+
+def load(directory: str | os.PathLike) -> Tokenizer:
+    """Read the tokenizer that `tok.save(directory)` wrote (any kind)."""
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    kind = manifest.get("kind")
+    if kind not in _LOADERS:
+        from lmjax.errors import FileFormatError
+
+        raise FileFormatError.describe(
+            f"{directory / 'tokenizer.json'}: kind",
+            kind,
+            f"one of {sorted(_LOADERS)}",
+            "save the tokenizer again with this version of lmjax",
+        )
+    return _LOADERS[kind](directory, manifest)
+
+
+def build(kind: str, texts=()) -> Tokenizer:
+    """A tokenizer of `kind` built from the corpus `texts` (an iterable of strings)."""
+    if kind == "byte":
+        return ByteTokenizer()
+    if kind == "char":
+        return CharTokenizer.train(texts)
+    from lmjax.errors import ConfigError
+
+    raise ConfigError.describe("tokenizer", kind, "'byte' or 'char'", "pick one of those")
+
+
+__all__ = [
+    "ByteTokenizer",
+    "CharTokenizer",
+    "Tokenizer",
+    "build",
+    "load",
+    "register",
+    "read_manifest",
+    "write_manifest",
+]

@@ -1,0 +1,99 @@
+"""Byte-level and character-level tokenizers."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+from lmjax.errors import FileFormatError, TokenError
+from lmjax.tokenizers._base import write_manifest
+
+
+def _check_ids(ids, vocab_size: int) -> list[int]:
+    out = [int(i) for i in np.asarray(ids).reshape(-1)]
+    bad = [i for i in out if not 0 <= i < vocab_size]
+    if bad:
+        raise TokenError.describe(
+            "token ids", bad[:8], f"ids in [0, {vocab_size})", "decode ids produced for this vocab"
+        )
+    return out
+
+
+class ByteTokenizer:
+    """id = UTF-8 byte value (vocab 256). Decoding replaces invalid UTF-8 with U+FFFD."""
+
+    kind = "byte"
+    vocab_size = 256
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids) -> str:
+        return bytes(_check_ids(ids, 256)).decode("utf-8", errors="replace")
+
+    def save(self, directory: str | os.PathLike) -> None:
+        write_manifest(directory, {"kind": self.kind})
+
+
+@dataclass(frozen=True)
+class CharTokenizer:
+    """One id per character of `chars` (distinct, sorted by code point)."""
+
+    chars: str
+    kind = "char"
+
+    def __post_init__(self):
+        if not self.chars:
+            raise TokenError.describe(
+                "character vocabulary", "''", "at least one character", "train on non-empty text"
+            )
+        if len(set(self.chars)) != len(self.chars):
+            raise FileFormatError.describe(
+                "character vocabulary", "repeated characters", "distinct characters", "retrain"
+            )
+
+    @classmethod
+    def train(cls, texts: Iterable[str] | str) -> CharTokenizer:
+        seen: set[str] = set()
+        for text in [texts] if isinstance(texts, str) else texts:
+            seen.update(text)
+        return cls("".join(sorted(seen)))
+
+    @classmethod
+    def from_manifest(cls, manifest: dict) -> CharTokenizer:
+        chars = manifest.get("chars")
+        if not isinstance(chars, str):
+            raise FileFormatError.describe(
+                "tokenizer.json chars", chars, "a string of characters", "prepare the data again"
+            )
+        return cls(chars)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.chars)
+
+    @property
+    def _index(self) -> dict[str, int]:
+        # Built on demand: the dataclass is frozen and cheap to hash without a cached dict.
+        return {c: i for i, c in enumerate(self.chars)}
+
+    def encode(self, text: str) -> list[int]:
+        index = self._index
+        try:
+            return [index[c] for c in text]
+        except KeyError as err:
+            raise TokenError.describe(
+                "character",
+                err.args[0],
+                f"one of the {len(self.chars)} characters seen in training",
+                "use a byte tokenizer or retrain on text containing it",
+            ) from None
+
+    def decode(self, ids) -> str:
+        return "".join(self.chars[i] for i in _check_ids(ids, len(self.chars)))
+
+    def save(self, directory: str | os.PathLike) -> None:
+        write_manifest(directory, {"kind": self.kind, "chars": self.chars})
