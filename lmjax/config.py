@@ -7,6 +7,9 @@ else the string itself.
 
 from __future__ import annotations
 
+import dataclasses
+import types
+import typing
 from typing import Any
 
 from lmjax.errors import ConfigError
@@ -37,3 +40,335 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
             )
         out[key.strip()] = parse_value(text.strip())
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# RunConfig: everything `lmjax train` needs, loaded from YAML + overrides and validated once.
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """optax optimizer. `no_decay`: name globs exempt from AdamW weight decay (SPEC section 5)."""
+
+    name: str = "adamw"  # adamw | adam | sgd
+    lr: float = 3e-4  # peak learning rate (after warmup)
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1  # adamw only
+    no_decay: tuple[str, ...] = ("*.bias", "*norm.scale", "*embedding.weight")
+    momentum: float = 0.9  # sgd only
+    nesterov: bool = False  # sgd only
+    clip_norm: float | None = 1.0  # global-norm clipping; null disables
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduleConfig:
+    """Linear warmup from 0 to `lr`, then `decay` down to `lr * final_lr_ratio`."""
+
+    warmup_steps: int = 100
+    decay: str = "cosine"  # cosine | linear | constant
+    decay_steps: int | None = None  # warmup + decay length; null = train.steps
+    final_lr_ratio: float = 0.1
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """`corpus`: "shakespeare" (the bundled corpus) or a text file; prepared into `dir`."""
+
+    corpus: str = "shakespeare"
+    dir: str | None = None  # prepared token files; null = a cache dir keyed by corpus + tokenizer
+    tokenizer: str = "char"  # char | byte | bpe
+    vocab_size: int | None = None  # bpe only: the trained vocabulary size
+    val_fraction: float = 0.1
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 1000
+    batch_size: int = 32  # sequences per optimizer step (split over grad_accum micro-batches)
+    seq_len: int | None = None  # null = model.context_length
+    grad_accum: int = 1
+    seed: int = 0
+    eval_every: int = 250
+    eval_batches: int = 20
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSection:
+    dir: str | None = None  # null = runs/<config file stem>
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = 500  # and always at the last step
+    keep: int = 3  # newest checkpoints kept on disk
+
+
+@dataclasses.dataclass(frozen=True)
+class LoggingConfig:
+    every: int = 10  # metrics.jsonl / progress-bar refresh period in steps
+    progress: bool = True
+    plot: bool = True
+    sample_tokens: int = 200  # text sampled at each evaluation; 0 disables
+    sample_prompt: str = "\n"
+    sample_temperature: float = 0.8
+    peak_flops: float | None = None  # for MFU; null = measure a matmul on the device
+
+
+_SECTIONS = {
+    "optimizer": OptimizerConfig,
+    "schedule": ScheduleConfig,
+    "data": DataConfig,
+    "train": TrainConfig,
+    "run": RunSection,
+    "checkpoint": CheckpointConfig,
+    "logging": LoggingConfig,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """A whole run: the model (a preset name plus field overrides) and every other section.
+
+    `model` stays a plain mapping until the data is known: with `vocab_size` null (the usual
+    case) the tokenizer's vocabulary size fills it in (`with_vocab_size`), so one config works
+    for any corpus. `model_config()` builds the validated `ModelConfig`.
+    """
+
+    model: dict[str, Any]
+    optimizer: OptimizerConfig = OptimizerConfig()
+    schedule: ScheduleConfig = ScheduleConfig()
+    data: DataConfig = DataConfig()
+    train: TrainConfig = TrainConfig()
+    run: RunSection = RunSection()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    logging: LoggingConfig = LoggingConfig()
+
+    def __post_init__(self):
+        _validate_run(self)
+
+    def model_config(self):
+        from lmjax.models import ModelConfig, preset
+
+        fields = dict(self.model)
+        if fields.get("vocab_size") is None:
+            raise ConfigError.describe(
+                "model.vocab_size", None, "an int", "set it, or let `lmjax train` take it from data"
+            )
+        name = fields.pop("preset", None)
+        return preset(name, **fields) if name else ModelConfig.from_dict(fields)
+
+    def with_vocab_size(self, vocab_size: int) -> RunConfig:
+        return self.replace(model={**self.model, "vocab_size": vocab_size})
+
+    @property
+    def seq_len(self) -> int:
+        return self.train.seq_len or self._model_with_any_vocab().context_length
+
+    def _model_with_any_vocab(self):
+        if self.model.get("vocab_size") is None:
+            return self.with_vocab_size(1).model_config()
+        return self.model_config()
+
+    def replace(self, **changes) -> RunConfig:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {"model": dict(self.model)}
+        for name in _SECTIONS:
+            section = dataclasses.asdict(getattr(self, name))
+            out[name] = {k: list(v) if isinstance(v, tuple) else v for k, v in section.items()}
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Any, overrides: dict[str, Any] | None = None) -> RunConfig:
+        """Build from nested mappings (YAML) plus dotted `overrides`; unknown keys are errors."""
+        data = _apply_overrides(_require_mapping(data, "config"), overrides or {})
+        unknown = sorted(set(data) - {"model", *_SECTIONS})
+        if unknown:
+            raise ConfigError.describe(
+                "config section", unknown[0], f"one of {['model', *_SECTIONS]}", "fix or remove it"
+            )
+        model = _require_mapping(data.get("model", {}), "model")
+        sections = {
+            name: _build_section(cls_, data.get(name) or {}, name)
+            for name, cls_ in _SECTIONS.items()
+        }
+        return cls(model=dict(model), **sections)
+
+
+def load_run_config(path, overrides: list[str] | dict[str, Any] = ()) -> RunConfig:
+    """Read a YAML run config and apply `key=value` overrides (`model.n_layers=4`)."""
+    import yaml
+
+    from lmjax.errors import FileFormatError
+
+    if not isinstance(overrides, dict):
+        overrides = parse_overrides(list(overrides))
+    try:
+        with open(path, encoding="utf-8") as handle:
+            data = yaml.safe_load(handle)
+    except FileNotFoundError:
+        raise ConfigError.describe(
+            "config file", str(path), "an existing YAML file", "check the path (see configs/)"
+        ) from None
+    except IsADirectoryError:
+        raise ConfigError.describe(
+            "config file", str(path), "a YAML file, not a directory", "pass configs/<name>.yaml"
+        ) from None
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
+        first = " ".join(str(err).split())
+        raise FileFormatError.describe(
+            f"config file {path}", f"unparseable YAML ({first})", "valid YAML", "fix the syntax"
+        ) from None
+    return RunConfig.from_dict({} if data is None else data, overrides)
+
+
+def _require_mapping(value: Any, where: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ConfigError.describe(
+            where, value, "a mapping of key: value", f"write {where} as a YAML mapping"
+        )
+    bad = [k for k in value if not isinstance(k, str)]
+    if bad:
+        raise ConfigError.describe(f"{where} key", bad[0], "a string", "quote the key")
+    return value
+
+
+def _apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """`{"model.n_layers": 4}` sets `data["model"]["n_layers"]`; sections are copied first."""
+    data = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}
+    for key, value in overrides.items():
+        section, dot, field = key.partition(".")
+        if not dot or not field or "." in field:
+            raise ConfigError.describe(
+                "override key",
+                key,
+                "section.field (e.g. model.n_layers=4, train.steps=100)",
+                "prefix the field with its section",
+            )
+        if section not in ("model", *_SECTIONS):
+            raise ConfigError.describe(
+                "override section", section, f"one of {['model', *_SECTIONS]}", "fix the key"
+            )
+        current = data.get(section) or {}
+        data[section] = {**_require_mapping(current, section), field: value}
+    return data
+
+
+def _build_section(cls, values: Any, where: str):
+    values = _require_mapping(values, where)
+    hints = typing.get_type_hints(cls)
+    unknown = sorted(set(values) - set(hints))
+    if unknown:
+        raise ConfigError.describe(
+            f"{where} key", unknown[0], f"one of {sorted(hints)}", "fix the spelling or remove it"
+        )
+    return cls(**{k: _coerce(v, hints[k], f"{where}.{k}") for k, v in values.items()})
+
+
+def _coerce(value: Any, hint: Any, where: str) -> Any:
+    """Check `value` against a field's type hint; ints are accepted for floats, lists for tuples."""
+    options = typing.get_args(hint) if typing.get_origin(hint) is types.UnionType else (hint,)
+    if value is None:
+        if type(None) in options:
+            return None
+        raise ConfigError.describe(where, None, _type_name(hint), "give it a value")
+    for option in options:
+        if option is bool and isinstance(value, bool):
+            return value
+        if option is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if option is float and isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        if option is str and isinstance(value, str):
+            return value
+        if typing.get_origin(option) is tuple and isinstance(value, list | tuple):
+            if all(isinstance(v, str) for v in value):
+                return tuple(value)
+    raise ConfigError.describe(where, value, _type_name(hint), "write a value of that type")
+
+
+def _type_name(hint: Any) -> str:
+    names = {int: "an int", float: "a number", str: "a string", bool: "true or false"}
+    options = typing.get_args(hint) if typing.get_origin(hint) is types.UnionType else (hint,)
+    words = [names.get(o, "a list of strings") for o in options if o is not type(None)]
+    return " or ".join(words) + (" or null" if type(None) in options else "")
+
+
+def _check(ok: bool, where: str, value: Any, expected: str, fix: str) -> None:
+    if not ok:
+        raise ConfigError.describe(where, value, expected, fix)
+
+
+def _validate_run(cfg: RunConfig) -> None:
+    """Range checks across sections (types were checked when the sections were built)."""
+    _require_mapping(cfg.model, "model")
+    cfg._model_with_any_vocab()  # raises on a bad preset, field or value
+    o, s, d, t = cfg.optimizer, cfg.schedule, cfg.data, cfg.train
+    _check(o.name in OPTIMIZERS, "optimizer.name", o.name, f"one of {OPTIMIZERS}", "pick one")
+    _check(
+        o.lr > 0 and o.lr < float("inf"), "optimizer.lr", o.lr, "a finite float > 0", "e.g. 3e-4"
+    )
+    for name in ("b1", "b2", "momentum"):
+        value = getattr(o, name)
+        _check(0 <= value < 1, f"optimizer.{name}", value, "a float in [0, 1)", "e.g. 0.9")
+    _check(o.eps > 0, "optimizer.eps", o.eps, "a float > 0", "e.g. 1e-8")
+    _check(o.weight_decay >= 0, "optimizer.weight_decay", o.weight_decay, ">= 0", "e.g. 0.1")
+    clip = o.clip_norm
+    _check(clip is None or clip > 0, "optimizer.clip_norm", clip, "> 0 or null", "e.g. 1.0")
+    _check(s.decay in DECAYS, "schedule.decay", s.decay, f"one of {DECAYS}", "pick one")
+    _check(s.warmup_steps >= 0, "schedule.warmup_steps", s.warmup_steps, ">= 0", "e.g. 100")
+    _check(
+        s.decay_steps is None or s.decay_steps > s.warmup_steps,
+        "schedule.decay_steps",
+        s.decay_steps,
+        f"null or > warmup_steps = {s.warmup_steps}",
+        "lengthen it or leave it null (= train.steps)",
+    )
+    ratio = s.final_lr_ratio
+    _check(0 <= ratio <= 1, "schedule.final_lr_ratio", ratio, "a float in [0, 1]", "e.g. 0.1")
+    _check(
+        d.tokenizer in TOKENIZERS, "data.tokenizer", d.tokenizer, f"one of {TOKENIZERS}", "pick one"
+    )
+    _check(
+        (d.vocab_size is not None) == (d.tokenizer == "bpe"),
+        "data.vocab_size",
+        d.vocab_size,
+        "an int >= 257 with tokenizer bpe, null otherwise",
+        "set data.vocab_size only for bpe",
+    )
+    _check(0 < d.val_fraction < 1, "data.val_fraction", d.val_fraction, "in (0, 1)", "e.g. 0.1")
+    for name in ("steps", "batch_size", "grad_accum", "eval_every", "eval_batches"):
+        value = getattr(t, name)
+        _check(value >= 1, f"train.{name}", value, "an int >= 1", "use a positive integer")
+    _check(
+        t.batch_size % t.grad_accum == 0,
+        "train.batch_size",
+        t.batch_size,
+        f"a multiple of train.grad_accum = {t.grad_accum}",
+        "each micro-batch holds batch_size / grad_accum sequences",
+    )
+    context = cfg._model_with_any_vocab().context_length
+    _check(
+        t.seq_len is None or 1 <= t.seq_len <= context,
+        "train.seq_len",
+        t.seq_len,
+        f"null or an int in [1, model.context_length = {context}]",
+        "lower it or raise model.context_length",
+    )
+    c, g = cfg.checkpoint, cfg.logging
+    _check(c.every >= 1, "checkpoint.every", c.every, "an int >= 1", "e.g. 500")
+    _check(c.keep >= 1, "checkpoint.keep", c.keep, "an int >= 1", "e.g. 3")
+    _check(g.every >= 1, "logging.every", g.every, "an int >= 1", "e.g. 10")
+    _check(g.sample_tokens >= 0, "logging.sample_tokens", g.sample_tokens, ">= 0", "e.g. 200")
+    temp = g.sample_temperature
+    _check(temp >= 0, "logging.sample_temperature", temp, ">= 0 (0 = greedy)", "e.g. 0.8")
+    peak = g.peak_flops
+    _check(peak is None or peak > 0, "logging.peak_flops", peak, "> 0 or null", "leave it null")
+
+
+OPTIMIZERS = ("adamw", "adam", "sgd")
+DECAYS = ("cosine", "linear", "constant")
+TOKENIZERS = ("char", "byte", "bpe")

@@ -48,6 +48,10 @@ class CheckpointError(LMJaxError, OSError):
     """A checkpoint that is missing, incomplete, or from a different architecture."""
 
 
+class NonFiniteError(LMJaxError, FloatingPointError):
+    """Training produced a NaN or infinite loss or gradient."""
+
+
 def _short(value: Any, limit: int = 120) -> str:
     # One line whatever the value: an array's repr spans several, so whitespace is collapsed.
     text = " ".join(repr(value).split())
@@ -62,4 +66,5 @@ __all__ = [
     "MaskError",
     "FileFormatError",
     "CheckpointError",
+    "NonFiniteError",
 ]

@@ -63,14 +63,19 @@ def residual_bytes(cfg: ModelConfig, batch: int, seq_len: int) -> int:
     return total
 
 
-def memory_estimate(cfg: ModelConfig, batch: int = 1, seq_len: int | None = None) -> MemoryEstimate:
-    """Parameters and gradients (in `param_dtype`), AdamW moments, backward residuals."""
+def memory_estimate(
+    cfg: ModelConfig, batch: int = 1, seq_len: int | None = None, optimizer_bytes: int | None = None
+) -> MemoryEstimate:
+    """Parameters and gradients (in `param_dtype`), optimizer state (default: AdamW's two
+    moments), backward residuals."""
     seq_len = cfg.context_length if seq_len is None else seq_len
     param_bytes = param_count(cfg) * cfg.params_dtype.itemsize
+    if optimizer_bytes is None:
+        optimizer_bytes = ADAMW_MOMENTS * param_bytes
     return MemoryEstimate(
         params=param_bytes,
         gradients=param_bytes,
-        optimizer=ADAMW_MOMENTS * param_bytes,
+        optimizer=optimizer_bytes,
         activations=residual_bytes(cfg, batch, seq_len),
     )
 
@@ -84,8 +89,16 @@ def _human(nbytes: int) -> str:
     raise AssertionError("unreachable")
 
 
-def format_summary(cfg: ModelConfig, batch: int = 1, seq_len: int | None = None) -> str:
-    """The parameter table (name, shape, count), the total, and the memory estimate."""
+def format_summary(
+    cfg: ModelConfig,
+    batch: int = 1,
+    seq_len: int | None = None,
+    optimizer: tuple[str, int] | None = None,
+) -> str:
+    """The parameter table (name, shape, count), the total, and the memory estimate.
+
+    `optimizer`: (label, bytes) of the optimizer state; default AdamW's two moments.
+    """
     rows = param_table(cfg)
     width = max(len(name) for name, _, _ in rows)
     lines = [f"{'name':{width}}  {'shape':>14}  {'count':>12}"]
@@ -94,11 +107,12 @@ def format_summary(cfg: ModelConfig, batch: int = 1, seq_len: int | None = None)
     ]
     lines.append(f"{'total':{width}}  {'':>14}  {param_count(cfg):>12,}")
     seq_len = cfg.context_length if seq_len is None else seq_len
-    mem = memory_estimate(cfg, batch, seq_len)
+    label, nbytes = optimizer or (f"AdamW state (2 x {cfg.param_dtype})", None)
+    mem = memory_estimate(cfg, batch, seq_len, nbytes)
     rows = [
         (f"parameters ({cfg.param_dtype})", mem.params),
         (f"gradients ({cfg.param_dtype})", mem.gradients),
-        (f"AdamW state (2 x {cfg.param_dtype})", mem.optimizer),
+        (label, mem.optimizer),
         (f"activations kept for grad ({cfg.dtype})", mem.activations),
         ("total", mem.total),
     ]

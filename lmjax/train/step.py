@@ -1,0 +1,103 @@
+"""The jitted train and eval steps (SPEC section 5).
+
+    loss(θ; x, y) = mean_{b,t} CE(forward(θ, x)[b, t], y[b, t])
+    g = (1/A) Σ_a ∇θ loss(θ; x_a, y_a)          over A micro-batches (gradient accumulation)
+    θ', opt' = optimizer(clip(g), opt, θ)
+
+`train_step(state, batch) -> (state, metrics)` is one `jax.jit` with the state donated, so the
+new parameters and optimizer state reuse the old buffers. A step whose loss or gradient norm is
+not finite leaves the state unchanged (parameters never become NaN); when the batch carries its
+`step`, a state whose counter disagrees is not advanced either, so after a non-finite step the
+state stays at the last good step and `state.step` tells the caller where the run failed.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from lmjax import models, ops
+from lmjax.models import ModelConfig
+
+
+class TrainState(NamedTuple):
+    """Everything a resumed run needs besides the data, which is a function of (seed, step)."""
+
+    step: jax.Array  # int32 scalar: optimizer steps taken
+    params: dict
+    opt_state: Any
+    key: jax.Array  # uint32[2]: the run's dropout key; step keys are fold_in(key, step)
+
+
+def init_state(key: jax.Array, cfg: ModelConfig, tx: optax.GradientTransformation) -> TrainState:
+    init_key, dropout_key = jax.random.split(key)
+    params = models.init(init_key, cfg)
+    return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), dropout_key)
+
+
+def loss_fn(params: dict, inputs_BT, targets_BT, cfg: ModelConfig, dropout_key=None):
+    """Mean next-token cross-entropy of one (micro-)batch."""
+    logits_BTV = models.forward(params, inputs_BT, cfg, dropout_key=dropout_key)
+    return ops.cross_entropy(logits_BTV, targets_BT)
+
+
+def _mean_loss_and_grads(params, inputs_ABT, targets_ABT, cfg, key):
+    """Average loss and gradient over the A micro-batches, accumulated with `lax.scan`."""
+    grad_fn = jax.value_and_grad(loss_fn)
+    keys = None if cfg.dropout == 0.0 else jax.random.split(key, inputs_ABT.shape[0])
+    if inputs_ABT.shape[0] == 1:  # no accumulation: skip the scan
+        k = None if keys is None else keys[0]
+        return grad_fn(params, inputs_ABT[0], targets_ABT[0], cfg, k)
+
+    def micro(carry, xs):
+        inputs_BT, targets_BT, k = xs
+        loss, grads = grad_fn(params, inputs_BT, targets_BT, cfg, k)
+        return jax.tree.map(jnp.add, carry, (loss, grads)), None
+
+    zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+    xs = (inputs_ABT, targets_ABT, keys)
+    (loss, grads), _ = jax.lax.scan(micro, zero, xs)
+    a = inputs_ABT.shape[0]
+    return loss / a, jax.tree.map(lambda g: g / a, grads)
+
+
+def global_norm(tree) -> jax.Array:
+    """sqrt(sum of squares over every leaf), in float32."""
+    leaves = jax.tree.leaves(tree)
+    return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in leaves))
+
+
+def make_train_step(cfg: ModelConfig, tx: optax.GradientTransformation, lr: optax.Schedule):
+    """`train_step(state, batch) -> (state, metrics)`, jitted, state donated.
+
+    batch: `{"inputs": int [A, B, T], "targets": int [A, B, T]}` (A micro-batches; A = 1 for no
+    accumulation) and optionally `"step"`: the step this batch belongs to.
+    metrics: loss, grad_norm (before clipping), lr (used by this step), finite (bool).
+    """
+
+    def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
+        key = jax.random.fold_in(state.key, state.step)
+        loss, grads = _mean_loss_and_grads(
+            state.params, batch["inputs"], batch["targets"], cfg, key
+        )
+        grad_norm = global_norm(grads)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        ok = finite if "step" not in batch else finite & (batch["step"] == state.step)
+        new = TrainState(state.step + 1, params, opt_state, state.key)
+        new = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, state)
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr(state.step), "finite": finite}
+        return new, metrics
+
+    return jax.jit(train_step, donate_argnums=0)
+
+
+def make_eval_step(cfg: ModelConfig):
+    """`eval_step(params, inputs_BT, targets_BT) -> mean loss` (no dropout), jitted."""
+    return jax.jit(
+        lambda params, inputs_BT, targets_BT: loss_fn(params, inputs_BT, targets_BT, cfg)
+    )
