@@ -23,9 +23,12 @@ def parse_value(text: str) -> Any:
     """`"4"` -> 4, `"1e-5"` -> 1e-05, `"true"` -> True, `"null"` -> None, `"none"` -> "none"."""
     for convert in (int, float):
         try:
-            return convert(text)
+            value = convert(text)
         except ValueError:
-            pass
+            continue
+        # float() also reads "nan", "inf" and "infinity": those stay strings (run.dir=nan).
+        if any(c.isdigit() for c in text):
+            return value
     return _WORDS.get(text.lower(), text)
 
 

@@ -202,6 +202,13 @@ def test_parse_values_and_overrides():
         "gelu",
     ]
     assert parse_value("yes") == "yes" and parse_value("none") == "none"  # remat=none
+    # float() reads these words as numbers; as override values they are names (run.dir=nan).
+    assert [parse_value(t) for t in ("nan", "inf", "Infinity", "-inf")] == [
+        "nan",
+        "inf",
+        "Infinity",
+        "-inf",
+    ]
     assert parse_overrides(["n_layers=3", "bias=false", "n_layers=4"]) == {
         "n_layers": 4,
         "bias": False,

@@ -181,14 +181,13 @@ class _Trainer:
             )
             state, metrics = self.train_step(state, {**batch, "step": np.int32(step)})
             done = step + 1
+            pending.append((done, metrics))
             if step == start:  # the first step compiles: time it apart from the throughput
                 jax.block_until_ready(metrics)
                 self.compile_s = time.perf_counter() - window_start
                 window_start = time.perf_counter()
-            else:
-                pending.append((done, metrics))
             if done % self.cfg.logging.every == 0 or done == t.steps or _due(done, self.cfg):
-                self._log_window(pending, window_start, int(state.step), bar, done)
+                self._log_window(pending, window_start, int(state.step), bar)
                 pending, window_start = [], time.perf_counter()
             if done % t.eval_every == 0 or done == t.steps:
                 val_loss, sample = self._evaluate(state, done)
@@ -201,17 +200,15 @@ class _Trainer:
             val_loss = self.evaluate_params(state.params)
         return RunResult(self.run_dir, int(state.step), val_loss, sample)
 
-    def _log_window(self, pending, window_start: float, state_step: int, bar, done: int):
-        if state_step < done and not pending:  # the first step itself failed
-            raise self._non_finite(done, None)
+    def _log_window(self, pending, window_start: float, state_step: int, bar) -> None:
         host = jax.device_get([m for _, m in pending])  # waits for the steps to finish
         elapsed = time.perf_counter() - window_start
         for (step, _), m in zip(pending, host, strict=True):
             if not m["finite"] or step > state_step:
                 raise self._non_finite(step, m)
-        if not pending:
-            return
-        tokens_per_s = self.tokens_per_step * len(pending) / max(elapsed, 1e-9)
+        # The compile step (first of the process) is logged but not timed into throughput.
+        timed = len(pending) - (self.compile_s is not None)
+        tokens_per_s = self.tokens_per_step * timed / elapsed if timed else None
         step, m = pending[-1][0], host[-1]
         record = {
             "step": step,
@@ -219,20 +216,21 @@ class _Trainer:
             "lr": float(m["lr"]),
             "grad_norm": float(m["grad_norm"]),
             "tokens_per_s": tokens_per_s,
-            "mfu": self.flops / self.tokens_per_step * tokens_per_s / self.peak,
+            "mfu": None
+            if timed == 0
+            else self.flops / self.tokens_per_step * tokens_per_s / self.peak,
         }
         if self.compile_s is not None:  # once per process: the first step's compile + run time
             record["first_step_s"], self.compile_s = self.compile_s, None
         self.log.append(record)
-        bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
+        speed = f"{tokens_per_s:,.0f}" if tokens_per_s else "compiling"
+        bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=speed, refresh=False)
         bar.update(step - bar.n)
 
     def _non_finite(self, step: int, m) -> NonFiniteError:
-        value = "non-finite" if m is None else f"{float(m['loss'])}"
-        grad = "" if m is None else f" (grad norm {float(m['grad_norm'])})"
         return NonFiniteError.describe(
             f"train step {step}: loss",
-            value + grad,
+            f"{float(m['loss'])} (grad norm {float(m['grad_norm'])})",
             "a finite loss and gradient",
             "lower optimizer.lr, set optimizer.clip_norm, or check the data; the run stopped "
             f"and its newest checkpoint (step {self.ckpt.latest_step()}) is the last good one",

@@ -1,0 +1,157 @@
+"""Token files (`lmjax prepare`) and batches that are a pure function of (seed, step)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from lmjax import tokenizers
+from lmjax.errors import ConfigError, FileFormatError
+from lmjax.train import data as D
+
+TEXT = "".join(
+    f"Line {i}: the quick brown fox {'jumps' if i % 3 else 'sleeps'} over dog {i * 7 % 11}.\n"
+    for i in range(400)
+)
+
+
+@pytest.fixture()
+def corpus(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    path = tmp_path / "corpus.txt"
+    path.write_text(TEXT, encoding="utf-8")
+    return path
+
+
+def test_prepare_writes_the_encoded_splits(corpus, tmp_path):
+    out = D.prepare(str(corpus), tmp_path / "data", tokenizer="char", progress=False)
+    prepared = D.open_prepared(out)
+    split = int(len(TEXT) * 0.9)
+    # Independent witness: a character table built here, not lmjax's tokenizer.
+    table = {c: i for i, c in enumerate(sorted(set(TEXT)))}
+    assert prepared.train.dtype == np.uint16 and prepared.meta["dtype"] == "uint16"
+    np.testing.assert_array_equal(prepared.train, [table[c] for c in TEXT[:split]])
+    np.testing.assert_array_equal(prepared.val, [table[c] for c in TEXT[split:]])
+    assert prepared.vocab_size == len(table)
+    assert prepared.tokenizer.decode(prepared.val) == TEXT[split:]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "meta.json",
+        "tokenizer",
+        "train.bin",
+        "val.bin",
+    ]
+
+
+def test_byte_tokenizer_and_default_cache_dir(corpus, tmp_path):
+    out = D.prepare(str(corpus), tokenizer="byte", val_fraction=0.25, progress=False)
+    assert out.is_relative_to(tmp_path / "cache")
+    prepared = D.open_prepared(out)
+    raw = TEXT.encode()
+    np.testing.assert_array_equal(
+        np.concatenate([prepared.train, prepared.val]), np.frombuffer(raw, np.uint8)
+    )
+    assert prepared.vocab_size == 256
+    # Preparing again with the same settings reuses the directory untouched.
+    before = (out / "train.bin").stat().st_mtime_ns
+    assert D.prepare(str(corpus), tokenizer="byte", val_fraction=0.25, progress=False) == out
+    assert (out / "train.bin").stat().st_mtime_ns == before
+
+
+def test_prepare_refuses_to_overwrite_a_different_directory(corpus, tmp_path):
+    out = D.prepare(str(corpus), tmp_path / "data", tokenizer="char", progress=False)
+    listing = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    with pytest.raises(ConfigError, match="already prepared with tokenizer = 'char'"):
+        D.prepare(str(corpus), tmp_path / "data", tokenizer="byte", progress=False)
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == listing
+    stray = tmp_path / "stray"
+    stray.mkdir()
+    with pytest.raises(FileFormatError, match="meta.json"):
+        D.prepare(str(corpus), stray, progress=False)
+
+
+def test_bad_corpora(tmp_path):
+    with pytest.raises(ConfigError, match="data.corpus = .*nope.txt"):
+        D.prepare(str(tmp_path / "nope.txt"), tmp_path / "a", progress=False)
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    with pytest.raises(FileFormatError, match="empty file"):
+        D.prepare(str(empty), tmp_path / "b", progress=False)
+    latin = tmp_path / "latin1.txt"
+    latin.write_bytes("café\n".encode("latin-1"))
+    with pytest.raises(FileFormatError, match="not UTF-8"):
+        D.prepare(str(latin), tmp_path / "c", progress=False)
+    tiny = tmp_path / "tiny.txt"
+    tiny.write_text("a")
+    with pytest.raises(FileFormatError, match="enough text for both splits"):
+        D.prepare(str(tiny), tmp_path / "d", progress=False)
+    assert not any((tmp_path / n).exists() for n in "abcd")
+
+
+def test_damaged_token_files_are_reported(corpus, tmp_path):
+    out = D.prepare(str(corpus), tmp_path / "data", tokenizer="char", progress=False)
+    with open(out / "val.bin", "r+b") as handle:
+        handle.truncate(10)
+    with pytest.raises(FileFormatError, match="val.bin = '10 bytes'"):
+        D.open_prepared(out)
+    meta = json.loads((out / "meta.json").read_text())
+    (out / "meta.json").write_text(json.dumps({**meta, "dtype": "float32"}))
+    with pytest.raises(FileFormatError, match="dtype 'float32'"):
+        D.open_prepared(out)
+    (out / "meta.json").write_text(json.dumps({**meta, "vocab_size": 70000}))
+    with pytest.raises(FileFormatError, match="vocab_size 70000 stored as uint16"):
+        D.open_prepared(out)
+    (out / "meta.json").write_text("{not json")
+    with pytest.raises(FileFormatError, match="invalid JSON"):
+        D.open_prepared(out)
+
+
+def test_vocab_must_match_the_model(corpus, tmp_path):
+    prepared = D.open_prepared(D.prepare(str(corpus), tmp_path / "d", progress=False))
+    D.check_vocab(prepared, prepared.vocab_size)
+    with pytest.raises(ConfigError, match=f"vocab_size = {prepared.vocab_size}"):
+        D.check_vocab(prepared, prepared.vocab_size + 1)
+
+
+def test_batches_are_a_pure_function_of_seed_and_step():
+    tokens = np.arange(1000, dtype=np.uint16)
+    a = D.train_batch(tokens, seed=3, step=17, batch_size=8, seq_len=12, accum=2)
+    b = D.train_batch(tokens, seed=3, step=17, batch_size=8, seq_len=12, accum=2)
+    c = D.train_batch(tokens, seed=3, step=18, batch_size=8, seq_len=12, accum=2)
+    d = D.train_batch(tokens, seed=4, step=17, batch_size=8, seq_len=12, accum=2)
+    np.testing.assert_array_equal(a["inputs"], b["inputs"])
+    assert not np.array_equal(a["inputs"], c["inputs"])
+    assert not np.array_equal(a["inputs"], d["inputs"])
+    assert a["inputs"].shape == (2, 4, 12) and a["inputs"].dtype == np.int32
+    # Each row is a contiguous window of the file and the targets are the inputs shifted by one.
+    rows = a["inputs"].reshape(8, 12)
+    np.testing.assert_array_equal(np.diff(rows, axis=1), 1)
+    np.testing.assert_array_equal(a["targets"].reshape(8, 12), rows + 1)
+    assert rows.max() <= 999 - 1
+    # Evaluation batches come from another stream: not the training batch of the same index.
+    x, _ = D.eval_batch(tokens, seed=3, index=17, batch_size=8, seq_len=12)
+    assert not np.array_equal(x, rows)
+
+
+def test_crops_need_enough_tokens():
+    with pytest.raises(ConfigError, match="at least seq_len \\+ 1 = 11 tokens"):
+        D.crops(np.arange(10, dtype=np.uint16), 0, 0, 0, 2, 10)
+
+
+def test_chunked_encoding_equals_encoding_the_whole_text(monkeypatch):
+    monkeypatch.setattr(D, "_CHUNK", 256)
+    text = TEXT + "x" * 1000 + "\n\nend\n"  # a long run with no safe cut stays in one chunk
+    chunks = list(D._chunks(text))
+    assert "".join(chunks) == text and len(chunks) > 10
+    for left, right in zip(chunks, chunks[1:], strict=False):
+        assert left.endswith("\n") and not left[-2].isspace() and not right[0].isspace()
+
+
+def test_tokenizer_files_round_trip(tmp_path):
+    for tok in (tokenizers.CharTokenizer.train(TEXT), tokenizers.ByteTokenizer()):
+        tok.save(tmp_path / tok.kind)
+        again = tokenizers.load(tmp_path / tok.kind)
+        assert again.encode(TEXT) == tok.encode(TEXT) and again.decode(tok.encode(TEXT)) == TEXT
+    with pytest.raises(FileFormatError, match="tokenizer.json"):
+        tokenizers.load(tmp_path / "missing")
