@@ -110,6 +110,72 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _import_hf(args: argparse.Namespace) -> int:
+    from lmjax.io import hf_gpt2
+    from lmjax.train.runs import write_weights_run
+
+    params, model = hf_gpt2.load(args.source, dtype=args.dtype)
+    tokenizer, note = _hf_tokenizer(args.source), ""
+    if tokenizer is None:
+        from lmjax.tokenizers.gpt2 import fetch_gpt2_files, load_gpt2
+        from lmjax.train.corpus import cache_dir
+
+        tokenizer = load_gpt2(*fetch_gpt2_files(cache_dir() / "gpt2"))
+        note = " (no vocab.json/merges.txt beside it: GPT-2's own vocabulary is used)"
+    write_weights_run(args.out, params, model, tokenizer, "gpt2")
+    print(f"imported {args.source} -> {args.out}: gpt2, {_count(params):,} parameters{note}")
+    return 0
+
+
+def _hf_tokenizer(source: str):
+    """The tokenizer files next to a Hugging Face checkpoint, if any (either GPT-2 pair)."""
+    from pathlib import Path
+
+    from lmjax.tokenizers import BPETokenizer
+
+    directory = Path(source) if Path(source).is_dir() else Path(source).parent
+    for vocab, merges in (("vocab.json", "merges.txt"), ("encoder.json", "vocab.bpe")):
+        if (directory / vocab).is_file() and (directory / merges).is_file():
+            return BPETokenizer.from_files(directory / vocab, directory / merges)
+    return None
+
+
+def _count(params) -> int:
+    from lmjax import params as P
+
+    return P.count(params)
+
+
+def _export_hf(args: argparse.Namespace) -> int:
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from lmjax import train
+    from lmjax.io import hf_gpt2
+
+    run = train.load_run(args.run_path, args.step)
+    out = Path(args.out)
+    if out.exists():
+        raise LMJaxError(
+            f"--out = {str(out)!r}; expected a path that does not exist yet. Fix: pick a new "
+            "directory (nothing was overwritten)."
+        )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        hf_gpt2.save(run.params, run.model, tmp)
+        if run.tokenizer is not None and run.tokenizer.kind == "bpe":
+            run.tokenizer.save(tmp)  # vocab.json + merges.txt, as transformers expects
+            (tmp / "tokenizer.json").unlink()  # lmjax's manifest; transformers reads its own
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    print(f"exported {run.directory} (step {run.step}) -> {out}: config.json, model.safetensors")
+    return 0
+
+
 def _inspect(args: argparse.Namespace) -> int:
     from lmjax import models
     from lmjax.config import parse_overrides
@@ -249,6 +315,31 @@ def _add_training_commands(sub) -> None:
         "--batches", type=int, default=None, help="evaluation batches (default: config)"
     )
     ev.set_defaults(run=_eval)
+
+    imp = sub.add_parser(
+        "import-hf",
+        help="import a Hugging Face GPT-2 checkpoint as an lmjax run directory",
+        description="Read a Hugging Face GPT-2 directory (config.json + model.safetensors, "
+        "with or without the transformer. prefix) or one .safetensors file into the gpt2 "
+        "preset, and write OUT (config.yaml, model.safetensors, tokenizer/) for lmjax "
+        "generate / eval / export-hf.",
+    )
+    imp.add_argument("source", help="a GPT-2 directory or a .safetensors file")
+    imp.add_argument("--out", required=True, help="the new run directory")
+    imp.add_argument("--dtype", default="float32", help="parameter dtype (default float32)")
+    imp.set_defaults(run=_import_hf)
+
+    exp = sub.add_parser(
+        "export-hf",
+        help="export a gpt2 run as a Hugging Face GPT-2 directory",
+        description="Write OUT/config.json and OUT/model.safetensors (plus vocab.json and "
+        "merges.txt for a BPE tokenizer) so transformers.GPT2LMHeadModel.from_pretrained(OUT) "
+        "loads the run's newest (or --step) weights.",
+    )
+    exp.add_argument("run_path", metavar="RUN", help="a run directory")
+    exp.add_argument("--out", required=True, help="the new Hugging Face directory")
+    exp.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
+    exp.set_defaults(run=_export_hf)
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:

