@@ -1,0 +1,524 @@
+"""Training throughput: lmjax's jitted train step against the same model in PyTorch (CPU).
+
+One process trains the reference config (V=8192, L=4, D=256, H=4, F=1024, T=256, B=8, f32,
+AdamW) three ways, alternating so that machine noise hits every system alike:
+
+  lmjax          `lmjax.train.make_train_step` (one jit, state donated)
+  torch eager    an equivalent `nn.Module` (nn.Linear / nn.LayerNorm / nn.Embedding,
+                 `F.scaled_dot_product_attention(is_causal=True)`), `torch.optim.AdamW`
+  torch.compile  the same module under `torch.compile` (default mode), loss included in the
+                 compiled region; optimizer and clipping stay eager
+
+Fairness. The torch model is built from the lmjax config alone (not by calling lmjax), with the
+same parameter names, shapes and count (asserted), and starts from lmjax's initial weights. Both
+sides use AdamW with the same lr (constant), betas, eps and weight decay, the same no-decay set
+(lmjax's `optimizer.no_decay`: biases, norm scales, embeddings), global-norm clipping at 1.0,
+and the same random int32 batches. Before timing, one step from identical weights on one batch
+is run on every system: the losses of step 1 (same weights) and step 2 (after one AdamW update)
+must agree to ~1e-5 relative, and a few updated parameters are compared; these witness numbers
+go into the JSON.
+
+Timing: `--rounds` rounds of (lmjax, torch eager, torch.compile) x `--steps` steps each, every
+block synchronised (`jax.block_until_ready`; torch on CPU is synchronous). The first step of each
+system (XLA compile / torch.compile) is timed separately. Reported: median seconds per step and
+tokens/s per system, the ratios lmjax/torch.compile and lmjax/eager, and MFU = model FLOPs per
+token (`lmjax.train.metrics.flops_per_token`: 6N + 12*L*T*D) x tokens/s / peak, with peak the
+best f32 n x n matmul measured in this process with both jnp and torch (the larger is used).
+
+    python benchmarks/train_step.py                 # reference config -> results/train_step.json
+    python benchmarks/train_step.py --quick         # tiny shapes, seconds (no torch.compile)
+    python benchmarks/train_step.py --steps 10 --rounds 5 --batch 8 --seq 256
+
+Run it on a quiet machine. On a loaded one torch's OpenMP threads spin-wait at every barrier while
+other processes hold the cores, which can make torch steps 10-100x slower; for a trial run there,
+`OMP_WAIT_POLICY=PASSIVE` (recorded in the JSON, with the load average) avoids the worst of it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
+
+from lmjax import params as P  # noqa: E402
+from lmjax.config import OptimizerConfig, ScheduleConfig  # noqa: E402
+from lmjax.models import ModelConfig, preset  # noqa: E402
+from lmjax.train import init_state, make_train_step, optim  # noqa: E402
+from lmjax.train.metrics import flops_per_token, measured_peak_flops  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+REFERENCE = dict(vocab=8192, layers=4, d_model=256, heads=4, d_ff=1024, seq=256, batch=8)
+QUICK = dict(vocab=256, layers=2, d_model=64, heads=2, d_ff=256, seq=32, batch=2)
+WITNESS_PARAMS = (
+    "token_embedding.weight",
+    "blocks.0.attention.query.weight",
+    "blocks.0.feed_forward.expand.bias",
+    "final_norm.scale",
+    "language_model_head.weight",
+)
+N_BATCHES = 4  # distinct random batches, cycled
+
+
+# ---- the PyTorch model ---------------------------------------------------------------------------
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        d = cfg.d_model
+        self.n_heads = cfg.n_heads
+        self.query, self.key, self.value = (nn.Linear(d, d, bias=cfg.bias) for _ in range(3))
+        self.output = nn.Linear(d, d, bias=cfg.bias)
+
+    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        b, t, d = x_BTD.shape
+        q, k, v = (
+            proj(x_BTD).view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2)
+            for proj in (self.query, self.key, self.value)
+        )
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, H, T, Dh]
+        return self.output(out.transpose(1, 2).reshape(b, t, d))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.expand = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.bias)
+        self.project = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.bias)
+        self.approximate = "tanh" if cfg.activation == "gelu_tanh" else "none"
+
+    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        return self.project(F.gelu(self.expand(x_BTD), approximate=self.approximate))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attention_norm = nn.LayerNorm(cfg.d_model, eps=cfg.eps, bias=cfg.bias)
+        self.attention = Attention(cfg)
+        self.feed_forward_norm = nn.LayerNorm(cfg.d_model, eps=cfg.eps, bias=cfg.bias)
+        self.feed_forward = FeedForward(cfg)
+
+    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        x_BTD = x_BTD + self.attention(self.attention_norm(x_BTD))
+        return x_BTD + self.feed_forward(self.feed_forward_norm(x_BTD))
+
+
+class TorchGPT(nn.Module):
+    """Pre-LayerNorm GPT with learned positions and an untied head: `(tokens, targets) -> loss`.
+
+    Parameter names equal lmjax's except that a LayerNorm's `scale` is torch's `weight`.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        unsupported = (
+            cfg.norm != "layernorm"
+            or cfg.activation not in ("gelu", "gelu_tanh")
+            or cfg.positions != "learned"
+            or cfg.tie_embeddings
+            or cfg.dropout != 0.0
+        )
+        if unsupported:
+            raise ValueError("the torch model covers the gpt preset only (see TorchGPT)")
+        self.token_embedding = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.position_embedding = nn.Embedding(cfg.context_length, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.final_norm = nn.LayerNorm(cfg.d_model, eps=cfg.eps, bias=cfg.bias)
+        self.language_model_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=cfg.head_bias)
+
+    def forward(self, tokens_BT: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
+        t = tokens_BT.shape[1]
+        x = self.token_embedding(tokens_BT) + self.position_embedding.weight[:t][None]
+        for blk in self.blocks:
+            x = blk(x)
+        logits = self.language_model_head(self.final_norm(x))
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets_BT.view(-1))
+
+
+def torch_name(lmjax_name: str) -> str:
+    return lmjax_name[: -len(".scale")] + ".weight" if lmjax_name.endswith(".scale") else lmjax_name
+
+
+def build_torch(cfg: ModelConfig, flat: dict[str, np.ndarray], opt: OptimizerConfig, decay):
+    """The torch model holding `flat` (lmjax names -> arrays) and its AdamW (same groups)."""
+    model = TorchGPT(cfg)
+    names = {torch_name(n): n for n in flat}
+    theirs = dict(model.named_parameters())
+    assert set(theirs) == set(names), sorted(set(theirs) ^ set(names))
+    n_torch = sum(p.numel() for p in theirs.values())
+    n_lmjax = sum(a.size for a in flat.values())
+    assert n_torch == n_lmjax, (n_torch, n_lmjax)
+    model.load_state_dict({tn: torch.from_numpy(flat[n].copy()) for tn, n in names.items()})
+    groups = [
+        {
+            "params": [p for tn, p in theirs.items() if decay[names[tn]]],
+            "weight_decay": opt.weight_decay,
+        },
+        {"params": [p for tn, p in theirs.items() if not decay[names[tn]]], "weight_decay": 0.0},
+    ]
+    kwargs = dict(lr=opt.lr, betas=(opt.b1, opt.b2), eps=opt.eps)
+    try:
+        tx = torch.optim.AdamW(groups, fused=True, **kwargs)  # the fastest CPU AdamW
+        impl = "fused"
+    except (RuntimeError, TypeError):
+        tx = torch.optim.AdamW(groups, **kwargs)
+        impl = "default"
+    return model, tx, impl, n_torch
+
+
+def torch_step_fn(loss_fn, model: nn.Module, tx: torch.optim.Optimizer, clip: float):
+    params = list(model.parameters())
+
+    def step(tokens, targets):
+        loss = loss_fn(tokens, targets)
+        tx.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, clip)
+        tx.step()
+        return loss.detach(), grad_norm
+
+    return step
+
+
+# ---- machine, peak ------------------------------------------------------------------------------
+
+
+def physical_cores() -> int:
+    cores = set()
+    phys = core = None
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("physical id"):
+                phys = line.split(":")[1].strip()
+            elif line.startswith("core id"):
+                core = line.split(":")[1].strip()
+                cores.add((phys, core))
+    except OSError:
+        pass
+    n = len(cores) or os.cpu_count() or 1
+    return min(n, len(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else n
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_info(threads: int) -> dict:
+    import optax
+
+    return {
+        "cpu_model": cpu_model(),
+        "logical_cpus": os.cpu_count(),
+        "physical_cores": physical_cores(),
+        "torch_threads": threads,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "jax": jax.__version__,
+        "jaxlib": getattr(jax.lib, "__version__", None) or _version("jaxlib"),
+        "optax": optax.__version__,
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "jax_backend": jax.default_backend(),
+        "jax_devices": [str(d) for d in jax.devices()],
+        "XLA_FLAGS": os.environ.get("XLA_FLAGS", ""),
+        "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", ""),
+        "loadavg_at_start": list(os.getloadavg()),
+        "torch_mkldnn": torch.backends.mkldnn.is_available(),
+        "torch_parallel_info": torch.__config__.parallel_info().splitlines()[:6],
+    }
+
+
+def _version(dist: str):
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return None
+
+
+def torch_peak_flops(n: int, repeats: int = 5) -> float:
+    a = torch.ones(n, n)
+    torch.mm(a, a)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mm(a, a)
+        best = min(best, time.perf_counter() - start)
+    return 2.0 * n**3 / best
+
+
+# ---- the benchmark -------------------------------------------------------------------------------
+
+
+def rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-30)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=None, help="timed steps per system per round")
+    ap.add_argument("--rounds", type=int, default=None, help="alternating rounds")
+    ap.add_argument("--quick", action="store_true", help="tiny shapes, no torch.compile (smoke)")
+    ap.add_argument("--results-dir", type=Path, default=RESULTS)
+    ap.add_argument("--output", default=None, help="file name (default train_step[_quick].json)")
+    for name in REFERENCE:
+        ap.add_argument(f"--{name.replace('_', '-')}", type=int, default=None)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (physical cores)")
+    ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+    ap.add_argument("--seed", type=int, default=0)
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    shapes = {k: (getattr(args, k) or v) for k, v in (QUICK if args.quick else REFERENCE).items()}
+    steps = args.steps or (2 if args.quick else 10)
+    rounds = args.rounds or (2 if args.quick else 5)
+    use_compile = not (args.no_compile or args.quick)
+    threads = args.threads or physical_cores()
+    torch.set_num_threads(threads)
+    torch.manual_seed(args.seed)
+    machine = machine_info(threads)
+
+    cfg = preset(
+        "gpt",
+        vocab_size=shapes["vocab"],
+        context_length=shapes["seq"],
+        d_model=shapes["d_model"],
+        n_heads=shapes["heads"],
+        n_layers=shapes["layers"],
+        d_ff=shapes["d_ff"],
+        dtype="float32",
+        param_dtype="float32",
+    )
+    b, t = shapes["batch"], shapes["seq"]
+    tokens_per_step = b * t
+    opt = OptimizerConfig(name="adamw", lr=args.lr)
+    lr = optim.schedule(ScheduleConfig(warmup_steps=0, decay="constant"), opt.lr, 1)
+    tx = optim.optimizer(opt, lr)
+
+    # Batches: the same int32 tokens for everyone (torch needs int64 ids; converted once here).
+    rng = np.random.default_rng(args.seed)
+    np_batches = [
+        (
+            rng.integers(0, cfg.vocab_size, (b, t), dtype=np.int32),
+            rng.integers(0, cfg.vocab_size, (b, t), dtype=np.int32),
+        )
+        for _ in range(N_BATCHES)
+    ]
+    jax_batches = [
+        {"inputs": jnp.asarray(x[None]), "targets": jnp.asarray(y[None])} for x, y in np_batches
+    ]
+    torch_batches = [
+        (torch.from_numpy(x.astype(np.int64)), torch.from_numpy(y.astype(np.int64)))
+        for x, y in np_batches
+    ]
+
+    # lmjax state, and the torch models from the same initial weights.
+    state = init_state(jax.random.PRNGKey(args.seed), cfg, tx)
+    flat0 = {n: np.array(a) for n, a in P.flatten(state.params).items()}
+    decay = P.flatten(optim.decay_mask(state.params, opt.no_decay))
+    train_step = make_train_step(cfg, tx, lr)
+
+    systems: dict[str, dict] = {}
+    eager_model, eager_tx, optim_impl, n_params = build_torch(cfg, flat0, opt, decay)
+    systems["torch_eager"] = {"step": torch_step_fn(eager_model, eager_model, eager_tx, 1.0)}
+    compile_error = None
+    if use_compile:
+        comp_model, comp_tx, _, _ = build_torch(cfg, flat0, opt, decay)
+        compiled = torch.compile(comp_model)
+        systems["torch_compile"] = {"step": torch_step_fn(compiled, comp_model, comp_tx, 1.0)}
+
+    # ---- witness: step 1 (same weights) and step 2 (after one update) on batch 0, + compile time
+    x0j, (x0t, y0t) = jax_batches[0], torch_batches[0]
+    witness: dict = {"batch": 0, "params_compared": list(WITNESS_PARAMS)}
+    start = time.perf_counter()
+    state, m1 = train_step(state, x0j)
+    jax.block_until_ready((state, m1))
+    first_step = {"lmjax": time.perf_counter() - start}
+    flat1 = {n: np.array(P.flatten(state.params)[n]) for n in WITNESS_PARAMS}
+    state, m2 = train_step(state, x0j)
+    jax.block_until_ready((state, m2))
+    witness["lmjax"] = {
+        "loss_step1": float(m1["loss"]),
+        "loss_step2": float(m2["loss"]),
+        "grad_norm_step1": float(m1["grad_norm"]),
+    }
+    for name in list(systems):
+        step = systems[name]["step"]
+        model = eager_model if name == "torch_eager" else comp_model
+        start = time.perf_counter()
+        try:
+            l1, g1 = step(x0t, y0t)
+        except Exception as e:  # torch.compile may not work on every machine
+            compile_error = f"{type(e).__name__}: {e}"[:2000]
+            print(f"torch.compile failed, skipped: {compile_error}", file=sys.stderr)
+            del systems[name]
+            continue
+        first_step[name] = time.perf_counter() - start
+        with torch.no_grad():
+            p1 = {n: model.get_parameter(torch_name(n)).numpy().copy() for n in WITNESS_PARAMS}
+        l2, _ = step(x0t, y0t)
+        lw = witness["lmjax"]
+        entry = {
+            "loss_step1": float(l1),
+            "loss_step2": float(l2),
+            "grad_norm_step1": float(g1),
+            "loss_step1_rel_diff": rel(lw["loss_step1"], float(l1)),
+            "loss_step2_rel_diff": rel(lw["loss_step2"], float(l2)),
+            "grad_norm_rel_diff": rel(lw["grad_norm_step1"], float(g1)),
+            "params_after_step1": {},
+        }
+        for n in WITNESS_PARAMS:
+            # Step 1 of Adam moves each entry by ~lr * g / (|g| + eps): entries whose gradient is
+            # at round-off level (|g| ~ eps) may differ by a fraction of lr, so the differences
+            # are given in units of lr (max and 99th percentile) as well as relative to the update.
+            diff = np.abs(flat1[n] - p1[n])
+            upd_t = p1[n] - flat0[n]
+            entry["params_after_step1"][n] = {
+                "max_abs_diff": float(diff.max()),
+                "max_abs_diff_over_lr": float(diff.max() / opt.lr),
+                "p99_abs_diff_over_lr": float(np.percentile(diff, 99) / opt.lr),
+                "update_rel_diff": float(diff.max() / max(np.abs(upd_t).max(), 1e-30)),
+            }
+        witness[name] = entry
+        worst = max(v["max_abs_diff_over_lr"] for v in entry["params_after_step1"].values())
+        print(
+            f"witness {name}: loss1 lmjax {lw['loss_step1']:.7f} torch {float(l1):.7f} "
+            f"(rel {entry['loss_step1_rel_diff']:.1e}); loss2 lmjax {lw['loss_step2']:.7f} "
+            f"torch {float(l2):.7f} (rel {entry['loss_step2_rel_diff']:.1e}); "
+            f"params after step 1: max |diff| {worst:.1e} lr"
+        )
+
+    # ---- alternating timed rounds
+    def run_lmjax(n: int, offset: int) -> float:
+        nonlocal state
+        start = time.perf_counter()
+        for i in range(n):
+            state, metrics = train_step(state, jax_batches[(offset + i) % N_BATCHES])
+        jax.block_until_ready((state, metrics))
+        return time.perf_counter() - start
+
+    def run_torch(step, n: int, offset: int) -> float:
+        start = time.perf_counter()
+        for i in range(n):
+            loss, _ = step(*torch_batches[(offset + i) % N_BATCHES])
+        float(loss)
+        return time.perf_counter() - start
+
+    names = ["lmjax", *systems]
+    per_round: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        offset = r * steps
+        per_round["lmjax"].append(run_lmjax(steps, offset) / steps)
+        for name, sys_ in systems.items():
+            per_round[name].append(run_torch(sys_["step"], steps, offset) / steps)
+        print(
+            f"round {r + 1}/{rounds}: "
+            + ", ".join(f"{n} {per_round[n][-1] * 1e3:.1f} ms/step" for n in names)
+        )
+
+    # ---- peak and summary
+    n_peak = 512 if args.quick else 2048
+    peaks = {
+        "jax_matmul": measured_peak_flops("float32", n=n_peak),
+        "torch_matmul": torch_peak_flops(n_peak),
+    }
+    peak = max(peaks.values())
+    fpt = flops_per_token(cfg, t)
+    median_s = {n: statistics.median(v) for n, v in per_round.items()}
+    tokens_s = {n: tokens_per_step / s for n, s in median_s.items()}
+    mfu = {n: fpt * tps / peak for n, tps in tokens_s.items()}
+    ratios = {}
+    if "torch_compile" in tokens_s:
+        ratios["lmjax/torch_compile"] = tokens_s["lmjax"] / tokens_s["torch_compile"]
+    ratios["lmjax/torch_eager"] = tokens_s["lmjax"] / tokens_s["torch_eager"]
+    if "torch_compile" in tokens_s:
+        ratios["torch_compile/torch_eager"] = tokens_s["torch_compile"] / tokens_s["torch_eager"]
+
+    result = {
+        "benchmark": "train_step",
+        "quick": args.quick,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "machine": machine,
+        "config": {
+            "model": cfg.to_dict(),
+            "batch_size": b,
+            "seq_len": t,
+            "tokens_per_step": tokens_per_step,
+            "n_params": n_params,
+            "flops_per_token": fpt,
+            "optimizer": {
+                "name": "adamw",
+                "lr": opt.lr,
+                "schedule": "constant",
+                "b1": opt.b1,
+                "b2": opt.b2,
+                "eps": opt.eps,
+                "weight_decay": opt.weight_decay,
+                "no_decay": list(opt.no_decay),
+                "clip_norm": opt.clip_norm,
+                "n_decayed_leaves": int(sum(decay.values())),
+                "n_leaves": len(decay),
+            },
+            "torch_optimizer_impl": optim_impl,
+            "torch_attention": "F.scaled_dot_product_attention(is_causal=True)",
+            "lmjax_attention": cfg.attention,
+            "steps_per_round": steps,
+            "rounds": rounds,
+            "order_per_round": names,
+        },
+        "first_step_s": first_step,
+        "torch_compile_error": compile_error,
+        "torch_compile_skipped": None if use_compile else "--quick or --no-compile",
+        "witness": witness,
+        "per_round_s_per_step": per_round,
+        "median_s_per_step": median_s,
+        "tokens_per_s": tokens_s,
+        "peak_flops": {**peaks, "used": peak},
+        "mfu": mfu,
+        "loadavg_at_end": list(os.getloadavg()),
+        "ratios": ratios,
+    }
+    args.results_dir.mkdir(parents=True, exist_ok=True)
+    path = args.results_dir / (
+        args.output or ("train_step_quick.json" if args.quick else "train_step.json")
+    )
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    result["path"] = str(path)
+    print(
+        "tokens/s: "
+        + ", ".join(f"{n} {tokens_s[n]:,.0f} (MFU {mfu[n]:.1%})" for n in names)
+        + f"; peak {peak / 1e9:.1f} GFLOP/s; "
+        + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items())
+    )
+    print("first step (compile): " + ", ".join(f"{k} {v:.1f}s" for k, v in first_step.items()))
+    print(f"wrote {path}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
