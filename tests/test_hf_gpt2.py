@@ -29,7 +29,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from lmjax import models
 from lmjax import params as P
-from lmjax.errors import CheckpointError, ConfigError
+from lmjax.errors import CheckpointError, ConfigError, FileFormatError, ShapeError
 from lmjax.io import hf_gpt2
 
 C, NEW_TOKENS = 96, 64
@@ -203,7 +203,7 @@ def _untie(state):
 @pytest.mark.parametrize(
     "edit_state, edit_config, error, message",
     [
-        (_rename_to_llama, None, CheckpointError, "2 problems"),
+        (_rename_to_llama, None, CheckpointError, "2 parameter mismatches"),
         (None, lambda c: c.update(n_inner=64), CheckpointError, r"h\.1\.mlp\.c_proj\.weight shape"),
         (_untie, None, CheckpointError, "differs from wte"),
         (None, lambda c: c.update(model_type="llama"), ConfigError, "model_type"),
@@ -231,6 +231,80 @@ def test_missing_paths_and_files(tmp_path):
     with pytest.raises(ConfigError, match="GPT-2 export"):
         hf_gpt2.save(models.abstract_params(llama), llama, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "config, error, message",
+    [
+        (lambda c: [c], FileFormatError, "config.json top level = 'list'; expected a JSON object"),
+        (lambda c: c | {"layer_norm_epsilon": None}, ConfigError, "layer_norm_epsilon = None"),
+        (lambda c: c | {"layer_norm_epsilon": "1e-5"}, ConfigError, "layer_norm_epsilon"),
+        (lambda c: c | {"n_embd": "32"}, ConfigError, "n_embd = '32'; expected an int"),
+        (lambda c: c | {"n_layer": 2.0}, ConfigError, "n_layer = 2.0"),
+        (lambda c: c | {"n_inner": True}, ConfigError, "n_inner = True"),
+    ],
+)
+def test_malformed_config_json_is_named(hf_dir, tmp_path, config, error, message):
+    out = tmp_path / "ckpt"
+    shutil.copytree(hf_dir, out)
+    (out / "config.json").write_text(
+        json.dumps(config(json.loads((hf_dir / "config.json").read_text())))
+    )
+    with pytest.raises(error, match=message) as err:
+        hf_gpt2.load(out)
+    assert str(out / "config.json") in str(err.value)
+
+
+def _sharded(hf_dir, tmp_path, weight_map):
+    # A directory with only an index (no model.safetensors), pointing wherever `weight_map` says.
+    out = tmp_path / "ckpt" / "sharded"
+    out.mkdir(parents=True)
+    shutil.copy(hf_dir / "config.json", out)
+    shutil.copy(hf_dir / "model.safetensors", out / "shard-1.safetensors")
+    (out / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return out
+
+
+def test_sharded_index_names_plain_files_in_its_directory(hf_dir, imported, tmp_path):
+    keys = _tensors(hf_dir / "model.safetensors").keys()
+    good = _sharded(hf_dir, tmp_path / "good", {k: "shard-1.safetensors" for k in keys})
+    params, _ = hf_gpt2.load(good)
+    for name, leaf in P.flatten(imported[0]).items():
+        np.testing.assert_array_equal(np.asarray(P.flatten(params)[name]), np.asarray(leaf))
+    cases = [
+        ({k: "../outside.safetensors" for k in keys}, "plain file name inside"),
+        ({"wte.weight": "/etc/passwd"}, "plain file name inside"),
+        ({"wte.weight": ".."}, "plain file name inside"),
+        ({"wte.weight": 3}, "plain file name inside"),
+        (sorted(keys), r"weight_map = \['transformer"),
+        ({}, "non-empty JSON object"),
+    ]
+    for i, (weight_map, message) in enumerate(cases):
+        path = _sharded(hf_dir, tmp_path / "bad" / str(i), weight_map)
+        # A valid checkpoint just outside the directory: the index must not reach it.
+        shutil.copy(hf_dir / "model.safetensors", path.parent / "outside.safetensors")
+        with pytest.raises(FileFormatError, match=message) as err:
+            hf_gpt2.load(path)
+        assert str(path / "model.safetensors.index.json") in str(err.value)
+
+
+def test_names_and_shapes_are_checked_before_any_tensor_is_read(hf_dir, tmp_path, monkeypatch):
+    path = _edited_copy(hf_dir, tmp_path, edit_config=lambda c: c.update(n_inner=64))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a tensor was read before the header was checked")
+
+    monkeypatch.setattr(hf_gpt2.safetensors, "safe_open", refuse)
+    with pytest.raises(CheckpointError, match=r"h\.0\.mlp\.c_fc\.weight shape \(32, 128\)"):
+        hf_gpt2.load(path)
+
+
+def test_export_refuses_params_whose_dtype_differs_from_the_config(imported, tmp_path):
+    params, cfg = imported  # float32 config
+    bf16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), params)
+    with pytest.raises(ShapeError, match=r"parameter blocks\.0\..* dtype = dtype\(bfloat16\)"):
+        hf_gpt2.save(bf16, cfg, tmp_path / "out")
+    assert not (tmp_path / "out" / "model.safetensors").exists()
 
 
 def test_full_size_gpt2_maps_onto_the_preset():

@@ -14,12 +14,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import safetensors.numpy
 import safetensors.torch
 import torch
 
 from lmjax import models
 from lmjax import params as P
-from lmjax.errors import CheckpointError, FileFormatError
+from lmjax.errors import CheckpointError, ConfigError, FileFormatError, ShapeError
 from lmjax.io import safetensors as st
 
 CFG = models.preset(
@@ -140,6 +141,7 @@ BAD_FILES = {
         "shape",
     ),
     "bad metadata": (_file({"__metadata__": {"x": 1}, **GOOD}, b"\0" * 8), "__metadata__"),
+    "deeply nested header": (_file(b"[" * 100_000 + b"]" * 100_000, b""), "nested too deeply"),
 }
 
 
@@ -197,6 +199,78 @@ def test_writes_are_atomic(params, tmp_path, monkeypatch):
     monkeypatch.undo()
     assert path.read_bytes() == before  # the old file is intact
     assert [p.name for p in tmp_path.iterdir()] == ["p.safetensors"]  # no temporary left
-    with pytest.raises(FileFormatError, match="dtype"):
+    with pytest.raises(ShapeError, match="parameter x dtype = dtype.'complex64'"):
         st.save({"x": np.zeros(2, np.complex64)}, path)  # refused before anything is written
     assert path.read_bytes() == before
+
+
+# ---- review fixes ------------------------------------------------------------------------------
+
+
+def test_64_bit_tensors_load_without_narrowing(tmp_path):
+    # Written by the safetensors package itself; jax without x64 would turn 2**40 into 0.
+    tensors = {
+        "f64": np.array([1e300, 0.1, -2.5e-310], np.float64),
+        "i64": np.array([2**40, -(2**62), 7], np.int64),
+        "u64": np.array([2**64 - 1], np.uint64),
+        "f32": np.array([1.5], np.float32),
+    }
+    path = tmp_path / "wide.safetensors"
+    safetensors.numpy.save_file(tensors, str(path))
+    back = st.load(path, expected=tensors)
+    for name, value in tensors.items():
+        assert back[name].dtype == value.dtype, name
+        np.testing.assert_array_equal(np.asarray(back[name]), value)
+    assert isinstance(back["f32"], jax.Array)  # what jax holds exactly stays a jax array
+
+
+def test_scalars_keep_shape_and_non_arrays_are_refused(tmp_path):
+    path = tmp_path / "scalars.safetensors"
+    st.save({"step": np.asarray(7, np.int32), "scale": jnp.float32(0.5)}, path)
+    theirs = safetensors.numpy.load_file(str(path))
+    assert theirs["step"].shape == () and theirs["step"] == 7
+    assert theirs["scale"].shape == () and theirs["scale"] == np.float32(0.5)
+    back = st.load(path)
+    assert back["step"].shape == () and int(back["step"]) == 7
+    for leaf in ([1.0, 2.0], (1, 2), 3, 0.5):
+        with pytest.raises(ShapeError, match=r"parameter blocks\.0\.w = "):
+            st.save({"blocks": {"0": {"w": leaf}}}, tmp_path / "no.safetensors")
+    assert not (tmp_path / "no.safetensors").exists()
+
+
+def test_metadata_must_be_a_mapping_of_strings(tmp_path):
+    for bad in (["a"], {"step": 7}, "step=7"):
+        with pytest.raises(ConfigError, match="safetensors metadata"):
+            st.save({"x": np.zeros(2, np.float32)}, tmp_path / "m.safetensors", metadata=bad)
+    assert not (tmp_path / "m.safetensors").exists()
+
+
+def test_many_names_with_one_duplicate_are_rejected(tmp_path):
+    n = 50_000
+    entries = [
+        f'"k{i}": {{"dtype": "U8", "shape": [1], "data_offsets": [{i}, {i + 1}]}}' for i in range(n)
+    ]
+    entries.append(f'"k0": {{"dtype": "U8", "shape": [1], "data_offsets": [{n}, {n + 1}]}}')
+    path = tmp_path / "dup.safetensors"
+    path.write_bytes(_file(("{" + ", ".join(entries) + "}").encode(), b"\0" * (n + 1)))
+    with pytest.raises(FileFormatError, match=r"duplicate names \['k0'\]") as err:
+        st.load(path)
+    assert str(path) in str(err.value)
+
+
+def test_header_over_the_size_cap_is_rejected(tmp_path, monkeypatch):
+    path = tmp_path / "big_header.safetensors"
+    path.write_bytes(_file(GOOD, b"\0" * 8))
+    monkeypatch.setattr(st, "MAX_HEADER_BYTES", 16)  # the header is ~60 bytes, the file larger
+    with pytest.raises(FileFormatError, match="header length = .*; expected <= 16 bytes") as err:
+        st.load(path)
+    assert str(path) in str(err.value)
+
+
+def test_one_mismatch_is_singular(params, tmp_path):
+    flat = dict(P.flatten(params))
+    del flat["final_norm.bias"]
+    path = tmp_path / "one.safetensors"
+    st.save(P.unflatten(flat), path)
+    with pytest.raises(CheckpointError, match=r": 1 parameter mismatch = missing final_norm\.bias"):
+        st.load(path, expected=CFG)

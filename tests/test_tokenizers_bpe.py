@@ -14,6 +14,7 @@ import pydoc_data.topics
 import random
 import string
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -204,3 +205,91 @@ def test_bad_vocabulary_files_raise_file_format_errors(
     assert str(tmp_path) in str(err.value)
     with pytest.raises(FileFormatError, match="existing file"):
         BPETokenizer.from_files(tmp_path / "nope.json", merges_path)
+
+
+# ---- review fixes ------------------------------------------------------------------------------
+
+
+def test_vocab_ids_out_of_merge_order_are_refused(tok, tmp_path):
+    # The id is the merge priority when encoding: ids that disagree with merges.txt's order would
+    # tokenize differently from Hugging Face (which ranks by line), so the files are refused.
+    tok.save(tmp_path)
+    vocab_path, merges_path = tmp_path / "vocab.json", tmp_path / "merges.txt"
+    vocab = json.loads(vocab_path.read_text(encoding="utf-8"))
+    by_id = {i: t for t, i in vocab.items()}
+    swapped = vocab | {by_id[256]: 300, by_id[300]: 256}  # two learned tokens trade ids
+    _write(vocab_path, json.dumps(swapped, ensure_ascii=False))
+    hf = Tokenizer(models.BPE.from_file(str(vocab_path), str(merges_path)))
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    text = DOCS[:5000]
+    assert hf.encode(text).ids != tok.encode(text)  # the witness: these files mean other ids
+    with pytest.raises(FileFormatError, match=r"merges.txt: line \d+ \(.*\) result id = ") as err:
+        BPETokenizer.from_files(vocab_path, merges_path)
+    assert "merge order" in str(err.value) or "ids of its parts" in str(err.value)
+
+
+def test_bom_in_vocab_and_merges_is_accepted(tok, tmp_path):
+    tok.save(tmp_path / "plain")
+    for name in ("vocab.json", "merges.txt"):
+        text = (tmp_path / "plain" / name).read_text(encoding="utf-8")
+        _write(tmp_path / name, "\ufeff" + text)
+    hf = Tokenizer(
+        models.BPE.from_file(str(tmp_path / "plain/vocab.json"), str(tmp_path / "plain/merges.txt"))
+    )
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    back = BPETokenizer.from_files(tmp_path / "vocab.json", tmp_path / "merges.txt")
+    text = DOCS[50_000:60_000] + EXTRA
+    assert back.encode(text) == hf.encode(text).ids
+    assert back.special_tokens == {ENDOFTEXT: VOCAB - 1}
+
+
+def test_a_bad_merge_token_is_named_with_its_line(tok, tmp_path):
+    tok.save(tmp_path)
+    vocab_path, merges_path = tmp_path / "vocab.json", tmp_path / "merges.txt"
+    vocab = json.loads(vocab_path.read_text(encoding="utf-8"))
+    _write(vocab_path, json.dumps(vocab | {"☃": VOCAB, "q☃": VOCAB + 1}, ensure_ascii=False))
+    lines = merges_path.read_text(encoding="utf-8").rstrip("\n").split("\n")
+    _write(merges_path, "\n".join(lines + ["q ☃"]) + "\n")
+    with pytest.raises(FileFormatError, match=rf"line {len(lines) + 1} right token '☃'"):
+        BPETokenizer.from_files(vocab_path, merges_path)
+
+
+@pytest.mark.parametrize(
+    "ids, message",
+    [
+        ([[1, 2], [3]], "token ids = "),  # ragged
+        ([[1, 2], [3, 4]], r"token ids shape = \(2, 2\); expected a 1-d sequence"),
+        (np.zeros((1, 3), np.int32), r"token ids shape = \(1, 3\)"),
+        ([2**70], "token id = 1180591620717411303424; expected an id in"),
+        ([1, -(2**70)], "token id = -1180591620717411303424"),
+        ([1.0, 2.0], "dtype"),
+    ],
+)
+def test_decode_names_bad_ids_for_every_tokenizer(tok, ids, message):
+    for tokenizer in (tok, toks.ByteTokenizer(), toks.CharTokenizer("abc")):
+        with pytest.raises(TokenError, match=message):
+            tokenizer.decode(ids)
+    assert toks.CharTokenizer("abc").decode(np.array([2, 0])) == "ca"
+    assert toks.ByteTokenizer().decode([]) == ""
+
+
+def _hf_merges(corpus, vocab_size):
+    hf = Tokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=[],
+        show_progress=False,
+    )
+    hf.train_from_iterator(corpus, trainer)
+    merges = json.loads(hf.to_str())["model"]["merges"]
+    return [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in merges]
+
+
+def test_training_on_a_long_run_of_one_character_matches_hf():
+    # One 20k-character piece, merged in one pass per merge (not one list splice per occurrence).
+    corpus = ["a" * 20_000, "b" * 777 + " " + "ab" * 3000]
+    ours = BPETokenizer.train(corpus, 300, special_tokens=())
+    assert [(_text(a), _text(b)) for a, b in ours.merges] == _hf_merges(corpus, 300)
+    assert ours.decode(ours.encode(corpus[0])) == corpus[0]

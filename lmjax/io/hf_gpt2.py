@@ -41,7 +41,7 @@ import numpy as np
 import safetensors
 
 from lmjax import params as P
-from lmjax.errors import CheckpointError, ConfigError, FileFormatError
+from lmjax.errors import CheckpointError, ConfigError, FileFormatError, ShapeError
 from lmjax.files import atomic_write_text
 from lmjax.io import safetensors as st
 from lmjax.models import ModelConfig, check_params, preset
@@ -56,12 +56,35 @@ _FIX_CKPT = "point at a Hugging Face GPT-2 checkpoint (GPT2LMHeadModel.save_pret
 # ---- configs ---------------------------------------------------------------------------------
 
 
-def config_from_hf(hf: dict, dtype: str = "float32") -> ModelConfig:
-    """The lmjax config of a GPT-2 `config.json` dict; unsupported options raise ConfigError."""
-    if hf.get("model_type", "gpt2") != "gpt2":
+_SIZES = ("vocab_size", "n_positions", "n_embd", "n_head", "n_layer")
+
+
+def _check_numbers(hf: dict, where: str) -> None:
+    """Sizes are ints (n_inner an int or null), layer_norm_epsilon a number, when present."""
+    is_int = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731
+    for key in (*_SIZES, "n_inner"):
+        value = hf.get(key)
+        if key in hf and not (is_int(value) or (key == "n_inner" and value is None)):
+            kind = "an int or null" if key == "n_inner" else "an int"
+            raise ConfigError.describe(f"{where} {key}", value, kind, _FIX_CKPT)
+    eps = hf.get("layer_norm_epsilon", 1e-5)
+    if not (isinstance(eps, int | float) and not isinstance(eps, bool)):
         raise ConfigError.describe(
-            "config.json model_type", hf.get("model_type"), "'gpt2'", _FIX_CKPT
+            f"{where} layer_norm_epsilon", eps, "a number (GPT-2: 1e-05)", _FIX_CKPT
         )
+
+
+def config_from_hf(hf: dict, dtype: str = "float32", where: str = "config.json") -> ModelConfig:
+    """The lmjax config of a GPT-2 `config.json` dict; unsupported options raise ConfigError.
+
+    `where` names the file in error messages.
+    """
+    if not isinstance(hf, dict):
+        raise FileFormatError.describe(
+            f"{where} top level", type(hf).__name__, "a JSON object", _FIX_CKPT
+        )
+    if hf.get("model_type", "gpt2") != "gpt2":
+        raise ConfigError.describe(f"{where} model_type", hf.get("model_type"), "'gpt2'", _FIX_CKPT)
     unsupported = {
         "activation_function": (hf.get("activation_function", "gelu_new"), tuple(_ACTIVATIONS)),
         "tie_word_embeddings": (hf.get("tie_word_embeddings", True), (True,)),
@@ -72,15 +95,14 @@ def config_from_hf(hf: dict, dtype: str = "float32") -> ModelConfig:
         ),
         "add_cross_attention": (hf.get("add_cross_attention", False), (False,)),
     }
-    missing = [
-        k for k in ("vocab_size", "n_positions", "n_embd", "n_head", "n_layer") if k not in hf
-    ]
+    missing = [k for k in _SIZES if k not in hf]
     if missing:
-        raise ConfigError.describe("config.json keys", missing, "present", _FIX_CKPT)
+        raise ConfigError.describe(f"{where} keys", missing, "present", _FIX_CKPT)
+    _check_numbers(hf, where)
     for key, (value, allowed) in unsupported.items():
         if value not in allowed:
             raise ConfigError.describe(
-                f"config.json {key}", value, f"one of {allowed} (what lmjax's gpt2 expresses)",
+                f"{where} {key}", value, f"one of {allowed} (what lmjax's gpt2 expresses)",
                 "convert the model to a plain GPT-2 first",
             )  # fmt: skip
     d = hf["n_embd"]
@@ -221,13 +243,7 @@ def _weight_files(path: Path) -> tuple[list[Path], Path | None]:
     if (path / "model.safetensors").exists():
         files = [path / "model.safetensors"]
     elif index.exists():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (ValueError, KeyError, TypeError) as err:
-            raise FileFormatError.describe(
-                str(index), str(err), "a JSON object with a weight_map", _FIX_CKPT
-            ) from None
-        files = [path / name for name in sorted(set(weight_map.values()))]
+        files = [path / name for name in _shard_names(index)]
     else:
         found = sorted(p.name for p in path.iterdir())[:8]
         hint = (
@@ -242,60 +258,95 @@ def _weight_files(path: Path) -> tuple[list[Path], Path | None]:
     return files, config if config.exists() else None
 
 
-def _read_state(files: list[Path]) -> dict[str, np.ndarray]:
-    state: dict[str, np.ndarray] = {}
+def _shard_names(index: Path) -> list[str]:
+    """The shard file names of `model.safetensors.index.json`: plain names in its directory."""
+    try:
+        index_json = json.loads(index.read_text(encoding="utf-8"))
+    except (ValueError, RecursionError) as err:
+        raise FileFormatError.describe(str(index), str(err), "JSON", _FIX_CKPT) from None
+    weight_map = index_json.get("weight_map") if isinstance(index_json, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise FileFormatError.describe(
+            f"{index} weight_map", weight_map, "a non-empty JSON object {tensor name: file name}",
+            _FIX_CKPT,
+        )  # fmt: skip
+    for key, name in weight_map.items():
+        plain = isinstance(name, str) and name not in ("", ".", "..")
+        if not (plain and "/" not in name and "\\" not in name and Path(name).name == name):
+            raise FileFormatError.describe(
+                f"{index} weight_map[{key!r}]", name,
+                f"a plain file name inside {index.parent} (no directories)", _FIX_CKPT,
+            )  # fmt: skip
+    return sorted(set(weight_map.values()))
+
+
+def _read_headers(files: list[Path]) -> dict[str, tuple[Path, str, np.dtype, tuple]]:
+    """`{name: (file, key, dtype, shape)}` from the validated headers (no tensor is read)."""
+    entries: dict[str, tuple[Path, str, np.dtype, tuple]] = {}
     for file in files:
-        st.read_header(file)  # validates the header before anything is allocated
-        with safetensors.safe_open(str(file), framework="numpy") as handle:
-            for key in handle.keys():
-                name = key.removeprefix("transformer.")
-                if name in state:
-                    raise CheckpointError.describe(
-                        f"{file}: key", key, "each parameter once", "remove the duplicate"
-                    )
-                if not _BUFFER.fullmatch(name):
-                    state[name] = handle.get_tensor(key)
+        for key, (dtype, shape) in st.read_header(file)[0].items():
+            name = key.removeprefix("transformer.")
+            if name in entries:
+                raise CheckpointError.describe(
+                    f"{file}: key", key, "each parameter once", "remove the duplicate"
+                )
+            if not _BUFFER.fullmatch(name):
+                entries[name] = (file, key, dtype, shape)
+    return entries
+
+
+def _read_state(entries: dict[str, tuple[Path, str, np.dtype, tuple]]) -> dict[str, np.ndarray]:
+    """The tensors of `entries` (checked against the config first, so sizes are known)."""
+    state: dict[str, np.ndarray] = {}
+    for file in dict.fromkeys(file for file, *_ in entries.values()):
+        try:
+            with safetensors.safe_open(str(file), framework="numpy") as handle:
+                for name, (where, key, _, _) in entries.items():
+                    if where == file:
+                        state[name] = handle.get_tensor(key)
+        except (safetensors.SafetensorError, OSError, ValueError) as err:
+            raise FileFormatError.describe(
+                f"{file}: contents", str(err), "a readable safetensors file", _FIX_CKPT
+            ) from None
     return state
 
 
-def _infer_config(state: dict, n_heads: int | None, where: Path) -> dict:
+def _infer_config(shapes: dict[str, tuple], n_heads: int | None, where: Path) -> dict:
     if n_heads is None:
         raise ConfigError.describe(
             "n_heads", None, f"a head count (no config.json beside {where})",
             "pass n_heads=... (GPT-2 uses d_model / 64) or put config.json beside the file",
         )  # fmt: skip
     need = ("wte.weight", "wpe.weight", "h.0.mlp.c_fc.weight")
-    missing = [k for k in need if k not in state]
+    missing = [k for k in need if k not in shapes]
     if missing:
         raise CheckpointError.describe(f"{where}: keys", missing, "present", _FIX_CKPT)
-    layers = {int(k.split(".")[1]) for k in state if re.fullmatch(r"h\.\d+\..*", k)}
+    bad = {k: shapes[k] for k in need if len(shapes[k]) != 2}
+    if bad:
+        raise CheckpointError.describe(f"{where}: shapes", bad, "2-d matrices", _FIX_CKPT)
+    layers = {int(k.split(".")[1]) for k in shapes if re.fullmatch(r"h\.\d+\..*", k)}
     return {
-        "vocab_size": state["wte.weight"].shape[0],
-        "n_embd": state["wte.weight"].shape[1],
-        "n_positions": state["wpe.weight"].shape[0],
-        "n_inner": state["h.0.mlp.c_fc.weight"].shape[1],
+        "vocab_size": shapes["wte.weight"][0],
+        "n_embd": shapes["wte.weight"][1],
+        "n_positions": shapes["wpe.weight"][0],
+        "n_inner": shapes["h.0.mlp.c_fc.weight"][1],
         "n_layer": max(layers) + 1,
         "n_head": n_heads,
     }
 
 
-def _check_state(state: dict, cfg: ModelConfig, where: Path) -> None:
-    want = hf_shapes(cfg)
-    problems = [(k, f"missing {k} {want[k]}") for k in want if k not in state]
-    extra = [k for k in state if k not in want and k != "lm_head.weight"]
-    problems += [(k, f"not a GPT-2 key: {k}") for k in extra]
-    problems += [
-        (k, f"{k} shape {tuple(state[k].shape)} (expected {want[k]})")
-        for k in want
-        if k in state and tuple(state[k].shape) != want[k]
-    ]
-    if problems:
-        problems.sort(key=lambda p: P.natural_key(p[0]))
-        raise CheckpointError(
-            f"{where}: {len(problems)} problems = "
-            + "; ".join(text for _, text in problems)
-            + f"; expected the GPT-2 state dict of config.json. Fix: {_FIX_CKPT}."
-        )
+def _check_shapes(shapes: dict[str, tuple], cfg: ModelConfig, where: Path) -> None:
+    """Every GPT-2 key present with its shape, nothing else (a tied lm_head aside)."""
+    want = {k: (None, shape) for k, shape in hf_shapes(cfg).items()}
+    if "lm_head.weight" in shapes:
+        want["lm_head.weight"] = (None, want["wte.weight"][1])
+    st.report_mismatches(
+        where, {k: (None, shape) for k, shape in shapes.items()}, want,
+        "the GPT-2 state dict of config.json", _FIX_CKPT, unexpected="not a GPT-2 key:",
+    )  # fmt: skip
+
+
+def _check_tied(state: dict, where: Path) -> None:
     head = state.get("lm_head.weight")
     if head is not None and not np.array_equal(head, state["wte.weight"]):
         raise CheckpointError.describe(
@@ -310,16 +361,19 @@ def load(
     """`(params, cfg)` of a Hugging Face GPT-2 checkpoint; tensors are cast to `dtype`."""
     path = Path(path)
     files, config_path = _weight_files(path)
-    state = _read_state(files)
+    entries = _read_headers(files)
+    shapes = {name: shape for name, (_, _, _, shape) in entries.items()}
     if config_path is not None:
         try:
-            hf = json.loads(config_path.read_text())
-        except ValueError as err:
+            hf = json.loads(config_path.read_text(encoding="utf-8"))
+        except (ValueError, RecursionError) as err:
             raise FileFormatError.describe(str(config_path), str(err), "JSON", _FIX_CKPT) from None
+        cfg = config_from_hf(hf, dtype, where=str(config_path))
     else:
-        hf = _infer_config(state, n_heads, path)
-    cfg = config_from_hf(hf, dtype)
-    _check_state(state, cfg, path)
+        cfg = config_from_hf(_infer_config(shapes, n_heads, path), dtype, where=str(path))
+    _check_shapes(shapes, cfg, path)  # before any tensor is read
+    state = _read_state(entries)
+    _check_tied(state, path)
     flat = to_lmjax(state, cfg)
     params = P.unflatten({name: jnp.asarray(a, dtype=dtype) for name, a in flat.items()})
     check_params(params, cfg)
@@ -331,6 +385,14 @@ def save(params: dict, cfg: ModelConfig, out_dir: str | os.PathLike) -> None:
     no lm_head: it is tied) so that `GPT2LMHeadModel.from_pretrained(out_dir)` loads them."""
     hf = config_to_hf(cfg)
     check_params(params, cfg)
+    for name, leaf in P.flatten(params).items():
+        if np.dtype(leaf.dtype) != np.dtype(cfg.param_dtype):
+            raise ShapeError.describe(
+                f"parameter {name} dtype", np.dtype(leaf.dtype),
+                f"{cfg.param_dtype} (the config's param_dtype, written to config.json)",
+                "cast the params to cfg.param_dtype, or export with a config whose param_dtype "
+                "matches them",
+            )  # fmt: skip
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     flat = {name: np.asarray(a) for name, a in P.flatten(params).items()}

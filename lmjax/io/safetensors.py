@@ -6,6 +6,10 @@
                                            adapter tree) is checked name by name
     read_header(path) -> (entries, metadata)   the validated header alone
 
+64-bit tensors (F64, I64, U64) load as numpy arrays while jax runs without x64
+(`jax_enable_x64` off): jax would silently narrow them to 32 bits (an int64 2**40 becomes 0), and
+a loader must return what the file holds. With x64 on they are jax arrays like the rest.
+
 File layout (https://github.com/huggingface/safetensors): 8 bytes little-endian header length
 N, N bytes of JSON `{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__":
 {str: str}}`, then the data; offsets are relative to the end of the header. Before anything is
@@ -22,10 +26,12 @@ import json
 import math
 import os
 import struct
+from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -33,7 +39,7 @@ import safetensors
 import safetensors.numpy
 
 from lmjax import params as P
-from lmjax.errors import CheckpointError, FileFormatError
+from lmjax.errors import CheckpointError, ConfigError, FileFormatError, ShapeError
 from lmjax.files import atomic_write_bytes
 
 DTYPES: dict[str, np.dtype] = {
@@ -60,9 +66,9 @@ def _bad(path: Path, what: str, value: Any, expected: str) -> FileFormatError:
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
-    keys = [k for k, _ in pairs]
-    if len(set(keys)) != len(keys):
-        raise ValueError(f"duplicate names {sorted({k for k in keys if keys.count(k) > 1})}")
+    counts = Counter(k for k, _ in pairs)
+    if len(counts) != len(pairs):
+        raise ValueError(f"duplicate names {sorted(k for k, n in counts.items() if n > 1)}")
     return dict(pairs)
 
 
@@ -96,6 +102,8 @@ def _read_raw_header(path: Path) -> tuple[dict, int]:
         raise _bad(
             path, "header", str(err), "a UTF-8 JSON object without duplicate names"
         ) from None
+    except RecursionError:  # `[[[[...` nested deeper than the JSON parser's recursion limit
+        raise _bad(path, "header", "nested too deeply to parse", "a flat JSON object") from None
     if not isinstance(header, dict):
         raise _bad(path, "header", type(header).__name__, "a JSON object")
     return header, size - 8 - n
@@ -155,25 +163,38 @@ def read_header(path: str | os.PathLike) -> tuple[dict[str, tuple[np.dtype, tupl
 
 
 def _to_numpy(name: str, leaf) -> np.ndarray:
-    array = np.ascontiguousarray(np.asarray(leaf))
+    if not hasattr(leaf, "dtype") or not hasattr(leaf, "shape"):  # list, tuple, int, float...
+        raise ShapeError.describe(
+            f"parameter {name}", leaf, "an array (numpy or jax) with a dtype",
+            "wrap it with np.asarray(value, dtype) so its dtype is explicit",
+        )  # fmt: skip
+    array = np.asarray(leaf, order="C")  # keeps a 0-d scalar's shape () (ascontiguousarray: (1,))
     if array.dtype not in DTYPES.values():
-        raise FileFormatError.describe(
+        raise ShapeError.describe(
             f"parameter {name} dtype", array.dtype, f"one of {sorted(DTYPES)}", "cast it first"
         )
     return array
 
 
+def _check_metadata(metadata) -> dict[str, str] | None:
+    if metadata is None:
+        return None
+    if not isinstance(metadata, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+    ):
+        raise ConfigError.describe(
+            "safetensors metadata", metadata, "a mapping {str: str}",
+            "pass e.g. {'step': str(step)}",
+        )  # fmt: skip
+    return dict(metadata)
+
+
 def save(params: Mapping, path: str | os.PathLike, metadata: Mapping[str, str] | None = None):
     """Write every leaf of `params` under its `.`-joined name; `metadata` is `{str: str}`."""
     path = Path(path)
-    if metadata is not None and not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
-    ):
-        raise FileFormatError.describe(
-            "safetensors metadata", dict(metadata), "{str: str}", "convert values with str()"
-        )
+    metadata = _check_metadata(metadata)
     tensors = {name: _to_numpy(name, leaf) for name, leaf in P.flatten(params).items()}
-    data = safetensors.numpy.save(tensors, metadata=dict(metadata) if metadata else None)
+    data = safetensors.numpy.save(tensors, metadata=metadata or None)
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(path, data)
 
@@ -190,30 +211,57 @@ def _expected_specs(expected) -> dict[str, tuple[np.dtype, tuple]]:
     }
 
 
-def check_against(path: Path, found: dict, expected) -> None:
-    """Raise `CheckpointError` listing every missing, unexpected or mis-shaped/typed name."""
-    want = _expected_specs(expected)
+def report_mismatches(
+    where: str | os.PathLike,
+    found: Mapping[str, tuple[Any, tuple]],
+    want: Mapping[str, tuple[Any, tuple]],
+    expected: str,
+    fix: str,
+    unexpected: str = "unexpected",
+) -> None:
+    """Raise `CheckpointError` naming every missing, unexpected, mis-shaped or mis-typed name.
+
+    `found` and `want` map names to `(dtype, shape)`; a wanted dtype of None is not checked.
+    `unexpected` is the label of a name in `found` that `want` lacks.
+    """
     problems = [(n, f"missing {n} {want[n][1]}") for n in want if n not in found]
-    problems += [(n, f"unexpected {n}") for n in found if n not in want]
+    problems += [(n, f"{unexpected} {n}") for n in found if n not in want]
     for n in want.keys() & found.keys():
         (wd, ws), (fd, fs) = want[n], found[n]
-        if ws != fs:
-            problems.append((n, f"{n} shape {fs} (expected {ws})"))
-        if wd != fd:
-            problems.append((n, f"{n} dtype {fd} (expected {wd})"))
+        if tuple(ws) != tuple(fs):
+            problems.append((n, f"{n} shape {tuple(fs)} (expected {tuple(ws)})"))
+        if wd is not None and np.dtype(wd) != np.dtype(fd):
+            problems.append((n, f"{n} dtype {np.dtype(fd)} (expected {np.dtype(wd)})"))
     if problems:
         problems.sort(key=lambda p: P.natural_key(p[0]))
+        count = f"{len(problems)} parameter mismatch" + ("es" if len(problems) != 1 else "")
         # Not `describe`: it shortens the value to one screen line, and every name matters here.
         raise CheckpointError(
-            f"{path}: {len(problems)} parameter mismatches = "
+            f"{where}: {count} = "
             + "; ".join(text for _, text in problems)
-            + "; expected the names, shapes and dtypes of the model being loaded. Fix: load it "
-            "with the config it was saved from (or convert it first)."
+            + f"; expected {expected}. Fix: {fix}."
         )
 
 
+def check_against(path: Path, found: dict, expected) -> None:
+    """Raise `CheckpointError` listing every missing, unexpected or mis-shaped/typed name."""
+    report_mismatches(
+        path, found, _expected_specs(expected),
+        "the names, shapes and dtypes of the model being loaded",
+        "load it with the config it was saved from (or convert it first)",
+    )  # fmt: skip
+
+
+def _as_array(value: np.ndarray):
+    # jnp.asarray would narrow a 64-bit dtype to 32 bits with x64 off: keep numpy's exact values.
+    if jax.dtypes.canonicalize_dtype(value.dtype) != value.dtype:
+        return value
+    return jnp.asarray(value)
+
+
 def load(path: str | os.PathLike, expected=None) -> dict:
-    """The nested parameter dict in `path` (jax arrays); checked against `expected` if given.
+    """The nested parameter dict in `path` (jax arrays; see the module docstring for 64-bit
+    tensors); checked against `expected` if given.
 
     `expected` is a `ModelConfig` (names and shapes from `declare`, dtype `param_dtype`) or a
     pytree of arrays / `jax.ShapeDtypeStruct`s. A mismatch raises `CheckpointError` naming every
@@ -225,7 +273,7 @@ def load(path: str | os.PathLike, expected=None) -> dict:
         check_against(path, found, expected)
     try:
         with safetensors.safe_open(str(path), framework="numpy") as handle:
-            flat = {name: jnp.asarray(handle.get_tensor(name)) for name in handle.keys()}
+            flat = {name: _as_array(handle.get_tensor(name)) for name in handle.keys()}
     except (safetensors.SafetensorError, OSError, ValueError) as err:
         raise _bad(path, "contents", str(err), "a readable safetensors file") from None
     return P.unflatten(flat)
@@ -236,4 +284,12 @@ def metadata(path: str | os.PathLike) -> dict[str, str]:
     return read_header(path)[1]
 
 
-__all__ = ["DTYPES", "check_against", "load", "metadata", "read_header", "save"]
+__all__ = [
+    "DTYPES",
+    "check_against",
+    "load",
+    "metadata",
+    "read_header",
+    "report_mismatches",
+    "save",
+]

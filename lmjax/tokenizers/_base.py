@@ -7,7 +7,9 @@ import os
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from lmjax.errors import FileFormatError
+import numpy as np
+
+from lmjax.errors import FileFormatError, TokenError
 from lmjax.files import atomic_write_text
 
 MANIFEST = "tokenizer.json"
@@ -51,3 +53,40 @@ def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:
             str(path), type(manifest).__name__, "a JSON object", "prepare again"
         )
     return manifest
+
+
+def check_ids(ids, vocab_size: int) -> list[int]:
+    """`ids` (a list, tuple or 1-d array of integers) as a list of ints in `[0, vocab_size)`.
+
+    Anything else raises `TokenError` naming it: a nested or ragged sequence (by its shape), a
+    non-integer dtype, or the first id outside the vocabulary (even one too large for int64).
+    """
+    try:
+        array = np.asarray(ids)
+    except (ValueError, TypeError):  # ragged: [[1, 2], [3]]
+        raise TokenError.describe(
+            "token ids", ids, "a flat sequence of ints (not nested)", "decode one row at a time"
+        ) from None
+    if array.ndim > 1:
+        raise TokenError.describe(
+            "token ids shape", array.shape, "a 1-d sequence", "decode one row at a time"
+        )
+    values = array.reshape(-1).tolist()
+    if array.dtype == object:  # python ints past int64 (or mixed types) land here
+        integral = all(isinstance(i, int | np.integer) and not isinstance(i, bool) for i in values)
+        bad = [i for i in values if integral and not 0 <= i < vocab_size]
+    else:
+        integral = np.issubdtype(array.dtype, np.integer) or array.size == 0
+        bad = array[(array < 0) | (array >= vocab_size)].tolist() if integral else []
+    if not integral:
+        raise TokenError.describe(
+            "token ids dtype", array.dtype, "integers", "pass ids from encode()"
+        )
+    if bad:
+        raise TokenError.describe(
+            "token id",
+            bad[0],
+            f"an id in [0, {vocab_size})",
+            "decode ids produced by this tokenizer",
+        )
+    return [int(i) for i in values]

@@ -29,10 +29,10 @@ import os
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from pathlib import Path
 
-import numpy as np
 import regex
 
 from lmjax.errors import ConfigError, TokenError
+from lmjax.tokenizers._base import check_ids
 
 # The GPT-2 pre-tokenization pattern in tiktoken's equivalent, faster spelling (possessive
 # quantifiers). Original: 's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
@@ -288,21 +288,8 @@ class BPETokenizer:
         return ids
 
     def decode_bytes(self, ids) -> bytes:
-        out = np.asarray(ids).reshape(-1)
-        if out.size and (not np.issubdtype(out.dtype, np.integer)):
-            raise TokenError.describe(
-                "token ids dtype", out.dtype, "integers", "pass ids from encode()"
-            )
-        bad = (out < 0) | (out >= self.vocab_size)
-        if bad.any():
-            raise TokenError.describe(
-                "token id",
-                int(out[bad][0]),
-                f"an id in [0, {self.vocab_size})",
-                "decode ids produced by this tokenizer",
-            )
         decoder = self._decoder
-        return b"".join([decoder[i] for i in out.tolist()])
+        return b"".join([decoder[i] for i in check_ids(ids, self.vocab_size)])
 
     def decode(self, ids) -> str:
         """Text of `ids`; byte sequences that are not valid UTF-8 become U+FFFD (as tiktoken)."""

@@ -7,8 +7,13 @@
 
 The two GPT-2 releases are the same formats under other names. Mergeable tokens are the 256
 byte tokens and every merge's result; any other vocab.json entry (e.g. `<|endoftext|>`) is a
-special token. `tokenizer.json` (the lmjax manifest) also records the special tokens and the
-`encode` policy, so `lmjax.tokenizers.load(dir)` restores the same tokenizer.
+special token. A merge's result takes a larger id than its two parts, and results appear in
+merges.txt in id order (a line whose result an earlier line already made is a duplicate and
+adds nothing): the id is the merge's priority when encoding, so a vocabulary whose ids disagree
+with the merge order would tokenize differently from GPT-2 / Hugging Face and is refused. Both
+files may start with a UTF-8 byte-order mark. `tokenizer.json` (the lmjax manifest) also records
+the special tokens and the `encode` policy, so `lmjax.tokenizers.load(dir)` restores the same
+tokenizer.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ def _bad(path: Path, what: str, value, expected: str) -> FileFormatError:
 
 def _read_text(path: Path) -> str:
     try:
-        return path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8-sig")  # a leading BOM is not part of the text
     except FileNotFoundError:
         raise FileFormatError.describe(
             "BPE file", str(path), "an existing file", "check the path"
@@ -77,6 +82,23 @@ def _to_bytes(path: Path, token: str, where: str) -> bytes:
         ) from None
 
 
+def _check_order(vocab_path, merges_path, vocab, left, right, number, last) -> None:
+    """A new result's id exceeds its parts' ids and the previous new result's id."""
+    result = left + right
+    i = vocab[result]
+    if i <= max(vocab[left], vocab[right]):
+        raise _bad(
+            merges_path, f"line {number} ({left} {right}) result id", i,
+            f"> the ids of its parts ({vocab[left]}, {vocab[right]}) in {vocab_path.name}",
+        )  # fmt: skip
+    if last is not None and i <= last[0]:
+        raise _bad(
+            merges_path, f"line {number} ({left} {right}) result id", i,
+            f"> {last[0]}, the id made by line {last[1]}: {vocab_path.name}'s ids must follow "
+            "the merge order (the id is the merge's priority)",
+        )  # fmt: skip
+
+
 def read_files(vocab_path: Path, merges_path: Path):
     """`(ranks, merges, special_tokens)` from a vocab file and a merges file."""
     vocab = read_vocab(vocab_path)
@@ -87,16 +109,26 @@ def read_files(vocab_path: Path, merges_path: Path):
             raise _bad(vocab_path, f"byte token for byte {b}", "missing", f"an entry {c!r}")
         ranks[bytes([b])] = vocab[c]
     merges, mergeable = [], set(BYTE_TO_CHAR.values())
+    last = None  # (id, line number) of the last result made for the first time
     for left, right, number in lines:
+        where = f"line {number} ({left} {right})"
         for part in (left, right, left + right):
             if part not in vocab:
                 raise _bad(
-                    merges_path, f"line {number} ({left} {right})", f"{part!r} not in vocab",
+                    merges_path, where, f"{part!r} not in vocab",
                     f"every merge's parts and result in {vocab_path.name}",
                 )  # fmt: skip
-        ranks[_to_bytes(merges_path, left + right, f"line {number}")] = vocab[left + right]
-        merges.append((_to_bytes(merges_path, left, "merge"), _to_bytes(merges_path, right, "")))
-        mergeable.add(left + right)
+        result = left + right
+        if result not in mergeable:
+            _check_order(vocab_path, merges_path, vocab, left, right, number, last)
+            last = (vocab[result], number)
+        pair = (
+            _to_bytes(merges_path, left, f"line {number} left"),
+            _to_bytes(merges_path, right, f"line {number} right"),
+        )
+        merges.append(pair)
+        ranks[pair[0] + pair[1]] = vocab[result]
+        mergeable.add(result)
     special = {t: i for t, i in vocab.items() if t not in mergeable}
     ids = sorted(vocab.values())
     if ids != list(range(len(ids))):

@@ -46,19 +46,29 @@ def count_pieces(texts: Iterable[str] | str, special_tokens: Sequence[str]) -> C
     return counts
 
 
-def _merge_word(word: list[int], a: int, b: int, new: int) -> list[tuple[Pair, int]]:
-    """Replace (a, b) by `new` left to right in place; return the pair-count changes."""
-    changes = []
-    i = 0
-    while i < len(word) - 1:
-        if word[i] == a and word[i + 1] == b:
-            if i > 0:
-                changes += [((word[i - 1], a), -1), ((word[i - 1], new), 1)]
-            word[i : i + 2] = [new]
-            if i < len(word) - 1:
-                changes += [((b, word[i + 1]), -1), ((new, word[i + 1]), 1)]
-        i += 1
-    return changes
+def _merge_word(
+    word: list[int], a: int, b: int, new: int
+) -> tuple[list[int], list[tuple[Pair, int]]]:
+    """`word` with each (a, b) replaced by `new`, left to right, and the pair-count changes.
+
+    One pass into a new list (linear in the word's length however many occurrences it holds).
+    The left neighbour is the last token written, so it may itself be `new` (a a a a -> N N).
+    """
+    out: list[int] = []
+    changes: list[tuple[Pair, int]] = []
+    i, n = 0, len(word)
+    while i < n:
+        if word[i] == a and i + 1 < n and word[i + 1] == b:
+            if out:
+                changes += [((out[-1], a), -1), ((out[-1], new), 1)]
+            if i + 2 < n:
+                changes += [((b, word[i + 2]), -1), ((new, word[i + 2]), 1)]
+            out.append(new)
+            i += 2
+        else:
+            out.append(word[i])
+            i += 1
+    return out, changes
 
 
 def train(
@@ -105,7 +115,8 @@ def train(
         pair_counts[pair] = 0
         grown: set[Pair] = set()
         for w in sorted(where.pop(pair)):
-            for changed, delta in _merge_word(words[w], a, b, new):
+            words[w], changes = _merge_word(words[w], a, b, new)
+            for changed, delta in changes:
                 pair_counts[changed] += delta * freqs[w]
                 if delta > 0:
                     where[changed].add(w)

