@@ -30,7 +30,16 @@ from lmjax.models.summary import (
     param_table,
     residual_bytes,
 )
-from lmjax.models.transformer import block, check_tokens, embed, forward, head
+from lmjax.models.transformer import (
+    attend,
+    block,
+    cached_block,
+    check_tokens,
+    embed,
+    forward,
+    head,
+    project_qkv,
+)
 
 __all__ = [
     "ACTIVATIONS",
@@ -45,7 +54,9 @@ __all__ = [
     "ModelConfig",
     "ParamSpec",
     "abstract_params",
+    "attend",
     "block",
+    "cached_block",
     "check_params",
     "check_tokens",
     "declare",
@@ -58,5 +69,6 @@ __all__ = [
     "param_count",
     "param_table",
     "preset",
+    "project_qkv",
     "residual_bytes",
 ]

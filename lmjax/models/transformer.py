@@ -9,6 +9,10 @@
 
 Dropout (rate `cfg.dropout`, only when a `dropout_key` is given) is applied to the embedding
 sum and to each residual branch's output. Loss and optimizer live outside the model.
+
+Decoding (`lmjax.generate`) reuses these pieces rather than a copy: `embed` and `project_qkv`
+take explicit positions, and `cached_block` is `block` with the attention core (`attend`)
+swapped for one that stores k, v in a KV cache and attends over it.
 """
 
 from __future__ import annotations
@@ -44,21 +48,40 @@ def _dropout(cfg: ModelConfig, key, x: jax.Array) -> jax.Array:
     return _op(cfg, "dropout")(key, x, cfg.dropout, False)
 
 
-def _attention(cfg: ModelConfig, p: dict, x_BTD: jax.Array) -> jax.Array:
-    b, t, _ = x_BTD.shape
+def project_qkv(cfg: ModelConfig, p: dict, h_BTD: jax.Array, positions_BT=None) -> tuple:
+    """Queries, keys and values `[B, T, H, Dh]` of the normed input `h [B, T, D]`.
+
+    RoPE (positions="rope") rotates q and k by `positions [B|1, T]` (default `0..T-1`); decoding
+    passes each token's absolute position so cached keys keep the rotation of their own slot.
+    """
+    b, t, _ = h_BTD.shape
     linear = _op(cfg, "linear")
     q_BTHK, k_BTHK, v_BTHK = (
-        linear(p[name], x_BTD).reshape(b, t, cfg.n_heads, cfg.d_head)
+        linear(p[name], h_BTD).reshape(b, t, cfg.n_heads, cfg.d_head)
         for name in ("query", "key", "value")
     )
     if cfg.positions == "rope":
-        rope = functools.partial(_op(cfg, "rope"), theta=cfg.rope_theta)
+        rope = functools.partial(_op(cfg, "rope"), positions=positions_BT, theta=cfg.rope_theta)
         q_BTHK, k_BTHK = rope(q_BTHK), rope(k_BTHK)
+    return q_BTHK, k_BTHK, v_BTHK
+
+
+def attend(cfg: ModelConfig, q_BTHK, k_BSHK, v_BSHK, *, causal=True, mask=None) -> jax.Array:
+    """Scaled dot-product attention with the config's impl (`ops.attention`): `-> [B, T, H, Dh]`."""
     if cfg.ops == "custom":
-        out_BTHK = ops.attention(q_BTHK, k_BTHK, v_BTHK, causal=True, impl=cfg.attention)
-    else:
-        out_BTHK = ops.attention_reference(q_BTHK, k_BTHK, v_BTHK, causal=True)
-    return linear(p["output"], out_BTHK.reshape(b, t, cfg.d_model))
+        return ops.attention(q_BTHK, k_BSHK, v_BSHK, causal=causal, mask=mask, impl=cfg.attention)
+    return ops.attention_reference(q_BTHK, k_BSHK, v_BSHK, causal=causal, mask=mask)
+
+
+def _self_attend(cfg: ModelConfig, q_BTHK, k_BTHK, v_BTHK) -> tuple:
+    return attend(cfg, q_BTHK, k_BTHK, v_BTHK), None
+
+
+def _attention(cfg: ModelConfig, p: dict, h_BTD: jax.Array, positions_BT, attend_fn) -> tuple:
+    q_BTHK, k_BTHK, v_BTHK = project_qkv(cfg, p, h_BTD, positions_BT)
+    out_BTHK, aux = attend_fn(cfg, q_BTHK, k_BTHK, v_BTHK)
+    b, t, _ = h_BTD.shape
+    return _op(cfg, "linear")(p["output"], out_BTHK.reshape(b, t, cfg.d_model)), aux
 
 
 def _feed_forward(cfg: ModelConfig, p: dict, x_BTD: jax.Array) -> jax.Array:
@@ -70,13 +93,30 @@ def _feed_forward(cfg: ModelConfig, p: dict, x_BTD: jax.Array) -> jax.Array:
     return linear(p["project"], h_BTF)
 
 
-def block(p: dict, x_BTD: jax.Array, keys: tuple, cfg: ModelConfig) -> jax.Array:
-    """One pre-norm block: `x + Attn(norm(x))`, then `x + FF(norm(x))`; `[B,T,D] -> [B,T,D]`."""
+def _block(p, x_BTD, keys, cfg, positions_BT, attend_fn) -> tuple:
     attn_key, ff_key = keys
     h_BTD = _norm(cfg, p["attention_norm"], x_BTD)
-    x_BTD = x_BTD + _dropout(cfg, attn_key, _attention(cfg, p["attention"], h_BTD))
+    y_BTD, aux = _attention(cfg, p["attention"], h_BTD, positions_BT, attend_fn)
+    x_BTD = x_BTD + _dropout(cfg, attn_key, y_BTD)
     h_BTD = _norm(cfg, p["feed_forward_norm"], x_BTD)
-    return x_BTD + _dropout(cfg, ff_key, _feed_forward(cfg, p["feed_forward"], h_BTD))
+    return x_BTD + _dropout(cfg, ff_key, _feed_forward(cfg, p["feed_forward"], h_BTD)), aux
+
+
+def block(p: dict, x_BTD: jax.Array, keys: tuple, cfg: ModelConfig) -> jax.Array:
+    """One pre-norm block: `x + Attn(norm(x))`, then `x + FF(norm(x))`; `[B,T,D] -> [B,T,D]`."""
+    return _block(p, x_BTD, keys, cfg, None, _self_attend)[0]
+
+
+def cached_block(
+    p: dict, x_BTD: jax.Array, cfg: ModelConfig, positions_BT: jax.Array, attend_fn
+) -> tuple:
+    """`block` for decoding (no dropout): `-> (x [B, T, D], aux)`.
+
+    The tokens sit at absolute `positions [B, T]` (RoPE), and `attend_fn(cfg, q, k, v) ->
+    (out [B, T, H, Dh], aux)` replaces causal self-attention: a KV cache stores this call's
+    k and v (returning the updated cache as `aux`) and attends over everything cached.
+    """
+    return _block(p, x_BTD, (None, None), cfg, positions_BT, attend_fn)
 
 
 def _block_fn(cfg: ModelConfig):
@@ -87,15 +127,23 @@ def _block_fn(cfg: ModelConfig):
     return jax.checkpoint(fn, policy=REMAT_POLICIES[cfg.remat], prevent_cse=True)
 
 
-def embed(p: dict, tokens_BT: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """Token embedding plus absolute positions (learned or sinusoidal): `[B, T] -> [B, T, D]`."""
+def embed(p: dict, tokens_BT: jax.Array, cfg: ModelConfig, positions_BT=None) -> jax.Array:
+    """Token embedding plus absolute positions (learned or sinusoidal): `[B, T] -> [B, T, D]`.
+
+    `positions [B, T]` (default `0..T-1` for every row) are each token's absolute position, as
+    decoding needs; a position outside `[0, C)` gives a NaN row, never a clamped one.
+    """
     x_BTD = _op(cfg, "embedding")(p["token_embedding"]["weight"], tokens_BT)
     t = tokens_BT.shape[1]
     if cfg.positions == "learned":
-        pos_1TD = _op(cfg, "embedding")(p["position_embedding"]["weight"], jnp.arange(t)[None])
-        x_BTD = x_BTD + pos_1TD
-    elif cfg.positions == "sinusoidal":
+        pos_BT = jnp.arange(t)[None] if positions_BT is None else positions_BT
+        x_BTD = x_BTD + _op(cfg, "embedding")(p["position_embedding"]["weight"], pos_BT)
+    elif cfg.positions == "sinusoidal" and positions_BT is None:
         x_BTD = x_BTD + ops.sinusoidal_positions(t, cfg.d_model, x_BTD.dtype)[None]
+    elif cfg.positions == "sinusoidal":
+        # Rows of the same float64-built table, so position t gets the bits forward gives it.
+        table_CD = ops.sinusoidal_positions(cfg.context_length, cfg.d_model, x_BTD.dtype)
+        x_BTD = x_BTD + jnp.take(table_CD, positions_BT, axis=0, mode="fill", fill_value=jnp.nan)
     return x_BTD
 
 

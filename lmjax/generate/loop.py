@@ -1,0 +1,226 @@
+"""Batched generation (SPEC section 4): `stream` yields each step's tokens, `generate` collects.
+
+    for step in stream(params, [[5, 3, 9], [7]], cfg, max_new_tokens=20, stop_tokens=[0]):
+        step.tokens  # [B] int32, this step's token of every row (-1 where the row is done)
+        step.active  # [B] bool, True where tokens[b] is a new token of row b
+
+Policies:
+- Padding: prompts of different lengths are right-padded into one `[B, T]` batch and each row
+  decodes at its own positions (`kv_cache`), so row b's tokens and logits are those it gets
+  alone (greedy: the same tokens; logits to float rounding, the padded shapes differ).
+- Shapes: T is the longest prompt and S = prompt + max_new_tokens, each rounded up to a power
+  of two (at least 8, at most C). The prefill compiles once per (B, T, S) bucket, the decode
+  step once per (B, S); no step of a run compiles anything.
+- Context: every row must fit, `len(prompt) + max_new_tokens <= C`, else `ConfigError` before
+  any work (no silent truncation or sliding window).
+- Stops: a row ends after `max_new_tokens` tokens or after emitting one of `stop_tokens` (the
+  stop token is its last token); finished rows keep their batch slot but emit nothing, and a
+  paged cache returns their pages to the pool at once. The run ends when every row has ended.
+- Randomness: step n samples with `fold_in(key(seed), n)`, so a seed reproduces a run exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lmjax.errors import ConfigError, TokenError
+from lmjax.generate.kv_cache import decode_logits, init_cache, prefill_hidden
+from lmjax.generate.paged import PageAllocator, init_paged_cache
+from lmjax.generate.sampling import Sampling, sample
+from lmjax.models import ModelConfig, head
+from lmjax.models.transformer import cast
+from lmjax.ops._common import check_token_ids, is_int
+
+CACHES = ("contiguous", "paged")
+MIN_BUCKET = 8
+
+
+class Step(NamedTuple):
+    """One decoding step: `tokens [B]` int32 (-1 where not active), `active [B]` bool, and
+    the pages in use after it (paged cache; None for the contiguous one)."""
+
+    tokens: np.ndarray
+    active: np.ndarray
+    pages_in_use: int | None
+
+
+def _prefill_sample(params, tokens_BT, lengths_B, cache, key, cfg, sampling):
+    x_BTD, cache = prefill_hidden(params, tokens_BT, cfg, cache, lengths_B)
+    # Only each row's last real position goes through the head.
+    last_B1D = jnp.take_along_axis(x_BTD, (lengths_B - 1)[:, None, None], axis=1)
+    logits_BV = head(cast(params, cfg.compute_dtype), last_B1D, cfg)[:, 0].astype(jnp.float32)
+    return sample(logits_BV, jax.random.fold_in(key, 0), sampling), cache
+
+
+def _decode_sample(params, token_B, cache, key, step, cfg, sampling):
+    logits_BV, cache = decode_logits(params, token_B, cfg, cache)
+    return sample(logits_BV, jax.random.fold_in(key, step), sampling), cache
+
+
+prefill_sample = jax.jit(_prefill_sample, donate_argnames="cache")
+decode_sample = jax.jit(_decode_sample, donate_argnames="cache")
+
+
+def stream(
+    params: dict,
+    prompts: Sequence[Sequence[int]],
+    cfg: ModelConfig,
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float = 1.0,
+    seed: int = 0,
+    stop_tokens: Sequence[int] = (),
+    cache: str = "contiguous",
+    page_size: int = 16,
+    num_pages: int | None = None,
+) -> Iterator[Step]:
+    """Decode a batch of prompts step by step; see the module docstring for the policies.
+
+    prompts: a list of token-id lists (or a `[B, T]` array), each non-empty. Sampling options
+    as `Sampling`. `cache="paged"` uses a pool of `num_pages` pages of `page_size` slots
+    (default: exactly the worst case, `sum_b ceil((len_b + max_new_tokens - 1) / page_size)`).
+    Everything is validated before the first step: `TokenError` for an empty batch or prompt,
+    non-integer or out-of-vocabulary ids (prompts and stop tokens) or a prompt longer than C;
+    `ConfigError` for sampling options, `max_new_tokens < 1` or past the context, bad cache
+    options.
+    """
+    rows = _check_prompts(prompts, cfg)
+    sampling = Sampling(temperature, top_k, top_p)
+    sampling.check_vocab(cfg.vocab_size)
+    _check_run(rows, cfg, max_new_tokens, seed, cache, page_size, num_pages)
+    stops = _check_stop_tokens(stop_tokens, cfg)
+    lengths = np.array([len(r) for r in rows], np.int32)
+    b, t, s = len(rows), _bucket(lengths.max(), cfg), _bucket(lengths.max() + max_new_tokens, cfg)
+    tokens_BT = np.zeros((b, t), np.int32)  # right padding; the pad id is never attended to
+    for i, row in enumerate(rows):
+        tokens_BT[i, : len(row)] = row
+
+    pages = None
+    if cache == "paged":
+        if num_pages is None:
+            num_pages = int(np.ceil((lengths + max_new_tokens - 1) / page_size).sum())
+        kv = init_paged_cache(cfg, b, num_pages, page_size, s)
+        pages = PageAllocator(num_pages, page_size, b, kv.page_table.shape[1])
+        for i in range(b):
+            pages.ensure(i, int(lengths[i]))
+        kv = kv._replace(page_table=jnp.asarray(pages.table))
+    else:
+        kv = init_cache(cfg, b, s)
+
+    key = jax.random.key(seed)
+    token_B, kv = prefill_sample(params, tokens_BT, lengths, kv, key, cfg, sampling)
+    emitted = np.zeros(b, np.int32)
+    done = np.zeros(b, bool)
+    for step in range(1, max_new_tokens + 1):
+        host_B = np.asarray(token_B)
+        active = ~done
+        emitted += active
+        done = done | np.isin(host_B, stops) | (emitted >= max_new_tokens)
+        if pages is not None:
+            for i in np.flatnonzero(done & active):
+                pages.release(int(i))
+        yield Step(np.where(active, host_B, -1).astype(np.int32), active, _in_use(pages))
+        if done.all():
+            return
+        if pages is not None:
+            # The token just sampled is written at position len + emitted - 1 by the next step.
+            for i in np.flatnonzero(~done):
+                pages.ensure(int(i), int(lengths[i] + emitted[i]))
+            kv = kv._replace(page_table=jnp.asarray(pages.table))
+        token_B, kv = decode_sample(params, token_B, kv, key, step, cfg, sampling)
+
+
+def generate(params: dict, prompts, cfg: ModelConfig, **options) -> list[list[int]]:
+    """The new tokens of each prompt (a stop token, if hit, is the last); options as `stream`."""
+    out: list[list[int]] = []
+    for step in stream(params, prompts, cfg, **options):  # validates before the first step
+        out = out or [[] for _ in step.tokens]
+        for i in np.flatnonzero(step.active):
+            out[i].append(int(step.tokens[i]))
+    return out
+
+
+def _in_use(pages: PageAllocator | None) -> int | None:
+    return None if pages is None else pages.in_use
+
+
+def _bucket(n: int, cfg: ModelConfig) -> int:
+    """The next power of two >= n, at least MIN_BUCKET, at most the context length."""
+    return min(cfg.context_length, max(MIN_BUCKET, 1 << (int(n) - 1).bit_length()))
+
+
+def _check_prompts(prompts, cfg: ModelConfig) -> list[np.ndarray]:
+    fix_batch = "pass a list of prompts, each a non-empty list of token ids"
+    if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__") or not len(prompts):
+        raise TokenError.describe("prompts", prompts, "a non-empty batch of prompts", fix_batch)
+    rows = []
+    for i, prompt in enumerate(prompts):
+        if is_int(prompt):
+            raise TokenError.describe(
+                f"prompts[{i}]", prompt, "a list of token ids", "wrap a single prompt in a list"
+            )
+        row = np.asarray(prompt)
+        if row.ndim != 1 or row.size == 0:
+            raise TokenError.describe(
+                f"prompts[{i}]", prompt, "a non-empty 1-D list of token ids", fix_batch
+            )
+        if row.dtype.kind not in "iu":
+            raise TokenError.describe(
+                f"prompts[{i}] dtype", str(row.dtype), "integer token ids", "tokenize the text"
+            )
+        if row.size > cfg.context_length:
+            raise TokenError.describe(
+                f"len(prompts[{i}])",
+                row.size,
+                f"<= context_length = {cfg.context_length}",
+                "crop the prompt to its last tokens or use a model with a longer context",
+            )
+        check_token_ids(row, cfg.vocab_size, f"prompts[{i}]")
+        rows.append(row.astype(np.int32))
+    return rows
+
+
+def _check_run(rows, cfg, max_new_tokens, seed, cache, page_size, num_pages) -> None:
+    longest = max(len(r) for r in rows)
+    if not is_int(max_new_tokens) or max_new_tokens < 1:
+        raise ConfigError.describe(
+            "max_new_tokens", max_new_tokens, "an int >= 1", "ask for at least one token"
+        )
+    if longest + max_new_tokens > cfg.context_length:
+        raise ConfigError.describe(
+            "longest prompt + max_new_tokens",
+            f"{longest} + {max_new_tokens}",
+            f"<= context_length = {cfg.context_length} (generation never passes the context)",
+            f"set max_new_tokens <= {cfg.context_length - longest} or shorten the prompt",
+        )
+    if not is_int(seed):
+        raise ConfigError.describe("seed", seed, "an int", "pass an integer seed")
+    if cache not in CACHES:
+        raise ConfigError.describe("cache", cache, f"one of {CACHES}", "pick a listed cache")
+    if not is_int(page_size) or page_size < 1:
+        raise ConfigError.describe("page_size", page_size, "an int >= 1", "use e.g. 16")
+    if num_pages is not None and (not is_int(num_pages) or num_pages < 1):
+        raise ConfigError.describe(
+            "num_pages", num_pages, "None (the worst case) or an int >= 1", "leave it unset"
+        )
+
+
+def _check_stop_tokens(stop_tokens, cfg: ModelConfig) -> np.ndarray:
+    stop_tokens = list(stop_tokens)
+    if not all(is_int(s) for s in stop_tokens):
+        raise TokenError.describe(
+            "stop_tokens", stop_tokens, "a list of int token ids", "pass ids, not strings"
+        )
+    stops = np.asarray(stop_tokens, dtype=np.int64).reshape(-1)
+    check_token_ids(stops, cfg.vocab_size, "stop_tokens")
+    return stops
+
+
+__all__ = ["CACHES", "Step", "generate", "stream"]

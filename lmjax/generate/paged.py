@@ -1,0 +1,149 @@
+"""A paged KV cache (SPEC section 4): fixed-size pages from one pool, a page table per sequence.
+
+Layout, per layer: `keys[i]`, `values[i]` `[P, page_size, H, Dh]` (a pool of P pages);
+`page_table [B, M]` int32 maps row b's slot j to page `page_table[b, j // page_size]`, offset
+`j % page_size`; an entry equal to P means "no page": writes there are dropped and reads give
+zeros (always masked out: a row only attends to positions it has written). `read` gathers a
+row's pages into the contiguous `[B, M * page_size, H, Dh]` view, so `prefill` / `decode_step`
+of `kv_cache` run unchanged and give the same tokens. (A gather per step: a paged-attention
+kernel would read the pages in place; this is the pure-JAX form.)
+
+`PageAllocator` is the host-side bookkeeping between jitted steps (`loop.stream` drives it;
+a caller of `kv_cache.prefill` / `decode_step` with a paged cache maps pages the same way
+before each call, or the writes to unmapped slots are dropped): a free list, the pages each
+row owns, `ensure(row, n_slots)` before a row writes slot n_slots - 1, `release(row)` when it
+finishes (stop token or max tokens). The pool and the table have static shapes, so the decode
+step never recompiles as pages come and go.
+
+Memory. A contiguous cache reserves `B * S` slots (capacity S <= C) for every batch; the pool
+needs `sum_b ceil(len_b / page_size)` pages for rows of final lengths `len_b`. For GPT-2 124M in
+float32 one slot is `2 * 12 * 768 * 4 = 72 KiB` (`cache_bytes(cfg, 1)`), so 8 sequences of final
+lengths 20, 40, 60, 100, 150, 300, 500 and 1000 tokens take, with C = 1024:
+    contiguous  8 * 1024 slots                             = 576.0 MiB
+    paged       (2+3+4+7+10+19+32+63) = 140 pages of 16     = 157.5 MiB  (+ a [8, 64] int32 table)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lmjax.errors import ConfigError
+from lmjax.models import ModelConfig
+from lmjax.ops._common import is_int
+
+
+class PagedKVCache(NamedTuple):
+    """Pool `keys[i]`, `values[i]` `[P, page, H, Dh]`, `page_table [B, M]`, `lengths [B]`."""
+
+    keys: tuple
+    values: tuple
+    page_table: jax.Array
+    lengths: jax.Array
+
+    @property
+    def page_size(self) -> int:
+        return self.keys[0].shape[1]
+
+    @property
+    def capacity(self) -> int:
+        return self.page_table.shape[1] * self.page_size
+
+    def store(self, layer: int, k_BTHK, v_BTHK, positions_BT) -> PagedKVCache:
+        """Write each token's k, v into its row's page for that position (dropped if unmapped)."""
+        num_pages, page = self.keys[0].shape[:2]
+        page_BT = jnp.take_along_axis(
+            self.page_table, positions_BT // page, axis=1, mode="fill", fill_value=num_pages
+        )
+        offset_BT = positions_BT % page
+
+        def put(stack, new_BTHK):
+            slab = stack[layer].at[page_BT, offset_BT].set(new_BTHK, mode="drop")
+            return stack[:layer] + (slab,) + stack[layer + 1 :]
+
+        return self._replace(keys=put(self.keys, k_BTHK), values=put(self.values, v_BTHK))
+
+    def read(self, layer: int) -> tuple:
+        """Row b's pages in table order: `[B, M * page, H, Dh]`, slot j = position j."""
+
+        def gather(pool_PLHK):
+            pages_BMLHK = jnp.take(pool_PLHK, self.page_table, axis=0, mode="fill", fill_value=0)
+            b, m, page, h, k = pages_BMLHK.shape
+            return pages_BMLHK.reshape(b, m * page, h, k)
+
+        return gather(self.keys[layer]), gather(self.values[layer])
+
+
+def init_paged_cache(
+    cfg: ModelConfig, batch: int, num_pages: int, page_size: int, capacity: int | None = None
+) -> PagedKVCache:
+    """An empty pool of `num_pages` pages and a `[batch, ceil(capacity / page_size)]` table."""
+    capacity = cfg.context_length if capacity is None else capacity
+    for what, value in (("batch", batch), ("num_pages", num_pages), ("page_size", page_size)):
+        if not is_int(value) or value < 1:
+            raise ConfigError.describe(what, value, "an int >= 1", f"pass a positive {what}")
+    if not is_int(capacity) or not 1 <= capacity <= cfg.context_length:
+        raise ConfigError.describe(
+            "capacity",
+            capacity,
+            f"an int in [1, {cfg.context_length}] (context_length)",
+            "pass a capacity the model can hold",
+        )
+    shape = (num_pages, page_size, cfg.n_heads, cfg.d_head)
+    # Distinct buffers for every layer's keys and values: the steps donate each one.
+    zeros = [tuple(jnp.zeros(shape, cfg.compute_dtype) for _ in range(cfg.n_layers)) for _ in "kv"]
+    table = jnp.full((batch, math.ceil(capacity / page_size)), num_pages, jnp.int32)
+    return PagedKVCache(*zeros, table, jnp.zeros((batch,), jnp.int32))
+
+
+class PageAllocator:
+    """Host-side page bookkeeping for a pool of `num_pages` pages of `page_size` slots.
+
+    `table` (numpy `[B, M]`) is what the jitted steps read; it changes only through `ensure`
+    and `release`, which keep `in_use == sum over rows of len(owned[row])`.
+    """
+
+    def __init__(self, num_pages: int, page_size: int, batch: int, pages_per_row: int):
+        self.num_pages, self.page_size = num_pages, page_size
+        self.free = list(range(num_pages - 1, -1, -1))  # pop() hands out page 0 first
+        self.owned: list[list[int]] = [[] for _ in range(batch)]
+        self.table = np.full((batch, pages_per_row), num_pages, np.int32)
+
+    @property
+    def in_use(self) -> int:
+        return self.num_pages - len(self.free)
+
+    def ensure(self, row: int, n_slots: int) -> None:
+        """Give `row` enough pages for slots `0..n_slots-1`; `ConfigError` if the pool is empty."""
+        need = math.ceil(n_slots / self.page_size)
+        if need > self.table.shape[1]:
+            raise ConfigError.describe(
+                "slots requested for one row",
+                n_slots,
+                f"<= {self.table.shape[1] * self.page_size} (the page table's width)",
+                "build the cache with a larger capacity",
+            )
+        while len(self.owned[row]) < need:
+            if not self.free:
+                raise ConfigError.describe(
+                    "free pages",
+                    0,
+                    f"a page for row {row} (pool of {self.num_pages} x {self.page_size} slots)",
+                    "raise num_pages, or decode fewer or shorter sequences at once",
+                )
+            page = self.free.pop()
+            self.table[row, len(self.owned[row])] = page
+            self.owned[row].append(page)
+
+    def release(self, row: int) -> None:
+        """Return every page of `row` to the pool and unmap its table row."""
+        self.free.extend(reversed(self.owned[row]))
+        self.owned[row] = []
+        self.table[row] = self.num_pages
+
+
+__all__ = ["PageAllocator", "PagedKVCache", "init_paged_cache"]

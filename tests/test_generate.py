@@ -1,0 +1,294 @@
+"""Decoding (SPEC section 4): KV caches against the full forward pass, batching, paging, compiles.
+
+Witnesses are independent of the decoding code: `models.forward` over the whole sequence for
+logits, and greedy decoding by re-running `models.forward` on the growing sequence for tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.monitoring
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lmjax import generate as G
+from lmjax import models
+from lmjax.errors import ConfigError, ShapeError, TokenError
+from lmjax.generate import loop
+
+TINY = dict(vocab_size=27, context_length=16, d_model=32, n_heads=4, n_layers=2, d_ff=64)
+CONFIGS = {
+    "gpt-learned": models.preset("gpt"),
+    "gpt2-learned-tied": models.preset("gpt2", **TINY),
+    "llama-rope": models.preset("llama"),
+    "gpt-sinusoidal": models.preset("gpt", positions="sinusoidal"),
+}
+F32_TOL = dict(rtol=1e-5, atol=1e-5)  # float32 at matmul precision highest (conftest)
+
+
+@pytest.fixture(scope="module")
+def params():
+    return {
+        name: models.init(jax.random.key(i), cfg) for i, (name, cfg) in enumerate(CONFIGS.items())
+    }
+
+
+def paged_cache(cfg, batch, page_size=4):
+    """A paged cache whose rows own interleaved, reversed pages, so a table slip would show."""
+    per_row = math.ceil(cfg.context_length / page_size)
+    cache = G.init_paged_cache(cfg, batch, batch * per_row, page_size)
+    table = np.arange(batch * per_row)[::-1].reshape(per_row, batch).T
+    return cache._replace(page_table=jnp.asarray(table, jnp.int32))
+
+
+@functools.cache
+def padded_forward(cfg):
+    return jax.jit(models.forward)
+
+
+def greedy_witness(params, prompt, cfg, n):
+    """Greedy continuation by re-running the full forward pass on the growing sequence.
+
+    The sequence is right-padded to C (one compile); by causality, position len - 1 of the
+    padded forward is the last position of the unpadded one.
+    """
+    seq = list(prompt)
+    for _ in range(n):
+        padded = jnp.asarray([seq + [0] * (cfg.context_length - len(seq))])
+        logits_V = padded_forward(cfg)(params, padded, cfg)[0, len(seq) - 1]
+        seq.append(int(jnp.argmax(logits_V)))
+    return seq[len(prompt) :]
+
+
+# ---- prefill + decode equals the full forward pass ------------------------------------------
+
+
+@pytest.mark.parametrize("cache_kind", ["contiguous", "paged"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_prefill_then_decode_equals_forward_at_every_position(params, name, cache_kind):
+    """Right-padded rows of different prompt lengths; each row decodes at its own positions."""
+    cfg, p = CONFIGS[name], params[name]
+    c = cfg.context_length
+    tokens_BC = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, c)).astype(np.int32)
+    full_BCV = np.asarray(models.forward(p, tokens_BC, cfg))
+    lengths = np.array([3, 6])
+    prompt_BT = tokens_BC[:, :6].copy()
+    prompt_BT[0, 3:] = 0  # padding: row 0's prompt is 3 tokens long
+    cache = G.init_cache(cfg, 2) if cache_kind == "contiguous" else paged_cache(cfg, 2)
+    logits_BTV, cache = G.prefill(p, prompt_BT, cfg, cache, lengths)
+    for b, n in enumerate(lengths):
+        np.testing.assert_allclose(logits_BTV[b, :n], full_BCV[b, :n], **F32_TOL)
+    for step in range(c - 6):
+        pos_B = lengths + step
+        logits_BV, cache = G.decode_step(p, tokens_BC[[0, 1], pos_B], cfg, cache)
+        np.testing.assert_allclose(logits_BV, full_BCV[[0, 1], pos_B], **F32_TOL)
+    np.testing.assert_array_equal(cache.lengths, lengths + c - 6)
+
+
+@pytest.mark.parametrize("impl", ["xla", pytest.param("flash", marks=pytest.mark.slow)])
+def test_decoding_with_other_attention_impls_equals_forward(impl):
+    cfg = CONFIGS["llama-rope"].replace(attention=impl)
+    p = models.init(jax.random.key(0), cfg)
+    tokens_1C = np.random.default_rng(2).integers(0, cfg.vocab_size, (1, 12)).astype(np.int32)
+    full_1CV = np.asarray(models.forward(p, tokens_1C, cfg))
+    logits_1TV, cache = G.prefill(p, tokens_1C[:, :4], cfg, G.init_cache(cfg, 1, 16))
+    np.testing.assert_allclose(logits_1TV, full_1CV[:, :4], **F32_TOL)
+    for t in range(4, 12):
+        logits_1V, cache = G.decode_step(p, tokens_1C[:, t], cfg, cache)
+        np.testing.assert_allclose(logits_1V, full_1CV[:, t], **F32_TOL)
+
+
+# ---- batched generation -----------------------------------------------------------------------
+
+PROMPTS = [[3, 1, 4], [1], [5, 9, 2, 6, 5, 3, 5, 8, 9]]
+
+
+@pytest.mark.parametrize("name", ["gpt-learned", "llama-rope"])
+def test_greedy_batched_equals_one_by_one_equals_the_forward_witness(params, name):
+    cfg, p = CONFIGS[name], params[name]
+    n = cfg.context_length - len(PROMPTS[2])
+    batched = G.generate(p, PROMPTS, cfg, max_new_tokens=n)
+    alone = [G.generate(p, [prompt], cfg, max_new_tokens=n)[0] for prompt in PROMPTS]
+    witness = [greedy_witness(p, prompt, cfg, n) for prompt in PROMPTS]
+    assert batched == alone == witness
+
+
+def test_stop_tokens_end_only_their_row(params):
+    cfg, p = CONFIGS["gpt-learned"], params["gpt-learned"]
+    witness = [greedy_witness(p, prompt, cfg, 6) for prompt in PROMPTS]
+    stop = witness[1][2]  # row 1 stops at its third token (or earlier, if that id came before)
+    expected = [w[: w.index(stop) + 1] if stop in w else w for w in witness]
+    assert G.generate(p, PROMPTS, cfg, max_new_tokens=6, stop_tokens=[stop]) == expected
+    assert len(expected[1]) <= 3
+
+
+def test_stream_marks_finished_rows_inactive(params):
+    cfg, p = CONFIGS["gpt-learned"], params["gpt-learned"]
+    first = G.generate(p, PROMPTS, cfg, max_new_tokens=4)
+    steps = list(G.stream(p, PROMPTS, cfg, max_new_tokens=4, stop_tokens=[first[0][0]]))
+    assert len(steps) == 4 and steps[0].active.all() and steps[0].pages_in_use is None
+    for step in steps[1:]:
+        assert not step.active[0] and step.tokens[0] == -1
+    assert [int(s.tokens[2]) for s in steps] == first[2]
+
+
+# ---- paged cache ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "sampling", [{}, dict(temperature=1.0, top_k=8, top_p=0.9, seed=5)], ids=["greedy", "sampled"]
+)
+def test_paged_and_contiguous_caches_give_identical_tokens(params, sampling):
+    cfg, p = CONFIGS["llama-rope"], params["llama-rope"]
+    prompts = [[1], [2, 3, 4, 5, 6, 7, 8], list(range(16)) + [3, 2, 1, 0]]
+    options = dict(max_new_tokens=12, **sampling)
+    contiguous = G.generate(p, prompts, cfg, **options)
+    paged = G.generate(p, prompts, cfg, cache="paged", page_size=4, **options)
+    assert paged == contiguous
+    assert [len(t) for t in paged] == [12, 12, 12]
+
+
+def test_page_accounting_follows_the_sequences_and_frees_finished_ones(params):
+    cfg, p = CONFIGS["llama-rope"], params["llama-rope"]
+    prompts, page = [[1], [2, 3, 4, 5, 6], list(range(14))], 4
+    plain = G.generate(p, prompts, cfg, max_new_tokens=10)
+    stop = plain[0][3]
+    emitted, lengths = np.zeros(3, int), np.array([len(x) for x in prompts])
+    worst = int(np.ceil((lengths + 10 - 1) / page).sum())
+    steps = G.stream(
+        p, prompts, cfg, max_new_tokens=10, stop_tokens=[stop], cache="paged", page_size=page
+    )
+    done, peak = np.zeros(3, bool), 0
+    for step in steps:
+        emitted += step.active
+        done |= np.isin(step.tokens, [stop]) | (emitted >= 10)
+        written = lengths + emitted - 1  # the newest token is written by the next step
+        expected = sum(math.ceil(w / page) for w, d in zip(written, done, strict=True) if not d)
+        assert step.pages_in_use == expected
+        peak = max(peak, expected)
+    assert done.all() and step.pages_in_use == 0  # every page went back to the pool
+    assert 0 < peak <= worst  # the default pool is the worst case, never exceeded
+
+
+def test_page_allocator_hands_out_and_takes_back_pages():
+    pages = G.PageAllocator(num_pages=5, page_size=4, batch=2, pages_per_row=3)
+    pages.ensure(0, 5)  # slots 0..4: 2 pages
+    pages.ensure(1, 1)
+    pages.ensure(0, 8)  # still 2 pages
+    assert pages.in_use == 3 and pages.owned == [[0, 1], [2]]
+    np.testing.assert_array_equal(pages.table, [[0, 1, 5], [2, 5, 5]])
+    pages.release(0)
+    assert pages.in_use == 1 and sorted(pages.free) == [0, 1, 3, 4]
+    np.testing.assert_array_equal(pages.table[0], [5, 5, 5])
+    pages.ensure(1, 12)
+    with pytest.raises(ConfigError, match="raise num_pages"):
+        pages.ensure(0, 12)  # 3 more pages wanted, 1 free
+    with pytest.raises(ConfigError, match="page table's width"):
+        pages.ensure(1, 13)
+
+
+def test_cache_memory_matches_the_documented_figures():
+    cfg = models.preset("gpt2")
+    assert G.cache_bytes(cfg, 1) == 72 * 1024
+    contiguous = jax.eval_shape(lambda: G.init_cache(cfg, 8, 1024))
+    assert sum(a.size * a.dtype.itemsize for a in contiguous.keys + contiguous.values) == (
+        G.cache_bytes(cfg, 8 * 1024)
+    )
+    assert G.cache_bytes(cfg, 8 * 1024) == 576 * 2**20
+    final_lengths = [20, 40, 60, 100, 150, 300, 500, 1000]
+    pages = G.PageAllocator(num_pages=200, page_size=16, batch=8, pages_per_row=64)
+    for row, n in enumerate(final_lengths):
+        pages.ensure(row, n)
+    assert pages.in_use == sum(math.ceil(n / 16) for n in final_lengths) == 140
+    pool = jax.eval_shape(lambda: G.init_paged_cache(cfg, 8, 140, 16, 1024))
+    pool_bytes = sum(a.size * a.dtype.itemsize for a in pool.keys + pool.values)
+    assert pool_bytes == G.cache_bytes(cfg, 140 * 16) == 157.5 * 2**20
+    assert pool.page_table.shape == (8, 64)
+
+
+# ---- compilation ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cache_kind", ["contiguous", "paged"])
+def test_no_compilation_after_the_first_decode_step(params, cache_kind):
+    cfg, p = CONFIGS["gpt-learned"], params["gpt-learned"]
+    compiles = []
+
+    def listen(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    steps = G.stream(p, PROMPTS, cfg, max_new_tokens=7, cache=cache_kind, page_size=2)
+    next(steps), next(steps)  # prefill, then the first decode step: compiled here if new
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        rest = list(steps)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert len(rest) == 5 and compiles == []
+
+
+def test_one_compile_per_shape_bucket():
+    cfg = CONFIGS["llama-rope"].replace(context_length=24)  # a config no other test compiles
+    p = models.init(jax.random.key(0), cfg)
+    before = loop.prefill_sample._cache_size(), loop.decode_sample._cache_size()
+    G.generate(p, [[1, 2, 3], [4]], cfg, max_new_tokens=5)  # T bucket 8, S bucket 8
+    after_one = loop.prefill_sample._cache_size(), loop.decode_sample._cache_size()
+    G.generate(p, [[5, 6], [7, 8, 9, 10]], cfg, max_new_tokens=3)  # same buckets
+    assert loop.prefill_sample._cache_size() == after_one[0] == before[0] + 1
+    assert loop.decode_sample._cache_size() == after_one[1] == before[1] + 1
+    G.generate(p, [[5, 6], [7, 8, 9, 10]], cfg, max_new_tokens=12)  # S bucket 16: one more each
+    assert loop.decode_sample._cache_size() == before[1] + 2
+
+
+# ---- bad input ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "prompts, options, error, match",
+    [
+        ([list(range(10)) * 2], {}, TokenError, "len\\(prompts\\[0\\]\\) = 20.*context_length"),
+        ([[1, 2], []], {}, TokenError, "prompts\\[1\\]"),
+        ([], {}, TokenError, "non-empty batch"),
+        ([1, 2, 3], {}, TokenError, "wrap a single prompt"),
+        ([[1, 27]], {}, TokenError, "prompts\\[0\\]\\[1\\] = 27"),
+        ([[-1, 2]], {}, TokenError, "prompts\\[0\\]\\[0\\] = -1"),
+        ([[1.5, 2.0]], {}, TokenError, "integer token ids"),
+        ([[1]], dict(top_p=0.0), ConfigError, "top_p = 0.0"),
+        ([[1]], dict(top_p=1.5), ConfigError, "top_p = 1.5"),
+        ([[1]], dict(temperature=-0.5), ConfigError, "temperature = -0.5"),
+        ([[1]], dict(temperature=float("nan")), ConfigError, "temperature = nan"),
+        ([[1]], dict(top_k=-1), ConfigError, "top_k = -1"),
+        ([[1]], dict(top_k=28), ConfigError, "top_k = 28; expected <= vocab_size = 27"),
+        ([[1]], dict(max_new_tokens=0), ConfigError, "max_new_tokens = 0"),
+        ([[1], [1] * 10], dict(max_new_tokens=7), ConfigError, "max_new_tokens <= 6"),
+        ([[1]], dict(stop_tokens=[27]), TokenError, "stop_tokens\\[0\\] = 27"),
+        ([[1]], dict(cache="ring"), ConfigError, "cache = 'ring'"),
+        ([[1]], dict(cache="paged", page_size=0), ConfigError, "page_size = 0"),
+        ([[1]], dict(seed=1.5), ConfigError, "seed = 1.5"),
+    ],
+)
+def test_bad_generation_input_raises_a_clear_error(params, prompts, options, error, match):
+    cfg, p = CONFIGS["gpt-learned"], params["gpt-learned"]
+    options = {"max_new_tokens": 2, **options}
+    with pytest.raises(error, match=match):
+        G.generate(p, prompts, cfg, **options)
+
+
+def test_bad_cache_input_raises_a_clear_error(params):
+    cfg, p = CONFIGS["gpt-learned"], params["gpt-learned"]
+    with pytest.raises(ShapeError, match="capacity = 17"):
+        G.init_cache(cfg, 1, 17)
+    with pytest.raises(ShapeError, match="lengths"):
+        G.prefill(p, [[1, 2, 3]], cfg, G.init_cache(cfg, 1), lengths=[4])
+    with pytest.raises(ShapeError, match="capacity 8"):
+        G.prefill(p, [[1] * 9], cfg, G.init_cache(cfg, 1, 8))
+    _, cache = G.prefill(p, [[1] * 8], cfg, G.init_cache(cfg, 1, 8))
+    with pytest.raises(TokenError, match="= 27"):
+        G.decode_step(p, [27], cfg, cache)
+    with pytest.raises(ShapeError, match="position = 8; expected < cache capacity 8"):
+        G.decode_step(p, [1], cfg, cache)
