@@ -176,6 +176,46 @@ def _export_hf(args: argparse.Namespace) -> int:
     return 0
 
 
+def _generate(args: argparse.Namespace) -> int:
+    from lmjax import generate, train
+
+    run = train.load_run(args.run_dir or args.checkpoint, args.step)
+    if run.tokenizer is None:
+        raise LMJaxError(
+            f"run {str(run.directory)!r} has no tokenizer/ directory; expected one saved by "
+            "`lmjax train` or `lmjax import-hf`. Fix: copy the data's tokenizer/ into the run."
+        )
+    prompts = [run.tokenizer.encode(text) for text in args.prompt]
+    longest = max(len(p) for p in prompts)
+    n = args.max_new_tokens or max(1, min(200, run.model.context_length - longest))
+    options = dict(
+        max_new_tokens=n,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop_tokens=args.stop_token,
+        cache=args.cache,
+    )
+    if len(prompts) > 1:  # a batch: print each continuation when all are done
+        outs = generate.generate(run.params, prompts, run.model, **options)
+        for text, out in zip(args.prompt, outs, strict=True):
+            print(f"--- {text!r}\n{text}{run.tokenizer.decode(out)}")
+        return 0
+    print(args.prompt[0], end="", flush=True)
+    shown, ids = "", []
+    for step in generate.stream(run.params, prompts, run.model, **options):
+        if step.active[0]:
+            ids.append(int(step.tokens[0]))
+        text = run.tokenizer.decode(ids)
+        # A multi-byte character split across tokens decodes to U+FFFD until it is complete.
+        stable = text.rstrip("\ufffd")
+        print(stable[len(shown) :], end="", flush=True)
+        shown = stable
+    print(text[len(shown) :])
+    return 0
+
+
 def _inspect(args: argparse.Namespace) -> int:
     from lmjax import models
     from lmjax.config import parse_overrides
@@ -204,7 +244,7 @@ def _inspect_config(args: argparse.Namespace) -> int:
     from lmjax.config import load_run_config
 
     cfg = load_run_config(args.preset, args.overrides)
-    if cfg.model.get("vocab_size") is None:  # the data decides it, as in `lmjax train`
+    if cfg.vocab_from_data:  # the data decides it, as in `lmjax train`
         cfg = train.loop.resolve(cfg, train.prepare_data(cfg, progress=False))
     model = cfg.model_config()
     tx, _ = train.optim.from_config(cfg)
@@ -315,6 +355,34 @@ def _add_training_commands(sub) -> None:
         "--batches", type=int, default=None, help="evaluation batches (default: config)"
     )
     ev.set_defaults(run=_eval)
+
+    gen = sub.add_parser(
+        "generate",
+        help="sample text from a trained or imported run, streaming tokens",
+        description="Encode --prompt with the run's tokenizer and sample a continuation with "
+        "a KV cache (temperature 0 = greedy). One prompt streams as it is generated; several "
+        "--prompt flags are generated as one batch.",
+    )
+    source = gen.add_mutually_exclusive_group(required=True)
+    source.add_argument("--run", dest="run_dir", help="a run directory (its newest checkpoint)")
+    source.add_argument("--checkpoint", help="RUN/checkpoints/STEP, or a weights-only run")
+    gen.add_argument("--step", type=int, default=None, help="checkpoint step of --run")
+    gen.add_argument("--prompt", action="append", required=True, help="text (repeatable)")
+    gen.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=None,
+        help="tokens to generate (default: 200, or what fits in the context)",
+    )
+    gen.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
+    gen.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1]")
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument(
+        "--stop-token", type=int, action="append", default=[], help="token id that ends a sequence"
+    )
+    gen.add_argument("--cache", choices=("contiguous", "paged"), default="contiguous")
+    gen.set_defaults(run=_generate)
 
     imp = sub.add_parser(
         "import-hf",

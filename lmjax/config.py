@@ -155,12 +155,17 @@ class RunConfig:
         from lmjax.models import ModelConfig, preset
 
         fields = dict(self.model)
-        if fields.get("vocab_size") is None:
+        if self.vocab_from_data or ("preset" not in fields and "vocab_size" not in fields):
             raise ConfigError.describe(
                 "model.vocab_size", None, "an int", "set it, or let `lmjax train` take it from data"
             )
         name = fields.pop("preset", None)
         return preset(name, **fields) if name else ModelConfig.from_dict(fields)
+
+    @property
+    def vocab_from_data(self) -> bool:
+        """`model.vocab_size: null`: the tokenizer decides (absent: the preset's value)."""
+        return "vocab_size" in self.model and self.model["vocab_size"] is None
 
     def with_vocab_size(self, vocab_size: int) -> RunConfig:
         return self.replace(model={**self.model, "vocab_size": vocab_size})
@@ -170,7 +175,7 @@ class RunConfig:
         return self.train.seq_len or self._model_with_any_vocab().context_length
 
     def _model_with_any_vocab(self):
-        if self.model.get("vocab_size") is None:
+        if self.vocab_from_data:
             return self.with_vocab_size(1).model_config()
         return self.model_config()
 

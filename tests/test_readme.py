@@ -16,6 +16,7 @@ def test_readme_python_blocks_run(capsys):
     assert "(2, 4, 2, 8) (2, 2, 4, 4)" in printed
     assert "blocks.0.attention.query.bias" in printed
     assert "(2, 64, 65) 24800" in printed
+    assert "steps 3 loss" in printed
 
 
 def test_readme_names_the_two_commands_that_the_makefile_defines():

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 import pytest
 
-from lmjax import cli, train
+from lmjax import cli, models, train
 from lmjax.config import load_run_config
 from lmjax.train import optim
 from lmjax.train.checkpoint import Checkpoints
@@ -32,7 +32,7 @@ optimizer: {{name: adamw, lr: 0.01}}
 schedule: {{warmup_steps: 2, decay_steps: 8}}
 train: {{steps: 8, batch_size: 4, seq_len: 16, grad_accum: 2, eval_every: 4, eval_batches: 2}}
 checkpoint: {{every: 2, keep: 10}}
-logging: {{every: 1, progress: false, sample_tokens: 0, peak_flops: 1.0e+12}}
+logging: {{every: 1, progress: false, sample_tokens: 0, sample_prompt: S, peak_flops: 1.0e+12}}
 """
 
 
@@ -77,8 +77,9 @@ def losses(run_dir: Path) -> list[tuple]:
 @pytest.fixture(scope="module")
 def straight(workspace):
     """8 steps in one process: the reference every interrupted run must reproduce exactly."""
-    done = lmjax(workspace, "train", "tiny.yaml", "run.dir=straight")
+    done = lmjax(workspace, "train", "tiny.yaml", "run.dir=straight", "logging.sample_tokens=6")
     assert "validation loss:" in done.stdout and "run directory: straight" in done.stdout
+    assert "loss.png: straight/loss.png" in done.stdout and "sample:\nS" in done.stdout
     return workspace / "straight"
 
 
@@ -97,6 +98,8 @@ def test_run_directory_contents(straight):
     assert records[0]["tokens_per_s"] is None and records[0]["first_step_s"] > 0
     assert all(r["tokens_per_s"] > 0 and r["mfu"] > 0 for r in records[1:] if "loss" in r)
     assert [r["step"] for r in records if "val_loss" in r] == [4, 8]
+    samples = (straight / "samples.txt").read_text()
+    assert samples.count("===== step ") == 2 and "===== step 8 =====\nS" in samples
     assert load_run_config(straight / "config.yaml").model["vocab_size"] == len(set(TEXT))
 
 
@@ -168,6 +171,31 @@ def test_eval_prints_the_runs_validation_loss(workspace, straight):
     done = lmjax(workspace, "eval", "straight")
     expected = [v for _, _, v in losses(straight) if v is not None][-1]
     assert f"validation loss {expected:.4f}" in done.stdout and "step 8" in done.stdout
+
+
+def test_generate_command_continues_greedily(workspace, straight, monkeypatch, capsys):
+    code, out, _ = run_cli(
+        workspace,
+        monkeypatch,
+        capsys,
+        "generate",
+        "--run",
+        "straight",
+        "--prompt",
+        "Sonnet",
+        "--max-new-tokens",
+        "6",
+        "--temperature",
+        "0",
+    )
+    assert code == 0
+    # Witness: greedy argmax of the full forward pass, one token at a time, no cache.
+    run = train.load_run(straight)
+    ids = run.tokenizer.encode("Sonnet")
+    for _ in range(6):
+        logits = models.forward(run.params, np.asarray([ids], np.int32), run.model)
+        ids.append(int(np.argmax(logits[0, -1])))
+    assert out == run.tokenizer.decode(ids) + "\n"
 
 
 # ---- bad input, in-process: one line on stderr, exit 2, nothing written --------------------

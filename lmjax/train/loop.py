@@ -78,7 +78,7 @@ def prepare_data(cfg: RunConfig, progress: bool = True) -> D.Prepared:
 
 def resolve(cfg: RunConfig, prepared: D.Prepared) -> RunConfig:
     """Fill model.vocab_size from the data, or check that it agrees with the data."""
-    if cfg.model.get("vocab_size") is None:
+    if cfg.vocab_from_data:
         cfg = cfg.with_vocab_size(prepared.vocab_size)
     D.check_vocab(prepared, cfg.model_config().vocab_size)
     return cfg
