@@ -2,8 +2,8 @@
 
 Both sides run the same GPT-2-shaped model (the `gpt2` preset layout: V 50257, C 1024, D 768,
 H 12, F 3072, tied head; `--layers` of them, 12 by default): a `transformers.GPT2LMHeadModel`
-is built offline from a seeded `GPT2Config` and its weights are copied into lmjax's layout
-(Conv1D weights are `[in, out]`, `c_attn` is q|k|v side by side). The initializer range is
+is built offline from a seeded `GPT2Config` and its weights are copied into lmjax's layout with
+`lmjax.io.hf_gpt2.to_lmjax` (the importer's mapping). The initializer range is
 0.2 instead of 0.02 so that the random model's next-token distribution is peaked: greedy ties
 within float rounding would otherwise make the two implementations' tokens diverge for reasons
 that say nothing about either.
@@ -36,6 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from lmjax import generate as G  # noqa: E402
 from lmjax import models  # noqa: E402
+from lmjax import params as P  # noqa: E402
+from lmjax.io import hf_gpt2  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -52,48 +54,15 @@ def build_models(layers: int, seed: int):
 
 
 def from_hf(state: dict, cfg: models.ModelConfig) -> dict:
-    """lmjax params from a GPT2LMHeadModel state dict (benchmark-local: no lmjax.io yet)."""
-
-    def a(name):
-        return np.asarray(state[name].detach().numpy(), np.float32)
-
-    def conv1d(prefix):  # Conv1D stores [in, out]; lmjax's linear is [out, in]
-        return {"weight": a(f"{prefix}.weight").T, "bias": a(f"{prefix}.bias")}
-
-    def norm(prefix):
-        return {"scale": a(f"{prefix}.weight"), "bias": a(f"{prefix}.bias")}
-
-    d, p = cfg.d_model, "transformer"
-    blocks = {}
-    for i in range(cfg.n_layers):
-        h = f"{p}.h.{i}"
-        qkv = conv1d(f"{h}.attn.c_attn")
-        attention = {
-            name: {
-                "weight": qkv["weight"][j * d : (j + 1) * d],
-                "bias": qkv["bias"][j * d : (j + 1) * d],
-            }
-            for j, name in enumerate(("query", "key", "value"))
-        }
-        attention["output"] = conv1d(f"{h}.attn.c_proj")
-        blocks[str(i)] = {
-            "attention_norm": norm(f"{h}.ln_1"),
-            "attention": attention,
-            "feed_forward_norm": norm(f"{h}.ln_2"),
-            "feed_forward": {
-                "expand": conv1d(f"{h}.mlp.c_fc"),
-                "project": conv1d(f"{h}.mlp.c_proj"),
-            },
-        }
-    params = {
-        "token_embedding": {"weight": a(f"{p}.wte.weight")},
-        "position_embedding": {"weight": a(f"{p}.wpe.weight")},
-        "blocks": blocks,
-        "final_norm": norm(f"{p}.ln_f"),
+    """lmjax params from a GPT2LMHeadModel state dict, through lmjax's own importer mapping."""
+    prefix = "transformer."
+    arrays = {
+        k[len(prefix) :]: np.asarray(v.detach().numpy(), np.float32)
+        for k, v in state.items()
+        if k.startswith(prefix)
     }
-    params = jax.tree.map(jax.numpy.asarray, params)
-    models.check_params(params, cfg)
-    return params
+    flat = hf_gpt2.to_lmjax(arrays, cfg)
+    return P.unflatten({name: jax.numpy.asarray(a) for name, a in flat.items()})
 
 
 def run_lmjax(params, cfg, prompts, new_tokens):

@@ -119,6 +119,14 @@ def test_greedy_generation_matches_transformers_generate(hf_model, imported):
     theirs = out[0, len(PROMPT) :].tolist()
     assert len(theirs) == NEW_TOKENS and len(set(theirs)) >= 12  # a real continuation
     assert _greedy(*imported, PROMPT, NEW_TOKENS) == theirs
+    # lmjax.generate (KV cache, both cache layouts) gives the same tokens.
+    from lmjax import generate
+
+    for cache in ("contiguous", "paged"):
+        ours = generate.generate(
+            imported[0], [PROMPT], imported[1], max_new_tokens=NEW_TOKENS, cache=cache
+        )
+        assert ours == [theirs], cache
 
 
 def _tensors(path):
