@@ -17,6 +17,7 @@ def test_readme_python_blocks_run(capsys):
     assert "blocks.0.attention.query.bias" in printed
     assert "(2, 64, 65) 24800" in printed
     assert "steps 3 loss" in printed
+    assert "[True, True]" in printed  # the generate tour
 
 
 def test_readme_names_the_two_commands_that_the_makefile_defines():
