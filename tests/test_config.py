@@ -117,3 +117,18 @@ def test_model_vocab_size_must_be_resolved_before_building_the_model():
     with pytest.raises(LMJaxError, match="model.vocab_size = None"):
         nulled.model_config()
     assert nulled.with_vocab_size(50).model_config().vocab_size == 50
+
+
+def test_yaml_details(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("model: {preset: gpt}\ntrain:\n  steps: 5\ntrain:\n  batch_size: 4\n")
+    with pytest.raises(ConfigError, match="config key = 'train'.*repeated on line 4"):
+        load_run_config(path)
+    path.write_text("model: {preset: gpt}\noptimizer: {lr: 1e-2}\ntrain: 0\n")
+    with pytest.raises(ConfigError, match="train = 0; expected a mapping"):
+        load_run_config(path)
+    path.write_text("model: {preset: gpt}\noptimizer: {lr: 1e-2}\n")
+    cfg = load_run_config(path, ["run.dir=2024"])
+    assert cfg.optimizer.lr == 0.01 and cfg.run.dir == "2024"  # YAML 1.1 reads 1e-2 as a string
+    with pytest.raises(ConfigError, match="optimizer.lr = 'fast'"):
+        load_run_config(path, ["optimizer.lr=fast"])

