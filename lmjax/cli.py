@@ -1,9 +1,10 @@
 """The `lmjax` command line: thin parsing around library calls, one-line errors.
 
 Subcommands: `prepare` (corpus -> token files), `train` (a YAML run config), `eval` (a run's
-validation loss), `inspect` (parameter table, counts, memory estimate), `gradcheck` (every
+validation loss), `generate` (sample from a run), `import-hf` / `export-hf` (Hugging Face GPT-2
+directories), `inspect` (parameter table, counts, memory estimate), `gradcheck` (every
 primitive's hand-written VJP against `jax.grad` and finite differences). Library errors
-(`lmjax.errors`) print one line on stderr and exit 2.
+(`lmjax.errors`) print one line on stderr and exit 2; Ctrl-C exits 130.
 """
 
 from __future__ import annotations
@@ -11,11 +12,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import fnmatch
+import itertools
 import math
 import sys
 import time
 
-from lmjax.errors import LMJaxError
+from lmjax.errors import ConfigError, FileFormatError, LMJaxError, TokenError
 
 
 def _gradcheck(args: argparse.Namespace) -> int:
@@ -92,11 +94,27 @@ def _train(args: argparse.Namespace) -> int:
 
 def _eval(args: argparse.Namespace) -> int:
     from lmjax import train
+    from lmjax.train.runs import split_run_path
 
+    if args.step is not None and split_run_path(args.run_path)[1] not in (None, args.step):
+        raise ConfigError.describe(
+            "--step", args.step, f"the step of the checkpoint path {args.run_path}",
+            "pass a run directory with --step, or a checkpoint path alone",
+        )  # fmt: skip
     run = train.load_run(args.run_path, args.step)
-    cfg = run.cfg
-    if args.batches is not None:
-        cfg = cfg.replace(train=dataclasses.replace(cfg.train, eval_batches=args.batches))
+    t = run.cfg.train
+    changes = {
+        "eval_batches": _positive("--batches", args.batches, t.eval_batches),
+        "batch_size": _positive("--batch-size", args.batch_size, t.batch_size // t.grad_accum),
+        "grad_accum": 1,
+        "seq_len": _positive("--seq-len", args.seq_len, run.cfg.seq_len),
+    }
+    if changes["seq_len"] > run.model.context_length:
+        raise ConfigError.describe(
+            "--seq-len", changes["seq_len"], f"<= context_length = {run.model.context_length}",
+            "lower it",
+        )  # fmt: skip
+    cfg = run.cfg.replace(train=dataclasses.replace(t, **changes))
     prepared = train.prepare_data(cfg, progress=False)
     train.loop.resolve(cfg, prepared)
     eval_step = train.make_eval_step(run.model)
@@ -105,9 +123,18 @@ def _eval(args: argparse.Namespace) -> int:
     print(
         f"{run.directory} step {run.step}: validation loss {loss:.4f} nats/token "
         f"(perplexity {math.exp(min(loss, 700)):.3f}) over {t.eval_batches} batches of "
-        f"{t.batch_size // t.grad_accum} x {cfg.seq_len} tokens"
+        f"{t.batch_size} x {cfg.seq_len} tokens of {cfg.data.corpus} ({cfg.data.tokenizer} "
+        "tokenizer)"
     )
     return 0
+
+
+def _positive(flag: str, value, default: int) -> int:
+    if value is None:
+        return default
+    if value < 1:
+        raise ConfigError.describe(flag, value, "an int >= 1", f"pass e.g. {flag} {default}")
+    return value
 
 
 def _import_hf(args: argparse.Namespace) -> int:
@@ -147,31 +174,24 @@ def _count(params) -> int:
 
 
 def _export_hf(args: argparse.Namespace) -> int:
-    import shutil
-    import tempfile
     from pathlib import Path
 
     from lmjax import train
+    from lmjax.files import atomic_dir
     from lmjax.io import hf_gpt2
 
     run = train.load_run(args.run_path, args.step)
     out = Path(args.out)
     if out.exists():
-        raise LMJaxError(
-            f"--out = {str(out)!r}; expected a path that does not exist yet. Fix: pick a new "
-            "directory (nothing was overwritten)."
-        )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+        raise ConfigError.describe(
+            "--out", str(out), "a path that does not exist yet",
+            "pick a new directory (nothing was overwritten)",
+        )  # fmt: skip
+    with atomic_dir(out) as tmp:
         hf_gpt2.save(run.params, run.model, tmp)
         if run.tokenizer is not None and run.tokenizer.kind == "bpe":
             run.tokenizer.save(tmp)  # vocab.json + merges.txt, as transformers expects
             (tmp / "tokenizer.json").unlink()  # lmjax's manifest; transformers reads its own
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     print(f"exported {run.directory} (step {run.step}) -> {out}: config.json, model.safetensors")
     return 0
 
@@ -181,13 +201,12 @@ def _generate(args: argparse.Namespace) -> int:
 
     run = train.load_run(args.run_dir or args.checkpoint, args.step)
     if run.tokenizer is None:
-        raise LMJaxError(
-            f"run {str(run.directory)!r} has no tokenizer/ directory; expected one saved by "
-            "`lmjax train` or `lmjax import-hf`. Fix: copy the data's tokenizer/ into the run."
-        )
+        raise FileFormatError.describe(
+            "run", str(run.directory), "a tokenizer/ directory (saved by train or import-hf)",
+            "copy the data's tokenizer/ into the run",
+        )  # fmt: skip
     prompts = [run.tokenizer.encode(text) for text in args.prompt]
-    longest = max(len(p) for p in prompts)
-    n = args.max_new_tokens or max(1, min(200, run.model.context_length - longest))
+    n = _check_generate_lengths(args, prompts, run.model.context_length)
     options = dict(
         max_new_tokens=n,
         temperature=args.temperature,
@@ -202,9 +221,11 @@ def _generate(args: argparse.Namespace) -> int:
         for text, out in zip(args.prompt, outs, strict=True):
             print(f"--- {text!r}\n{text}{run.tokenizer.decode(out)}")
         return 0
+    steps = generate.stream(run.params, prompts, run.model, **options)
+    first = next(steps)  # every option is validated before the first token: print nothing before
     print(args.prompt[0], end="", flush=True)
     shown, ids = "", []
-    for step in generate.stream(run.params, prompts, run.model, **options):
+    for step in itertools.chain([first], steps):
         if step.active[0]:
             ids.append(int(step.tokens[0]))
         text = run.tokenizer.decode(ids)
@@ -214,6 +235,30 @@ def _generate(args: argparse.Namespace) -> int:
         shown = stable
     print(text[len(shown) :])
     return 0
+
+
+def _check_generate_lengths(args, prompts: list[list[int]], context: int) -> int:
+    """The number of new tokens, with the CLI's own names in every error."""
+    for text, ids in zip(args.prompt, prompts, strict=True):
+        if not ids:
+            raise TokenError.describe(
+                "--prompt", text, "text that encodes to at least one token", "give a prompt"
+            )
+        if len(ids) >= context:
+            raise TokenError.describe(
+                "--prompt", f"{len(ids)} tokens", f"fewer than context_length = {context}",
+                "shorten the prompt",
+            )  # fmt: skip
+    room = context - max(len(p) for p in prompts)
+    if args.max_new_tokens is None:
+        return min(200, room)
+    if not 1 <= args.max_new_tokens <= room:
+        raise ConfigError.describe(
+            "--max-new-tokens", args.max_new_tokens,
+            f"an int in [1, {room}] (context_length {context} minus the longest prompt)",
+            f"pass --max-new-tokens {room} or less",
+        )  # fmt: skip
+    return args.max_new_tokens
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -244,8 +289,13 @@ def _inspect_config(args: argparse.Namespace) -> int:
     from lmjax.config import load_run_config
 
     cfg = load_run_config(args.preset, args.overrides)
-    if cfg.vocab_from_data:  # the data decides it, as in `lmjax train`
-        cfg = train.loop.resolve(cfg, train.prepare_data(cfg, progress=False))
+    if cfg.vocab_from_data:  # the tokenizer decides it; only a char vocabulary needs the data
+        known = {"byte": 256, "gpt2": 50257, "bpe": cfg.data.vocab_size}.get(cfg.data.tokenizer)
+        cfg = (
+            cfg.with_vocab_size(known)
+            if known
+            else train.loop.resolve(cfg, train.prepare_data(cfg, progress=False))
+        )
     model = cfg.model_config()
     tx, _ = train.optim.from_config(cfg)
     state = jax.eval_shape(tx.init, models.abstract_params(model))
@@ -354,6 +404,8 @@ def _add_training_commands(sub) -> None:
     ev.add_argument(
         "--batches", type=int, default=None, help="evaluation batches (default: config)"
     )
+    ev.add_argument("--batch-size", type=int, default=None, help="sequences per batch")
+    ev.add_argument("--seq-len", type=int, default=None, help="tokens per sequence")
     ev.set_defaults(run=_eval)
 
     gen = sub.add_parser(
@@ -430,6 +482,9 @@ def main(argv: list[str] | None = None) -> int:
     except LMJaxError as err:
         print(f"lmjax {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"lmjax {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -198,9 +198,9 @@ class RunConfig:
             raise ConfigError.describe(
                 "config section", unknown[0], f"one of {['model', *_SECTIONS]}", "fix or remove it"
             )
-        model = _require_mapping(data.get("model", {}), "model")
+        model = _require_mapping({} if data.get("model") is None else data["model"], "model")
         sections = {
-            name: _build_section(cls_, data.get(name) or {}, name)
+            name: _build_section(cls_, {} if data.get(name) is None else data[name], name)
             for name, cls_ in _SECTIONS.items()
         }
         return cls(model=dict(model), **sections)
@@ -216,7 +216,7 @@ def load_run_config(path, overrides: list[str] | dict[str, Any] = ()) -> RunConf
         overrides = parse_overrides(list(overrides))
     try:
         with open(path, encoding="utf-8") as handle:
-            data = yaml.safe_load(handle)
+            data = yaml.load(handle, Loader=_unique_key_loader())
     except FileNotFoundError:
         raise ConfigError.describe(
             "config file", str(path), "an existing YAML file", "check the path (see configs/)"
@@ -231,6 +231,29 @@ def load_run_config(path, overrides: list[str] | dict[str, Any] = ()) -> RunConf
             f"config file {path}", f"unparseable YAML ({first})", "valid YAML", "fix the syntax"
         ) from None
     return RunConfig.from_dict({} if data is None else data, overrides)
+
+
+def _unique_key_loader():
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        """SafeLoader that refuses a key given twice in one mapping (YAML keeps the last)."""
+
+    def construct_mapping(loader, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = loader.construct_object(key_node, deep=deep)
+            if key in seen:
+                line = key_node.start_mark.line + 1
+                raise ConfigError.describe(
+                    "config key", key, f"once per mapping (repeated on line {line})",
+                    "merge the two entries",
+                )  # fmt: skip
+            seen.add(key)
+        return loader.construct_mapping(node, deep=deep)
+
+    Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, construct_mapping)
+    return Loader
 
 
 def _require_mapping(value: Any, where: str) -> dict[str, Any]:
@@ -260,7 +283,7 @@ def _apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[st
             raise ConfigError.describe(
                 "override section", section, f"one of {['model', *_SECTIONS]}", "fix the key"
             )
-        current = data.get(section) or {}
+        current = {} if data.get(section) is None else data[section]
         data[section] = {**_require_mapping(current, section), field: value}
     return data
 
@@ -290,8 +313,12 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
             return value
         if option is float and isinstance(value, int | float) and not isinstance(value, bool):
             return float(value)
+        if option is float and isinstance(value, str) and isinstance(parse_value(value), float):
+            return parse_value(value)  # YAML 1.1 reads `1e-2` (no dot) as a string
         if option is str and isinstance(value, str):
             return value
+        if option is str and isinstance(value, int) and not isinstance(value, bool):
+            return str(value)  # run.dir=2024 is a name, not a number
         if typing.get_origin(option) is tuple and isinstance(value, list | tuple):
             if all(isinstance(v, str) for v in value):
                 return tuple(value)
@@ -308,6 +335,21 @@ def _type_name(hint: Any) -> str:
 def _check(ok: bool, where: str, value: Any, expected: str, fix: str) -> None:
     if not ok:
         raise ConfigError.describe(where, value, expected, fix)
+
+
+def validate_data(d: DataConfig) -> None:
+    """The data section's own checks (also used by `lmjax prepare`, which has no RunConfig)."""
+    _check(
+        d.tokenizer in TOKENIZERS, "data.tokenizer", d.tokenizer, f"one of {TOKENIZERS}", "pick one"
+    )
+    _check(
+        (d.vocab_size is not None) == (d.tokenizer == "bpe"),
+        "data.vocab_size",
+        d.vocab_size,
+        "an int >= 257 with tokenizer bpe, null otherwise",
+        "set data.vocab_size (prepare --vocab-size) only for bpe",
+    )
+    _check(0 < d.val_fraction < 1, "data.val_fraction", d.val_fraction, "in (0, 1)", "e.g. 0.1")
 
 
 def _validate_run(cfg: RunConfig) -> None:
@@ -337,17 +379,8 @@ def _validate_run(cfg: RunConfig) -> None:
     )
     ratio = s.final_lr_ratio
     _check(0 <= ratio <= 1, "schedule.final_lr_ratio", ratio, "a float in [0, 1]", "e.g. 0.1")
-    _check(
-        d.tokenizer in TOKENIZERS, "data.tokenizer", d.tokenizer, f"one of {TOKENIZERS}", "pick one"
-    )
-    _check(
-        (d.vocab_size is not None) == (d.tokenizer == "bpe"),
-        "data.vocab_size",
-        d.vocab_size,
-        "an int >= 257 with tokenizer bpe, null otherwise",
-        "set data.vocab_size only for bpe",
-    )
-    _check(0 < d.val_fraction < 1, "data.val_fraction", d.val_fraction, "in (0, 1)", "e.g. 0.1")
+    validate_data(d)
+    _check(0 <= t.seed < 2**31, "train.seed", t.seed, "an int in [0, 2**31)", "e.g. 0")
     for name in ("steps", "batch_size", "grad_accum", "eval_every", "eval_batches"):
         value = getattr(t, name)
         _check(value >= 1, f"train.{name}", value, "an int >= 1", "use a positive integer")

@@ -5,6 +5,7 @@ overwritten)."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -142,35 +143,49 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint(workspace, straight
     assert_same_state(final_state(workspace / "killed"), final_state(straight))
 
 
-def test_non_finite_loss_stops_naming_the_step(workspace):
+@pytest.mark.parametrize(
+    "lr",
+    [
+        "1e30",  # finite updates for a step or two, then an overflowing loss
+        "3e38",  # the very first update overflows the parameters, the loss before it is finite
+    ],
+)
+def test_non_finite_training_stops_naming_the_step(workspace, lr):
+    run_dir = workspace / f"nan-{lr}"
     done = lmjax(
-        workspace,
-        "train",
-        "tiny.yaml",
-        "run.dir=nan",
-        "optimizer.name=sgd",
-        "optimizer.lr=1e30",
-        "optimizer.clip_norm=null",
-        "schedule.warmup_steps=0",
-        "checkpoint.every=1",
-        "model.dropout=0.0",
-        check=False,
-    )
+        workspace, "train", "tiny.yaml", f"run.dir={run_dir.name}", "optimizer.name=sgd",
+        f"optimizer.lr={lr}", "optimizer.clip_norm=null", "schedule.warmup_steps=0",
+        "schedule.decay=constant", "checkpoint.every=1", "model.dropout=0.0", check=False,
+    )  # fmt: skip
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and "train step" in lines[0] and "NonFinite" not in lines[0]
+    assert len(lines) == 1 and "train step" in lines[0] and "Traceback" not in done.stderr
     failed = int(lines[0].split("train step ")[1].split(":")[0])
-    steps = Checkpoints(done_dir := workspace / "nan/checkpoints", create=False).steps()
-    assert failed >= 2 and steps and max(steps) == failed - 1
-    assert f"checkpoint (step {failed - 1})" in lines[0]
-    state = final_state(done_dir.parent)
-    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state.params))
+    steps = Checkpoints(run_dir / "checkpoints", create=False).steps()
+    assert steps == list(range(1, failed))
+    if steps:
+        assert f"checkpoint (step {failed - 1}) is the last good one" in lines[0]
+        state = final_state(run_dir)
+        assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state))
+    else:
+        assert "before saving any checkpoint" in lines[0]
 
 
 def test_eval_prints_the_runs_validation_loss(workspace, straight):
     done = lmjax(workspace, "eval", "straight")
-    expected = [v for _, _, v in losses(straight) if v is not None][-1]
-    assert f"validation loss {expected:.4f}" in done.stdout and "step 8" in done.stdout
+    # Witness: the same fixed validation crops scored by the reference model, softmax in numpy.
+    run = train.load_run(straight)
+    (prepared,) = (workspace / "cache/lmjax/data").iterdir()
+    val = np.fromfile(prepared / "val.bin", np.uint16)
+    scores = []
+    for i in range(2):  # eval_batches 2 of micro-batch 4 / grad_accum 2 = 2 sequences of 16
+        x, y = train.data.eval_batch(val, 0, i, 2, 16)
+        logits = np.asarray(models.forward(run.params, x, run.model.replace(ops="reference")))
+        logits = logits.astype(np.float64) - logits.max(-1, keepdims=True)
+        logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+        scores.append(-np.take_along_axis(logp, y[..., None], -1).mean())
+    assert f"validation loss {np.mean(scores):.4f}" in done.stdout and "step 8" in done.stdout
+    assert "(char tokenizer)" in done.stdout
 
 
 def test_generate_command_continues_greedily(workspace, straight, monkeypatch, capsys):
@@ -260,12 +275,10 @@ def test_resume_with_another_architecture_is_refused(workspace, straight, monkey
 def test_checkpoint_from_another_architecture_is_refused(workspace, straight, monkeypatch, capsys):
     foreign = workspace / "foreign"
     foreign.mkdir()
-    config = (straight / "config.yaml").read_text().replace("n_layers", "d_ff")
+    config = (straight / "config.yaml").read_text()
     (foreign / "config.yaml").write_text(
         config.replace("preset: gpt", "preset: gpt\n  n_layers: 3")
     )
-    import shutil
-
     shutil.copytree(straight / "checkpoints", foreign / "checkpoints")
     code, _, err = run_cli(workspace, monkeypatch, capsys, "eval", "foreign")
     assert code == 2 and "different architecture" in err and "n_layers=2 (expected 3)" in err
@@ -291,7 +304,16 @@ def test_prepare_and_inspect_commands(workspace, monkeypatch, capsys):
 
 
 def test_help_everywhere():
-    for command in ("prepare", "train", "eval", "inspect"):
+    for command in (
+        "prepare",
+        "train",
+        "eval",
+        "generate",
+        "import-hf",
+        "export-hf",
+        "inspect",
+        "gradcheck",
+    ):
         done = subprocess.run(
             [sys.executable, "-m", "lmjax", command, "--help"],
             capture_output=True,
@@ -301,3 +323,116 @@ def test_help_everywhere():
         assert done.returncode == 0 and "usage: lmjax " + command in done.stdout, textwrap.shorten(
             done.stderr, 300
         )
+
+
+INTERRUPT_AT_STEP_5 = """
+from lmjax.train import data
+_batch = data.train_batch
+def train_batch(tokens, seed, step, *args):
+    if step == 5:
+        raise KeyboardInterrupt  # as if Ctrl-C arrived while the sixth batch was being cut
+    return _batch(tokens, seed, step, *args)
+data.train_batch = train_batch
+"""
+
+
+def test_ctrl_c_saves_the_steps_done_and_resume_matches(workspace, straight):
+    done = lmjax(
+        workspace, "train", "tiny.yaml", "run.dir=interrupted", check=False,
+        prelude=INTERRUPT_AT_STEP_5,
+    )  # fmt: skip
+    assert done.returncode == 130 and "checkpoint step 5" in done.stderr
+    assert Checkpoints(workspace / "interrupted/checkpoints", create=False).steps() == [2, 4, 5]
+    assert "Traceback" not in done.stderr
+    lmjax(workspace, "train", "tiny.yaml", "run.dir=interrupted", "--resume")
+    assert_same_state(final_state(workspace / "interrupted"), final_state(straight))
+    assert losses(workspace / "interrupted") == losses(straight)
+
+
+def test_extending_a_run_keeps_its_schedule(workspace, straight, monkeypatch, capsys):
+    # The straight run pinned decay_steps 8; resuming to 10 steps continues at the final lr.
+    shutil.copytree(straight, workspace / "extended")
+    code, _, err = run_cli(
+        workspace, monkeypatch, capsys, "train", "tiny.yaml", "run.dir=extended", "--resume",
+        "train.steps=10",
+    )  # fmt: skip
+    assert code == 0, err
+    lrs = {
+        r["step"]: r["lr"]
+        for r in train.metrics.MetricsLog(workspace / "extended/metrics.jsonl").read()
+        if "lr" in r
+    }
+    # By the schedule's equation: u = (s - 2) / (8 - 2) is capped at 1, so lr = end = peak / 10.
+    assert lrs[9] == pytest.approx(0.01 * 0.1, rel=1e-5) and lrs[10] == pytest.approx(
+        0.001, rel=1e-5
+    )
+    assert load_run_config(workspace / "extended/config.yaml").schedule.decay_steps == 8
+    code, _, err = run_cli(
+        workspace, monkeypatch, capsys, "train", "tiny.yaml", "run.dir=extended", "--resume",
+        "train.steps=6",
+    )  # fmt: skip
+    assert code == 2 and "train.steps on resume = 6" in err
+
+
+def test_resume_accepts_a_model_override_equal_to_the_runs(
+    workspace, straight, monkeypatch, capsys
+):
+    code, _, err = run_cli(
+        workspace, monkeypatch, capsys, "train", "tiny.yaml", "run.dir=straight", "--resume",
+        "model.n_layers=2",
+    )  # fmt: skip
+    assert code == 0, err  # nothing to do: the run is at its last step
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["data.val_fraction=0.0005", "run.dir=y1"], "validation split of"),
+        (["logging.sample_tokens=4", "logging.sample_prompt=ZQ", "run.dir=y2"],
+         "logging.sample_prompt = 'ZQ'"),
+        (["logging.sample_tokens=16", "run.dir=y3"], "logging.sample_tokens = 16"),
+        (["train.seed=-1", "run.dir=y4"], "train.seed = -1"),
+        (["data.dir=corpus.txt", "run.dir=y5"], "meta.json"),
+        (["run.dir=corpus.txt/sub"], "corpus.txt is a file"),
+    ],
+)  # fmt: skip
+def test_problems_found_before_training_starts(workspace, monkeypatch, capsys, args, message):
+    code, _, err = run_cli(workspace, monkeypatch, capsys, "train", "tiny.yaml", *args)
+    assert code == 2 and message in err and err.count("\n") == 1, err
+    assert not any((workspace / f"y{i}").exists() for i in range(1, 6))
+
+
+def test_a_corrupt_run_config_is_one_line(workspace, straight, monkeypatch, capsys):
+    broken = workspace / "broken"
+    shutil.copytree(straight, broken)
+    (broken / "config.yaml").write_text("model: [unclosed\n")
+    for args in (["train", "tiny.yaml", "run.dir=broken", "--resume"], ["eval", "broken"]):
+        code, _, err = run_cli(workspace, monkeypatch, capsys, *args)
+        assert code == 2 and "config.yaml" in err and err.count("\n") == 1, err
+
+
+def test_eval_and_generate_flags(workspace, straight, monkeypatch, capsys):
+    cases = [
+        (["eval", "straight", "--batches", "0"], "--batches = 0"),
+        (["eval", "straight/checkpoints/4", "--step", "6"], "--step = 6"),
+        (["eval", "straight", "--seq-len", "17"], "--seq-len = 17"),
+        (["generate", "--run", "straight", "--prompt", "S", "--max-new-tokens", "0"],
+         "--max-new-tokens = 0"),
+        (["generate", "--run", "straight", "--prompt", "S", "--max-new-tokens", "16"],
+         "--max-new-tokens = 16"),
+        (["generate", "--run", "straight", "--prompt", "Sonnet 1: shall I"],
+         "--prompt = '17 tokens'"),
+        (["generate", "--run", "straight", "--prompt", ""], "--prompt = ''"),
+    ]  # fmt: skip
+    for args, message in cases:
+        code, out, err = run_cli(workspace, monkeypatch, capsys, *args)
+        assert code == 2 and message in err and out == "", (args, err)
+    code, out, _ = run_cli(workspace, monkeypatch, capsys, "eval", "straight", "--batches", "1")
+    assert code == 0 and "over 1 batches of 2 x 16 tokens" in out
+
+
+def test_truncating_samples_keeps_earlier_steps(tmp_path):
+    path = tmp_path / "samples.txt"
+    path.write_text("===== step 4 =====\nab\n\n===== step 8 =====\ncd\n\n===== step 12 =====\nx\n")
+    train.loop._truncate_samples(path, 8)
+    assert path.read_text() == "===== step 4 =====\nab\n\n===== step 8 =====\ncd\n\n"

@@ -193,3 +193,22 @@ def _unreadable(where: Path, err) -> CheckpointError:
         "a complete orbax checkpoint written by lmjax",
         "restore an earlier step, or delete this step directory",
     )
+
+
+def check_same_model(meta: dict, model, where) -> None:
+    """A checkpoint's model config must equal the run's: name every field that differs."""
+    saved = meta.get("model")
+    if not isinstance(saved, dict):
+        raise CheckpointError.describe(
+            f"checkpoint {where} meta.model", saved, "the model config",
+            "use a checkpoint written by lmjax train",
+        )  # fmt: skip
+    expected = model.to_dict()
+    differs = [
+        f"{k}={saved.get(k)!r} (expected {v!r})" for k, v in expected.items() if saved.get(k) != v
+    ]
+    if differs:
+        raise CheckpointError.describe(
+            f"checkpoint {where}", "a different architecture: " + ", ".join(differs),
+            "a checkpoint of this model config", "restore it with the config it was trained with",
+        )  # fmt: skip

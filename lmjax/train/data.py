@@ -23,15 +23,14 @@ import hashlib
 import json
 import os
 import re
-import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
 from lmjax import tokenizers
+from lmjax.config import DataConfig, validate_data
 from lmjax.errors import ConfigError, FileFormatError
-from lmjax.files import atomic_write_text
+from lmjax.files import atomic_dir, atomic_write_text
 from lmjax.train.corpus import cache_dir, shakespeare_path
 
 FORMAT = 1
@@ -69,9 +68,9 @@ def corpus_path(corpus: str) -> Path:
     return path
 
 
-def read_corpus(path: Path) -> str:
+def decode_corpus(path: Path, raw: bytes) -> str:
     try:
-        text = path.read_bytes().decode("utf-8")
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as err:
         raise FileFormatError.describe(
             f"corpus {path}", f"not UTF-8 (byte {err.start})", "UTF-8 text", "convert it to UTF-8"
@@ -102,6 +101,7 @@ def prepare(
     An existing `out` made from the same corpus with the same settings is reused; any other
     existing path is an error (nothing is overwritten).
     """
+    validate_data(DataConfig(corpus, None, tokenizer, vocab_size, val_fraction))
     path = corpus_path(corpus)
     raw = path.read_bytes()
     digest = hashlib.sha256(raw).hexdigest()
@@ -111,7 +111,7 @@ def prepare(
     if out.exists():
         _check_reusable(out, settings)
         return out
-    text = read_corpus(path)
+    text = decode_corpus(path, raw)
     split = int(len(text) * (1.0 - val_fraction))
     if split == 0 or split == len(text):
         raise FileFormatError.describe(
@@ -121,9 +121,7 @@ def prepare(
             "use a longer corpus",
         )
     tok = _build_tokenizer(tokenizer, text[:split], text, vocab_size)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with atomic_dir(out) as tmp:  # the directory appears complete or not at all
         dtype = "uint16" if tok.vocab_size <= 1 << 16 else "uint32"
         bar = _progress(len(text), f"tokenizing {path.name}", progress)
         counts = {}
@@ -141,10 +139,6 @@ def prepare(
             **settings,
         }
         atomic_write_text(tmp / "meta.json", json.dumps(meta, indent=1))
-        os.rename(tmp, out)  # atomic: the directory appears complete or not at all
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import shutil
 import sys
 import time
@@ -30,11 +31,11 @@ import numpy as np
 import yaml
 
 from lmjax.config import RunConfig
-from lmjax.errors import ConfigError, NonFiniteError
+from lmjax.errors import ConfigError, LMJaxError, NonFiniteError
 from lmjax.files import atomic_write_text
 from lmjax.train import data as D
 from lmjax.train import optim
-from lmjax.train.checkpoint import Checkpoints
+from lmjax.train.checkpoint import Checkpoints, check_same_model
 from lmjax.train.metrics import MetricsLog, flops_per_token, measured_peak_flops, plot_losses
 from lmjax.train.step import TrainState, init_state, make_eval_step, make_train_step
 
@@ -92,8 +93,8 @@ def train(
     _check_run_dir(run_dir, resume)
     prepared = prepare_data(cfg, cfg.logging.progress)
     cfg = resolve(cfg, prepared)
-    if resume:
-        _check_resumable(run_dir, cfg)
+    cfg = _resumed_config(run_dir, cfg) if resume else _pin_schedule(cfg)
+    preflight(cfg, prepared)
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(run_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     if not (run_dir / "tokenizer").exists():
@@ -101,7 +102,50 @@ def train(
     return _Trainer(cfg, run_dir, prepared, out).run(resume)
 
 
+def _pin_schedule(cfg: RunConfig) -> RunConfig:
+    """Write the decay length into the config, so extending a run keeps its schedule."""
+    if cfg.schedule.decay_steps is not None:
+        return cfg
+    return cfg.replace(schedule=dataclasses.replace(cfg.schedule, decay_steps=cfg.train.steps))
+
+
+def preflight(cfg: RunConfig, prepared: D.Prepared) -> None:
+    """What would otherwise fail at the first evaluation, checked before anything is written."""
+    model = cfg.model_config()
+    for name, tokens in (("train", prepared.train), ("validation", prepared.val)):
+        if len(tokens) < cfg.seq_len + 1:
+            raise ConfigError.describe(
+                f"{name} split of {prepared.directory}",
+                f"{len(tokens)} tokens",
+                f"at least train.seq_len + 1 = {cfg.seq_len + 1}",
+                "lower train.seq_len, use a longer corpus, or change data.val_fraction",
+            )
+    g = cfg.logging
+    if g.sample_tokens == 0:
+        return
+    try:
+        ids = prepared.tokenizer.encode(g.sample_prompt)
+    except LMJaxError as err:
+        raise ConfigError.describe(
+            "logging.sample_prompt", g.sample_prompt, f"text the tokenizer can encode ({err})",
+            "change the prompt or set logging.sample_tokens=0",
+        ) from None  # fmt: skip
+    room = model.context_length - len(ids)
+    if not ids or g.sample_tokens > room:
+        raise ConfigError.describe(
+            "logging.sample_tokens", g.sample_tokens,
+            f"<= context_length - prompt tokens = {room} and a non-empty prompt",
+            "lower logging.sample_tokens or shorten logging.sample_prompt",
+        )  # fmt: skip
+
+
 def _check_run_dir(run_dir: Path, resume: bool) -> None:
+    for parent in [run_dir, *run_dir.parents]:
+        if parent.exists() and not parent.is_dir():
+            raise ConfigError.describe(
+                "run directory", str(run_dir), f"a directory path ({parent} is a file)",
+                "pick another run.dir",
+            )  # fmt: skip
     exists = run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir()))
     if exists and not resume:
         raise ConfigError.describe(
@@ -121,11 +165,19 @@ def _check_run_dir(run_dir: Path, resume: bool) -> None:
 
 
 def _flat(cfg: RunConfig) -> dict[str, Any]:
-    return {f"{s}.{k}": v for s, fields in cfg.to_dict().items() for k, v in fields.items()}
+    """`section.field -> value`, with the model section as the resolved `ModelConfig`."""
+    sections = {**cfg.to_dict(), "model": cfg.model_config().to_dict()}
+    return {f"{s}.{k}": v for s, fields in sections.items() for k, v in fields.items()}
 
 
-def _check_resumable(run_dir: Path, cfg: RunConfig) -> None:
-    saved = RunConfig.from_dict(yaml.safe_load((run_dir / "config.yaml").read_text()))
+def _resumed_config(run_dir: Path, cfg: RunConfig) -> RunConfig:
+    """The config to resume with: the saved schedule length, and nothing else changed."""
+    from lmjax.train.runs import read_config
+
+    saved = _pin_schedule(read_config(run_dir))
+    if cfg.schedule.decay_steps is None:  # keep the run's schedule when steps are extended
+        schedule = dataclasses.replace(cfg.schedule, decay_steps=saved.schedule.decay_steps)
+        cfg = cfg.replace(schedule=schedule)
     old, new = _flat(saved), _flat(cfg)
     for key in sorted(set(old) | set(new)):
         if old.get(key) != new.get(key) and not key.startswith(RESUMABLE_CHANGES):
@@ -134,8 +186,25 @@ def _check_resumable(run_dir: Path, cfg: RunConfig) -> None:
                 new.get(key),
                 f"the run's value {old.get(key)!r} (only {', '.join(RESUMABLE_CHANGES)} may "
                 "change)",
-                f"resume with {key}={old.get(key)} or start a new run",
+                f"resume with {key}={_override_text(old.get(key))} or start a new run",
             )
+    latest = (
+        Checkpoints(run_dir / "checkpoints", create=False).latest_step()
+        if (run_dir / "checkpoints").is_dir()
+        else None
+    )
+    if latest is not None and cfg.train.steps < latest:
+        raise ConfigError.describe(
+            "train.steps on resume", cfg.train.steps, f">= the newest checkpoint's step {latest}",
+            f"resume with train.steps={latest} or more",
+        )  # fmt: skip
+    return cfg
+
+
+def _override_text(value) -> str:
+    return (
+        "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+    )
 
 
 class _Trainer:
@@ -164,22 +233,39 @@ class _Trainer:
             check_same_model(meta, self.model, self.ckpt.directory)
             state = self.ckpt.restore(abstract)
             self.log.truncate_after(int(state.step))
+            _truncate_samples(self.run_dir / "samples.txt", int(state.step))
             return state
         self.log.truncate_after(0)
+        _truncate_samples(self.run_dir / "samples.txt", 0)
         return init_state(key, self.model, self.tx)
 
     def run(self, resume: bool) -> RunResult:
         t = self.cfg.train
         state = self.initial_state(resume)
         start = int(state.step)
-        bar = _bar(start, t.steps, self.cfg.logging.progress, self.out)
-        pending: list[tuple[int, dict]] = []
+        self.bar = _bar(start, t.steps, self.cfg.logging.progress, self.out)
+        self.pending: list[tuple[int, dict]] = []
+        self.state = state
+        try:
+            val_loss, sample = self._loop(start)
+        except KeyboardInterrupt:
+            self.bar.close()
+            self._save_on_interrupt()
+            raise
+        self.bar.close()
+        if start >= t.steps and val_loss is None:
+            val_loss = self.evaluate_params(self.state.params)
+        return RunResult(self.run_dir, int(self.state.step), val_loss, sample)
+
+    def _loop(self, start: int) -> tuple[float | None, str | None]:
+        t, bar, state, pending = self.cfg.train, self.bar, self.state, self.pending
         window_start, val_loss, sample = time.perf_counter(), None, None
         for step in range(start, t.steps):
             batch = D.train_batch(
                 self.data.train, t.seed, step, t.batch_size, self.seq_len, t.grad_accum
             )
             state, metrics = self.train_step(state, {**batch, "step": np.int32(step)})
+            self.state = state
             done = step + 1
             pending.append((done, metrics))
             if step == start:  # the first step compiles: time it apart from the throughput
@@ -188,17 +274,33 @@ class _Trainer:
                 window_start = time.perf_counter()
             if done % self.cfg.logging.every == 0 or done == t.steps or _due(done, self.cfg):
                 self._log_window(pending, window_start, int(state.step), bar)
-                pending, window_start = [], time.perf_counter()
-            if done % t.eval_every == 0 or done == t.steps:
-                val_loss, sample = self._evaluate(state, done)
+                pending.clear()
                 window_start = time.perf_counter()
+            # Checkpoint first: an evaluation that fails must not cost the training behind it.
             if done % self.cfg.checkpoint.every == 0 or done == t.steps:
                 self.ckpt.save(state, self._meta(done))
                 window_start = time.perf_counter()
-        bar.close()
-        if start >= t.steps and val_loss is None:
-            val_loss = self.evaluate_params(state.params)
-        return RunResult(self.run_dir, int(state.step), val_loss, sample)
+            if done % t.eval_every == 0 or done == t.steps:
+                val_loss, sample = self._evaluate(state, done)
+                window_start = time.perf_counter()
+        return val_loss, sample
+
+    def _save_on_interrupt(self) -> None:
+        """Ctrl-C: log and checkpoint the steps done so far, if they are healthy and whole."""
+        state, latest = self.state, self.ckpt.latest_step()
+        try:
+            if any(leaf.is_deleted() for leaf in jax.tree.leaves(state)):
+                raise RuntimeError("interrupted inside a step")  # its input was donated
+            step = int(state.step)
+            if self.pending:
+                self._log_window(self.pending, time.perf_counter(), step, self.bar)
+            if step > (latest or 0):
+                self.ckpt.save(state, self._meta(step))
+                latest = step
+        except (RuntimeError, NonFiniteError):
+            pass
+        where = f"checkpoint step {latest}" if latest else "no checkpoint yet"
+        print(f"interrupted: {self.run_dir} has {where}; continue with --resume", file=self.out)
 
     def _log_window(self, pending, window_start: float, state_step: int, bar) -> None:
         host = jax.device_get([m for _, m in pending])  # waits for the steps to finish
@@ -230,10 +332,14 @@ class _Trainer:
     def _non_finite(self, step: int, m) -> NonFiniteError:
         return NonFiniteError.describe(
             f"train step {step}: loss",
-            f"{float(m['loss'])} (grad norm {float(m['grad_norm'])})",
-            "a finite loss and gradient",
+            _Raw(f"{float(m['loss'])} (grad norm {float(m['grad_norm'])})"),
+            "a finite loss, gradient and update",
             "lower optimizer.lr, set optimizer.clip_norm, or check the data; the run stopped "
-            f"and its newest checkpoint (step {self.ckpt.latest_step()}) is the last good one",
+            + (
+                f"and its newest checkpoint (step {latest}) is the last good one"
+                if (latest := self.ckpt.latest_step()) is not None
+                else "before saving any checkpoint"
+            ),
         )
 
     def evaluate_params(self, params) -> float:
@@ -303,43 +409,30 @@ def _bar(start: int, total: int, enabled: bool, out):
     )
 
 
-def check_same_model(meta: dict, model, where) -> None:
-    """A checkpoint's model config must equal the run's: name every field that differs."""
-    saved = meta.get("model")
-    if not isinstance(saved, dict):
-        from lmjax.errors import CheckpointError
-
-        raise CheckpointError.describe(
-            f"checkpoint {where} meta.model",
-            saved,
-            "the model config",
-            "use a checkpoint written by lmjax train",
-        )
-    expected = model.to_dict()
-    differs = [
-        f"{k}={saved.get(k)!r} (expected {v!r})" for k, v in expected.items() if saved.get(k) != v
-    ]
-    if differs:
-        from lmjax.errors import CheckpointError
-
-        raise CheckpointError.describe(
-            f"checkpoint {where}",
-            "a different architecture: " + ", ".join(differs),
-            "a checkpoint of this model config",
-            "restore it with the config it was trained with",
-        )
-
-
 def sample_text(
     params, model, tokenizer, prompt: str, n_tokens: int, temperature: float, seed: int
 ) -> str:
     """`prompt` continued by `n_tokens` sampled tokens (decoded, prompt included)."""
     from lmjax import generate
 
-    ids = tokenizer.encode(prompt) or [0]
-    ids = ids[-(model.context_length - 1) :]
-    n = min(n_tokens, model.context_length - len(ids))
+    ids = tokenizer.encode(prompt)
     out = generate.generate(
-        params, [ids], model, max_new_tokens=n, temperature=temperature, seed=seed
+        params, [ids], model, max_new_tokens=n_tokens, temperature=temperature, seed=seed
     )
     return tokenizer.decode(list(ids) + list(out[0]))
+
+
+def _truncate_samples(path: Path, step: int) -> None:
+    """Keep the samples of steps <= `step` (a resumed run writes the later ones again)."""
+    if not path.exists():
+        return
+    blocks = re.split(r"(?m)^(?====== step \d+ =====$)", path.read_text(encoding="utf-8"))
+    kept = [b for b in blocks if b and int(b.split()[2]) <= step]
+    atomic_write_text(path, "".join(kept))
+
+
+class _Raw(str):
+    """A value shown as is in an error message (not as a quoted repr)."""
+
+    def __repr__(self) -> str:
+        return str(self)

@@ -1,11 +1,13 @@
 """Optimizers and learning-rate schedules from a `RunConfig` (SPEC section 5).
 
-    lr(s) = lr_peak * s / W                                   for s < W (linear warmup)
+    lr(s) = lr_peak * (s + 1) / W                             for s < W (linear warmup)
     lr(s) = lr_end + (lr_peak - lr_end) * shape((s - W) / (S - W))   for W <= s < S
     lr(s) = lr_end                                            for s >= S
     shape(u) = (1 + cos(pi u)) / 2 (cosine) | 1 - u (linear) | 1 (constant, lr_end unused)
 
 with W = warmup_steps, S = decay_steps (default train.steps), lr_end = lr_peak * final_lr_ratio.
+Step s is the (s+1)-th update, so warmup's first step already moves (lr_peak / W) and the W-th
+reaches the peak.
 The gradient transformation is `clip_by_global_norm(clip_norm)` followed by the optimizer; AdamW
 decays only parameters whose names match none of `optimizer.no_decay` (by default biases, norm
 scales and embeddings).
@@ -28,7 +30,7 @@ def schedule(sched: ScheduleConfig, peak_lr: float, total_steps: int) -> optax.S
 
     def lr(step):
         s = jnp.asarray(step, jnp.float32)
-        warm = peak_lr * s / max(warmup, 1)
+        warm = peak_lr * (s + 1.0) / max(warmup, 1)
         u = jnp.clip((s - warmup) / max(decay_steps - warmup, 1), 0.0, 1.0)
         if sched.decay == "cosine":
             decayed = end + (peak_lr - end) * 0.5 * (1.0 + jnp.cos(jnp.pi * u))

@@ -19,7 +19,7 @@ from lmjax.config import RunConfig
 from lmjax.errors import CheckpointError, ConfigError, FileFormatError
 from lmjax.models import ModelConfig
 from lmjax.train import optim
-from lmjax.train.checkpoint import Checkpoints
+from lmjax.train.checkpoint import Checkpoints, check_same_model
 from lmjax.train.step import init_state
 
 
@@ -33,7 +33,9 @@ class LoadedRun:
     step: int | None  # None for weights without a checkpoint
 
 
-def _split_path(path: Path) -> tuple[Path, int | None]:
+def split_run_path(path) -> tuple[Path, int | None]:
+    """`RUN` -> (RUN, None); `RUN/checkpoints/STEP` -> (RUN, STEP)."""
+    path = Path(path)
     if (path / "config.yaml").is_file():
         return path, None
     parent = path.parent.parent
@@ -65,7 +67,7 @@ def read_config(run_dir: Path) -> RunConfig:
 
 
 def load_run(path, step: int | None = None) -> LoadedRun:
-    run_dir, ckpt_step = _split_path(Path(path))
+    run_dir, ckpt_step = split_run_path(path)
     step = step if step is not None else ckpt_step
     cfg = read_config(run_dir)
     model = cfg.model_config()
@@ -90,8 +92,6 @@ def load_run(path, step: int | None = None) -> LoadedRun:
 
 
 def _params_from_checkpoint(run_dir: Path, cfg: RunConfig, model: ModelConfig, step):
-    from lmjax.train.loop import check_same_model
-
     ckpt = Checkpoints(run_dir / "checkpoints", create=False)
     tx, _ = optim.from_config(cfg)
     abstract = jax.eval_shape(lambda: init_state(jax.random.PRNGKey(0), model, tx))
@@ -103,35 +103,28 @@ def _params_from_checkpoint(run_dir: Path, cfg: RunConfig, model: ModelConfig, s
 def write_weights_run(out, params: dict, model: ModelConfig, tokenizer, tokenizer_kind: str):
     """A run directory holding weights only (`model.safetensors`), e.g. an imported model.
 
-    `lmjax generate`, `lmjax eval` and `lmjax export-hf` read it like a trained run. The
-    directory is built under a temporary name and renamed, and an existing `out` is refused.
+    `lmjax generate`, `lmjax eval` and `lmjax export-hf` read it like a trained run. Its
+    config evaluates on small batches (4 x min(256, C) tokens, 10 batches) so `lmjax eval`
+    stays cheap; edit `config.yaml` or pass `--batch-size` / `--seq-len` for more. The
+    directory is built under a temporary name and renamed; an existing `out` is refused.
     """
-    import os
-    import shutil
-    import tempfile
-
-    from lmjax.config import DataConfig
-    from lmjax.files import atomic_write_text
+    from lmjax.config import DataConfig, TrainConfig
+    from lmjax.files import atomic_dir, atomic_write_text
     from lmjax.io import safetensors
 
     out = Path(out)
     if out.exists():
         raise ConfigError.describe(
-            "output run directory",
-            str(out),
-            "a path that does not exist yet",
+            "output run directory", str(out), "a path that does not exist yet",
             "pick a new --out (nothing was overwritten)",
-        )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        cfg = RunConfig(model=model.to_dict(), data=DataConfig(tokenizer=tokenizer_kind))
+        )  # fmt: skip
+    train_cfg = TrainConfig(batch_size=4, seq_len=min(256, model.context_length), eval_batches=10)
+    cfg = RunConfig(
+        model=model.to_dict(), data=DataConfig(tokenizer=tokenizer_kind), train=train_cfg
+    )
+    with atomic_dir(out) as tmp:
         atomic_write_text(tmp / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         safetensors.save(params, tmp / "model.safetensors", metadata={"format": "lmjax"})
         if tokenizer is not None:
             tokenizer.save(tmp / "tokenizer")
-        os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out

@@ -5,10 +5,11 @@
     θ', opt' = optimizer(clip(g), opt, θ)
 
 `train_step(state, batch) -> (state, metrics)` is one `jax.jit` with the state donated, so the
-new parameters and optimizer state reuse the old buffers. A step whose loss or gradient norm is
-not finite leaves the state unchanged (parameters never become NaN); when the batch carries its
-`step`, a state whose counter disagrees is not advanced either, so after a non-finite step the
-state stays at the last good step and `state.step` tells the caller where the run failed.
+new parameters and optimizer state reuse the old buffers. A step whose loss, gradient norm or
+new parameters are not all finite leaves the state unchanged (parameters never become NaN or
+inf); when the batch carries its `step`, a state whose counter disagrees is not advanced either,
+so after a non-finite step the state stays at the last good step and `state.step` tells the
+caller where the run failed.
 """
 
 from __future__ import annotations
@@ -64,6 +65,10 @@ def _mean_loss_and_grads(params, inputs_ABT, targets_ABT, cfg, key):
     return loss / a, jax.tree.map(lambda g: g / a, grads)
 
 
+def _all_finite(tree) -> jax.Array:
+    return jnp.all(jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(tree)]))
+
+
 def global_norm(tree) -> jax.Array:
     """sqrt(sum of squares over every leaf), in float32."""
     leaves = jax.tree.leaves(tree)
@@ -86,7 +91,8 @@ def make_train_step(cfg: ModelConfig, tx: optax.GradientTransformation, lr: opta
         grad_norm = global_norm(grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        # The new parameters too: a finite gradient times a huge step can still overflow.
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & _all_finite(params)
         ok = finite if "step" not in batch else finite & (batch["step"] == state.step)
         new = TrainState(state.step + 1, params, opt_state, state.key)
         new = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, state)
