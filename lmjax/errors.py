@@ -49,7 +49,7 @@ class CheckpointError(LMJaxError, OSError):
 
 
 class NonFiniteError(LMJaxError, FloatingPointError):
-    """Training produced a NaN or infinite loss or gradient."""
+    """A NaN or infinite loss, gradient, parameter update or sampled logits."""
 
 
 def _short(value: Any, limit: int = 120) -> str:

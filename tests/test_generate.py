@@ -17,7 +17,7 @@ import pytest
 
 from lmjax import generate as G
 from lmjax import models
-from lmjax.errors import ConfigError, ShapeError, TokenError
+from lmjax.errors import ConfigError, NonFiniteError, ShapeError, TokenError
 from lmjax.generate import loop
 
 TINY = dict(vocab_size=27, context_length=16, d_model=32, n_heads=4, n_layers=2, d_ff=64)
@@ -28,6 +28,9 @@ CONFIGS = {
     "gpt-sinusoidal": models.preset("gpt", positions="sinusoidal"),
 }
 F32_TOL = dict(rtol=1e-5, atol=1e-5)  # float32 at matmul precision highest (conftest)
+# bfloat16 keeps 8 significant bits: logits of magnitude < 4 are spaced 2**-6 apart, and the
+# cached and full passes round in different orders through every layer; 4 such spacings.
+BF16_TOL = dict(rtol=0, atol=4 * 2**-6)
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +105,32 @@ def test_decoding_with_other_attention_impls_equals_forward(impl):
         np.testing.assert_allclose(logits_1V, full_1CV[:, t], **F32_TOL)
 
 
+def test_bfloat16_decoding_equals_forward_and_steps_get_cast_params(params, monkeypatch):
+    """The params are cast once in `stream`: the jitted steps receive bfloat16 weights."""
+    cfg = CONFIGS["gpt-learned"].replace(dtype="bfloat16")
+    p = params["gpt-learned"]  # float32 master weights
+    tokens_2C = np.random.default_rng(4).integers(0, cfg.vocab_size, (2, 16)).astype(np.int32)
+    full_2CV = np.asarray(models.forward(p, tokens_2C, cfg))
+    logits_2TV, cache = G.prefill(p, tokens_2C[:, :4], cfg, G.init_cache(cfg, 2))
+    np.testing.assert_allclose(logits_2TV, full_2CV[:, :4], **BF16_TOL)
+    for t in range(4, 16):
+        logits_2V, cache = G.decode_step(p, tokens_2C[:, t], cfg, cache)
+        np.testing.assert_allclose(logits_2V, full_2CV[:, t], **BF16_TOL)
+    seen = set()
+
+    def spy(name, jitted):
+        def call(params, *args, **kwargs):
+            seen.update((name, leaf.dtype.name) for leaf in jax.tree.leaves(params))
+            return jitted(params, *args, **kwargs)
+
+        return call
+
+    for name in ("prefill_sample", "decode_sample"):
+        monkeypatch.setattr(loop, name, spy(name, getattr(loop, name)))
+    G.generate(p, [[1, 2, 3]], cfg, max_new_tokens=2)
+    assert seen == {("prefill_sample", "bfloat16"), ("decode_sample", "bfloat16")}
+
+
 # ---- batched generation -----------------------------------------------------------------------
 
 PROMPTS = [[3, 1, 4], [1], [5, 9, 2, 6, 5, 3, 5, 8, 9]]
@@ -174,6 +203,76 @@ def test_page_accounting_follows_the_sequences_and_frees_finished_ones(params):
     assert 0 < peak <= worst  # the default pool is the worst case, never exceeded
 
 
+def test_a_page_size_that_does_not_divide_the_context(params):
+    """C = 16, pages of 5: the table holds 20 slots, but positions end at C - 1."""
+    cfg, p = CONFIGS["gpt-learned"], params["gpt-learned"]
+    prompts = [[3, 1, 4], [1]]
+    contiguous = G.generate(p, prompts, cfg, max_new_tokens=13)  # row 0 reaches exactly C
+    assert G.generate(p, prompts, cfg, max_new_tokens=13, cache="paged", page_size=5) == contiguous
+    cache = G.init_paged_cache(cfg, 1, 4, 5)
+    cache = cache._replace(page_table=jnp.asarray([[2, 0, 3, 1]], jnp.int32))
+    assert cache.capacity == 20
+    tokens_1C = np.random.default_rng(5).integers(0, cfg.vocab_size, (1, 16)).astype(np.int32)
+    full_1CV = np.asarray(models.forward(p, tokens_1C, cfg))
+    logits_1TV, cache = G.prefill(p, tokens_1C[:, :4], cfg, cache)
+    np.testing.assert_allclose(logits_1TV, full_1CV[:, :4], **F32_TOL)
+    for t in range(4, 16):  # up to position C - 1 = 15
+        logits_1V, cache = G.decode_step(p, tokens_1C[:, t], cfg, cache)
+        np.testing.assert_allclose(logits_1V, full_1CV[:, t], **F32_TOL)
+    with pytest.raises(ShapeError, match="position = 16; expected < context_length 16"):
+        G.decode_step(p, [1], cfg, cache)
+
+
+def test_public_steps_refuse_writes_to_unmapped_pages(params):
+    cfg, p = CONFIGS["gpt-learned"], params["gpt-learned"]
+    cache = G.init_paged_cache(cfg, 2, 8, 4)  # no page mapped yet (every entry is 8)
+    prompt_2T = np.array([[1, 2, 3, 4, 5, 6], [7, 8, 9, 0, 0, 0]], np.int32)
+    with pytest.raises(ShapeError, match=r"row 0, position 0\) = 8; expected a mapped page"):
+        G.prefill(p, prompt_2T, cfg, cache, lengths=[6, 3])
+    pages = G.PageAllocator(8, 4, 2, 4)
+    pages.ensure(0, 4)  # row 0's positions 0..3 of its 6
+    pages.ensure(1, 3)  # row 1's positions 0..3
+    with pytest.raises(ShapeError, match=r"page_table\[0, 1\] \(row 0, position 4\)"):
+        G.prefill(p, prompt_2T, cfg, cache._replace(page_table=jnp.asarray(pages.table)), [6, 3])
+    pages.ensure(0, 8)
+    cache = cache._replace(page_table=jnp.asarray(pages.table))
+    _, cache = G.prefill(p, prompt_2T, cfg, cache, lengths=[6, 3])  # pad slots need no pages
+    _, cache = G.decode_step(p, [1, 2], cfg, cache)  # positions 6 and 3: mapped
+    with pytest.raises(ShapeError, match=r"page_table\[1, 1\] \(row 1, position 4\) = 8"):
+        G.decode_step(p, [1, 2], cfg, cache)
+
+
+def test_a_pool_that_runs_out_says_the_step_and_the_worst_case(params):
+    cfg, p = CONFIGS["gpt-learned"], params["gpt-learned"]
+    options = dict(max_new_tokens=8, cache="paged", page_size=2, num_pages=3)
+    # Worst case: ceil((1 + 8 - 1) / 2) + ceil((2 + 8 - 1) / 2) = 4 + 5 = 9 pages. Row 0 needs
+    # its second page before step 3, when rows 0 and 1 already hold all three.
+    message = "num_pages = 3; .*row 0's position 2 .* after 2 completed steps.*num_pages >= 9"
+    steps = G.stream(p, [[1], [2, 3]], cfg, **options)
+    assert [s.active.all() for s in (next(steps), next(steps))] == [True, True]
+    with pytest.raises(ConfigError, match=message):
+        next(steps)
+    with pytest.raises(ConfigError, match=message):
+        G.generate(p, [[1], [2, 3]], cfg, **options)
+
+
+def test_non_finite_logits_raise_naming_the_row_and_step(params):
+    cfg, p = CONFIGS["gpt-learned"], params["gpt-learned"]
+    prompts = [[5, 6], [7, 8]]
+    first = G.generate(p, prompts, cfg, max_new_tokens=1)
+    embedding = p["token_embedding"]["weight"]
+
+    def poison(token):  # a NaN embedding for one token id: only rows that feed it see NaN
+        return {**p, "token_embedding": {"weight": embedding.at[token].set(jnp.nan)}}
+
+    with pytest.raises(NonFiniteError, match=r"logits of row 1 at step 1 \(0 steps completed"):
+        G.generate(poison(8), prompts, cfg, max_new_tokens=3)
+    token = first[0][0]  # fed back by row 0 at step 2 (and maybe by row 1: row 0 is named)
+    assert token not in prompts[0] + prompts[1]
+    with pytest.raises(NonFiniteError, match=r"row 0 at step 2 \(1 steps completed"):
+        G.generate(poison(token), prompts, cfg, max_new_tokens=3)
+
+
 def test_page_allocator_hands_out_and_takes_back_pages():
     pages = G.PageAllocator(num_pages=5, page_size=4, batch=2, pages_per_row=3)
     pages.ensure(0, 5)  # slots 0..4: 2 pages
@@ -222,7 +321,8 @@ def test_no_compilation_after_the_first_decode_step(params, cache_kind):
         if event == "/jax/core/compile/backend_compile_duration":
             compiles.append(event)
 
-    steps = G.stream(p, PROMPTS, cfg, max_new_tokens=7, cache=cache_kind, page_size=2)
+    pages = dict(cache="paged", page_size=2) if cache_kind == "paged" else {}
+    steps = G.stream(p, PROMPTS, cfg, max_new_tokens=7, **pages)
     next(steps), next(steps)  # prefill, then the first decode step: compiled here if new
     jax.monitoring.register_event_duration_secs_listener(listen)
     try:
@@ -270,6 +370,16 @@ def test_one_compile_per_shape_bucket():
         ([[1]], dict(cache="ring"), ConfigError, "cache = 'ring'"),
         ([[1]], dict(cache="paged", page_size=0), ConfigError, "page_size = 0"),
         ([[1]], dict(seed=1.5), ConfigError, "seed = 1.5"),
+        ([[1]], dict(seed=2**64), ConfigError, "seed = 18446744073709551616; expected an int"),
+        ([[1]], dict(seed=2**63), ConfigError, "seed = 9223372036854775808"),
+        ([[1]], dict(stop_tokens=3), TokenError, "stop_tokens = 3.*stop_tokens=\\[3\\]"),
+        ([[1]], dict(stop_tokens=2.5), TokenError, "stop_tokens = 2.5; expected a list"),
+        ([[1]], dict(stop_tokens="ab"), TokenError, "stop_tokens = 'ab'"),
+        ([[1]], dict(page_size=4), ConfigError, "page_size = 4; expected None with cache="),
+        ([[1]], dict(num_pages=3), ConfigError, "num_pages = 3; expected None with cache="),
+        ([[1]], dict(cache="paged", num_pages=0), ConfigError, "num_pages = 0"),
+        (np.array([[1, 2], [3, 0]]), {}, TokenError, "2-D array of shape \\(2, 2\\)"),
+        (jnp.ones((1, 1, 2), int), {}, TokenError, "3-D array"),
     ],
 )
 def test_bad_generation_input_raises_a_clear_error(params, prompts, options, error, match):
@@ -279,10 +389,20 @@ def test_bad_generation_input_raises_a_clear_error(params, prompts, options, err
         G.generate(p, prompts, cfg, **options)
 
 
+def test_no_stop_tokens_may_be_given_as_none(params):
+    cfg, p = CONFIGS["gpt-learned"], params["gpt-learned"]
+    plain = G.generate(p, PROMPTS, cfg, max_new_tokens=2)
+    assert G.generate(p, PROMPTS, cfg, max_new_tokens=2, stop_tokens=None) == plain
+
+
 def test_bad_cache_input_raises_a_clear_error(params):
     cfg, p = CONFIGS["gpt-learned"], params["gpt-learned"]
-    with pytest.raises(ShapeError, match="capacity = 17"):
-        G.init_cache(cfg, 1, 17)
+    for make in (lambda: G.init_cache(cfg, 1, 17), lambda: G.init_paged_cache(cfg, 1, 4, 4, 17)):
+        with pytest.raises(ConfigError, match="capacity = 17; expected an int in \\[1, 16\\]"):
+            make()
+    for make in (lambda: G.init_cache(cfg, 0), lambda: G.init_paged_cache(cfg, 0, 4, 4)):
+        with pytest.raises(ConfigError, match="batch = 0"):
+            make()
     with pytest.raises(ShapeError, match="lengths"):
         G.prefill(p, [[1, 2, 3]], cfg, G.init_cache(cfg, 1), lengths=[4])
     with pytest.raises(ShapeError, match="capacity 8"):

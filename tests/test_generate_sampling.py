@@ -121,6 +121,16 @@ def test_temperature_zero_is_greedy_whatever_the_filters(model, logits_V):
     assert G.generate(params, prompts, cfg, max_new_tokens=5, temperature=0.0, top_k=3) == greedy
 
 
+@pytest.mark.parametrize("top_k, top_p", [(None, 1.0), (5, 1.0), (None, 0.5), (5, 0.9)])
+def test_a_temperature_below_float32_tiny_is_greedy(top_k, top_p):
+    """1e-40 is subnormal in float32 (flushed to 0 by XLA): a division would give 0/0 = NaN."""
+    logits_NV = np.random.default_rng(4).normal(size=(64, 27)).astype(np.float32)
+    sampling = G.Sampling(1e-40, top_k, top_p)
+    got = G.sample(jnp.asarray(logits_NV), jax.random.key(0), sampling)
+    np.testing.assert_array_equal(got, np.argmax(logits_NV, axis=-1))
+    assert sampling.greedy and not G.Sampling(np.finfo(np.float32).tiny, top_k, top_p).greedy
+
+
 def test_seeds_reproduce_and_differ(model):
     params, cfg = model
     options = dict(max_new_tokens=10, temperature=1.0, top_p=0.95)

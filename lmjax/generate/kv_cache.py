@@ -33,7 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lmjax.errors import ShapeError
+from lmjax.errors import ConfigError, ShapeError
+from lmjax.generate.paged import PagedKVCache
 from lmjax.models import ModelConfig, attend, cached_block, check_params, embed, head
 from lmjax.models.transformer import cast, check_tokens
 from lmjax.ops._common import is_int
@@ -70,12 +71,15 @@ class KVCache(NamedTuple):
 
 
 def init_cache(cfg: ModelConfig, batch: int, capacity: int | None = None) -> KVCache:
-    """An empty contiguous cache for `batch` rows of `capacity` slots (default C), zeros."""
+    """An empty contiguous cache for `batch` rows of `capacity` slots (default C), zeros.
+
+    `ConfigError` for a batch < 1 or a capacity outside [1, C] (as `init_paged_cache`).
+    """
     capacity = cfg.context_length if capacity is None else capacity
     for what, value, hi in (("batch", batch, None), ("capacity", capacity, cfg.context_length)):
         if not is_int(value) or value < 1 or (hi is not None and value > hi):
             bound = f"an int in [1, {hi}] (context_length)" if hi else "an int >= 1"
-            raise ShapeError.describe(
+            raise ConfigError.describe(
                 f"cache {what}", value, bound, f"pass a {what} the model can hold"
             )
     shape = (batch, capacity, cfg.n_heads, cfg.d_head)
@@ -102,13 +106,22 @@ def prefill_hidden(params: dict, tokens_BT, cfg: ModelConfig, cache, lengths_B) 
 
 
 def prefill_logits(params: dict, tokens_BT, cfg: ModelConfig, cache, lengths_B) -> tuple:
-    """`prefill` without the host-side checks (jit-traceable): `-> (logits [B, T, V], cache)`."""
+    """`prefill` without the host-side checks (jit-traceable): `-> (logits [B, T, V], cache)`.
+
+    The caller guarantees what `prefill` checks: T within the capacity and C, and with a paged
+    cache a mapped page for every real prompt position (unmapped writes are dropped silently).
+    """
     x_BTD, cache = prefill_hidden(params, tokens_BT, cfg, cache, lengths_B)
     return head(cast(params, cfg.compute_dtype), x_BTD, cfg).astype(jnp.float32), cache
 
 
 def decode_logits(params: dict, token_B, cfg: ModelConfig, cache) -> tuple:
-    """`decode_step` without the host-side checks (jit-traceable): `-> (logits [B, V], cache)`."""
+    """`decode_step` without the host-side checks (jit-traceable): `-> (logits [B, V], cache)`.
+
+    The caller guarantees what `decode_step` checks: `lengths < min(capacity, C)` and with a
+    paged cache a mapped page at each row's position `lengths[b]` (`loop.stream` maps them with
+    its `PageAllocator`); otherwise the logits are silently wrong.
+    """
     check_params(params, cfg)
     p = cast(params, cfg.compute_dtype)
     positions_B1 = cache.lengths[:, None]
@@ -138,7 +151,8 @@ def prefill(params: dict, tokens, cfg: ModelConfig, cache, lengths=None) -> tupl
     tokens `[B, T]`; `lengths [B]` (default T) are the real prompt lengths, `1 <= lengths <= T`.
     The logits at `t < lengths[b]` are the forward pass's; whatever the cache held is replaced.
     Jitted (one compile per shape), and the cache passed in is donated: use the returned one.
-    Raises `ShapeError`/`TokenError` for bad tokens, lengths, or `T` beyond the capacity.
+    Raises `ShapeError`/`TokenError` for bad tokens, lengths, `T` beyond the capacity, or (paged
+    cache) a real prompt position whose page is not mapped in `cache.page_table`.
     """
     tokens_BT = check_tokens(tokens, cfg)
     b, t = tokens_BT.shape
@@ -151,7 +165,8 @@ def prefill(params: dict, tokens, cfg: ModelConfig, cache, lengths=None) -> tupl
         raise ShapeError.describe(
             "lengths", lengths_B.tolist(), f"each in [1, {t}]", "count only real prompt tokens"
         )
-    _check_cache(cache, b, t - 1)
+    _check_cache(cache, b, t - 1, cfg)
+    _check_mapped(cache, np.zeros(b, np.int64), lengths_B)
     return _prefill_jit(params, tokens_BT, cfg, cache, jnp.asarray(lengths_B, jnp.int32))
 
 
@@ -160,25 +175,54 @@ def decode_step(params: dict, token, cfg: ModelConfig, cache) -> tuple:
 
     Jitted once per (batch, capacity); the cache passed in is donated: use the returned one.
     Raises `TokenError` for ids outside the vocabulary and `ShapeError` when a row's cache is
-    full (its next position would be past the capacity).
+    full (its next position would reach the capacity or the context length C; a paged cache's
+    capacity, a whole number of pages, can exceed C) or, with a paged cache, when the page of a
+    row's position is not mapped in `cache.page_table`.
     """
     token_B = check_tokens(np.asarray(token).reshape(-1, 1), cfg)[:, 0]
-    _check_cache(cache, token_B.shape[0], int(jnp.max(cache.lengths)))
+    lengths_B = np.asarray(cache.lengths)  # one small host copy: the checks need the values
+    _check_cache(cache, token_B.shape[0], int(lengths_B.max()), cfg)
+    _check_mapped(cache, lengths_B, lengths_B + 1)
     return _decode_jit(params, token_B, cfg, cache)
 
 
-def _check_cache(cache, batch: int, last_position: int) -> None:
+def _check_cache(cache, batch: int, last_position: int, cfg: ModelConfig) -> None:
     if cache.lengths.shape != (batch,):
         raise ShapeError.describe(
             "cache batch", cache.lengths.shape[0], f"{batch} (the token batch)", "init_cache(B)"
         )
-    if last_position >= cache.capacity:
+    # A paged cache holds whole pages, so its capacity can exceed C: the model's positions end.
+    limit = min(cache.capacity, cfg.context_length)
+    if last_position >= limit:
         raise ShapeError.describe(
             "position",
             last_position,
-            f"< cache capacity {cache.capacity}",
-            "init the cache with a larger capacity (at most context_length)",
+            f"< cache capacity {limit}"
+            if limit < cfg.context_length
+            else f"< context_length {limit} (the model has no later positions)",
+            f"init the cache with a larger capacity (at most {cfg.context_length})"
+            if limit < cfg.context_length
+            else f"stop decoding at {cfg.context_length} tokens per row",
         )
+
+
+def _check_mapped(cache, first_B: np.ndarray, stop_B: np.ndarray) -> None:
+    """With a paged cache, every position in `[first_B[b], stop_B[b])` must have a page."""
+    if not isinstance(cache, PagedKVCache):
+        return
+    table_BM, size = np.asarray(cache.page_table), cache.page_size
+    num_pages = cache.keys[0].shape[0]
+    for b in range(table_BM.shape[0]):
+        for page in range(int(first_B[b]) // size, (int(stop_B[b]) - 1) // size + 1):
+            if not 0 <= table_BM[b, page] < num_pages:
+                position = max(int(first_B[b]), page * size)
+                raise ShapeError.describe(
+                    f"page_table[{b}, {page}] (row {b}, position {position})",
+                    int(table_BM[b, page]),
+                    f"a mapped page in [0, {num_pages}) ({num_pages} means none)",
+                    "map the row's pages first: PageAllocator.ensure(row, position + 1), then "
+                    "cache._replace(page_table=jnp.asarray(allocator.table))",
+                )
 
 
 __all__ = [

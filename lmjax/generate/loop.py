@@ -17,6 +17,11 @@ Policies:
   stop token is its last token); finished rows keep their batch slot but emit nothing, and a
   paged cache returns their pages to the pool at once. The run ends when every row has ended.
 - Randomness: step n samples with `fold_in(key(seed), n)`, so a seed reproduces a run exactly.
+- Dtypes: the params are cast to `cfg.compute_dtype` once, before the first step, so each jitted
+  step reads the compute-dtype weights (no per-token cast of float32 master weights).
+- Non-finite logits (NaN or inf params, an overflow) raise `NonFiniteError` naming the row and
+  step; they never turn silently into a token. Each step returns an `isfinite` flag per row,
+  copied to the host with the tokens the loop copies anyway.
 """
 
 from __future__ import annotations
@@ -28,16 +33,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lmjax.errors import ConfigError, TokenError
+from lmjax.errors import ConfigError, NonFiniteError, TokenError
 from lmjax.generate.kv_cache import decode_logits, init_cache, prefill_hidden
 from lmjax.generate.paged import PageAllocator, init_paged_cache
 from lmjax.generate.sampling import Sampling, sample
-from lmjax.models import ModelConfig, head
+from lmjax.models import ModelConfig, check_params, head
 from lmjax.models.transformer import cast
 from lmjax.ops._common import check_token_ids, is_int
 
 CACHES = ("contiguous", "paged")
 MIN_BUCKET = 8
+PAGE_SIZE = 16  # the paged cache's default page size
 
 
 class Step(NamedTuple):
@@ -54,12 +60,15 @@ def _prefill_sample(params, tokens_BT, lengths_B, cache, key, cfg, sampling):
     # Only each row's last real position goes through the head.
     last_B1D = jnp.take_along_axis(x_BTD, (lengths_B - 1)[:, None, None], axis=1)
     logits_BV = head(cast(params, cfg.compute_dtype), last_B1D, cfg)[:, 0].astype(jnp.float32)
-    return sample(logits_BV, jax.random.fold_in(key, 0), sampling), cache
+    finite_B = jnp.isfinite(logits_BV).all(axis=-1)
+    return sample(logits_BV, jax.random.fold_in(key, 0), sampling), finite_B, cache
 
 
 def _decode_sample(params, token_B, cache, key, step, cfg, sampling):
+    """`-> (token [B], finite [B], cache)`: the caller maps the pages (see `paged`)."""
     logits_BV, cache = decode_logits(params, token_B, cfg, cache)
-    return sample(logits_BV, jax.random.fold_in(key, step), sampling), cache
+    finite_B = jnp.isfinite(logits_BV).all(axis=-1)
+    return sample(logits_BV, jax.random.fold_in(key, step), sampling), finite_B, cache
 
 
 prefill_sample = jax.jit(_prefill_sample, donate_argnames="cache")
@@ -76,26 +85,37 @@ def stream(
     top_k: int | None = None,
     top_p: float = 1.0,
     seed: int = 0,
-    stop_tokens: Sequence[int] = (),
+    stop_tokens: Sequence[int] | None = (),
     cache: str = "contiguous",
-    page_size: int = 16,
+    page_size: int | None = None,
     num_pages: int | None = None,
 ) -> Iterator[Step]:
     """Decode a batch of prompts step by step; see the module docstring for the policies.
 
-    prompts: a list of token-id lists (or a `[B, T]` array), each non-empty. Sampling options
-    as `Sampling`. `cache="paged"` uses a pool of `num_pages` pages of `page_size` slots
-    (default: exactly the worst case, `sum_b ceil((len_b + max_new_tokens - 1) / page_size)`).
-    Everything is validated before the first step: `TokenError` for an empty batch or prompt,
-    non-integer or out-of-vocabulary ids (prompts and stop tokens) or a prompt longer than C;
-    `ConfigError` for sampling options, `max_new_tokens < 1` or past the context, bad cache
-    options.
+    prompts: a list of prompts, each a non-empty list (or 1-D array) of token ids. A padded
+    `[B, T]` array is refused (`TokenError`): it carries no lengths, so its pad ids would be
+    read as prompt tokens; pass `[list(row[:n]) for row, n in zip(tokens, lengths)]`.
+    Sampling options as `Sampling`; `seed` an int in [-2**63, 2**63); `stop_tokens` a list of
+    ids (None: none). `cache="paged"` uses a pool of `num_pages` pages of `page_size` slots
+    (default 16); the default `num_pages` is the worst case, every row running to
+    `max_new_tokens`: `sum_b ceil((len_b + max_new_tokens - 1) / page_size)` pages, about the
+    contiguous cache's memory. Pages freed by finished rows are not used by other sequences of
+    this call, so paging saves memory only with a smaller `num_pages` (see `paged`); if such a
+    pool runs out mid-stream, `ConfigError` says the step reached (the tokens yielded so far
+    stand) and the worst-case count to pass. `page_size` / `num_pages` with the contiguous cache
+    raise `ConfigError`.
+    Everything else is validated before the first step: `TokenError` for an empty batch or
+    prompt, non-integer or out-of-vocabulary ids (prompts and stop tokens) or a prompt longer
+    than C; `ConfigError` for sampling options, the seed, `max_new_tokens < 1` or past the
+    context, bad cache options; `ShapeError` for params that do not match `cfg`. Non-finite
+    logits of an active row raise `NonFiniteError` at that step.
     """
     rows = _check_prompts(prompts, cfg)
     sampling = Sampling(temperature, top_k, top_p)
     sampling.check_vocab(cfg.vocab_size)
     _check_run(rows, cfg, max_new_tokens, seed, cache, page_size, num_pages)
     stops = _check_stop_tokens(stop_tokens, cfg)
+    check_params(params, cfg)
     lengths = np.array([len(r) for r in rows], np.int32)
     b, t, s = len(rows), _bucket(lengths.max(), cfg), _bucket(lengths.max() + max_new_tokens, cfg)
     tokens_BT = np.zeros((b, t), np.int32)  # right padding; the pad id is never attended to
@@ -104,23 +124,27 @@ def stream(
 
     pages = None
     if cache == "paged":
-        if num_pages is None:
-            num_pages = int(np.ceil((lengths + max_new_tokens - 1) / page_size).sum())
+        page_size = PAGE_SIZE if page_size is None else page_size
+        worst = int(np.ceil((lengths + max_new_tokens - 1) / page_size).sum())
+        num_pages = worst if num_pages is None else num_pages
         kv = init_paged_cache(cfg, b, num_pages, page_size, s)
         pages = PageAllocator(num_pages, page_size, b, kv.page_table.shape[1])
         for i in range(b):
-            pages.ensure(i, int(lengths[i]))
+            _ensure(pages, i, int(lengths[i]), worst, 0)
         kv = kv._replace(page_table=jnp.asarray(pages.table))
     else:
         kv = init_cache(cfg, b, s)
 
+    # Once, here: the jitted steps then get compute-dtype weights (their own cast is a no-op).
+    params = cast(params, cfg.compute_dtype)
     key = jax.random.key(seed)
-    token_B, kv = prefill_sample(params, tokens_BT, lengths, kv, key, cfg, sampling)
+    token_B, finite_B, kv = prefill_sample(params, tokens_BT, lengths, kv, key, cfg, sampling)
     emitted = np.zeros(b, np.int32)
     done = np.zeros(b, bool)
     for step in range(1, max_new_tokens + 1):
-        host_B = np.asarray(token_B)
+        host_B, finite = jax.device_get((token_B, finite_B))
         active = ~done
+        _check_finite(finite, active, step)
         emitted += active
         done = done | np.isin(host_B, stops) | (emitted >= max_new_tokens)
         if pages is not None:
@@ -132,19 +156,50 @@ def stream(
         if pages is not None:
             # The token just sampled is written at position len + emitted - 1 by the next step.
             for i in np.flatnonzero(~done):
-                pages.ensure(int(i), int(lengths[i] + emitted[i]))
+                _ensure(pages, int(i), int(lengths[i] + emitted[i]), worst, step)
             kv = kv._replace(page_table=jnp.asarray(pages.table))
-        token_B, kv = decode_sample(params, token_B, kv, key, step, cfg, sampling)
+        token_B, finite_B, kv = decode_sample(params, token_B, kv, key, step, cfg, sampling)
 
 
 def generate(params: dict, prompts, cfg: ModelConfig, **options) -> list[list[int]]:
-    """The new tokens of each prompt (a stop token, if hit, is the last); options as `stream`."""
+    """The new tokens of each prompt (a stop token, if hit, is the last); options as `stream`.
+
+    An error raised mid-run (a paged pool that runs out, non-finite logits) says how many steps
+    had completed; their tokens are not returned (use `stream` to keep them).
+    """
     out: list[list[int]] = []
     for step in stream(params, prompts, cfg, **options):  # validates before the first step
         out = out or [[] for _ in step.tokens]
         for i in np.flatnonzero(step.active):
             out[i].append(int(step.tokens[i]))
     return out
+
+
+def _ensure(pages: PageAllocator, row: int, n_slots: int, worst: int, completed: int) -> None:
+    """`pages.ensure`, with an error that gives the run's progress and the worst-case pool."""
+    missing = -(-n_slots // pages.page_size) - len(pages.owned[row])
+    if missing > len(pages.free):
+        raise ConfigError.describe(
+            "num_pages",
+            pages.num_pages,
+            f"a free page for row {row}'s position {n_slots - 1} ({len(pages.free)} free) after "
+            f"{completed} completed steps (tokens yielded so far stand; generate returns none)",
+            f"pass num_pages >= {worst} (the worst case for this batch; None picks it), or "
+            "decode fewer or shorter sequences at once",
+        )
+    pages.ensure(row, n_slots)
+
+
+def _check_finite(finite_B: np.ndarray, active_B: np.ndarray, step: int) -> None:
+    bad = np.flatnonzero(active_B & ~finite_B)
+    if bad.size:
+        raise NonFiniteError.describe(
+            f"logits of row {int(bad[0])} at step {step} ({step - 1} steps completed)",
+            "NaN or inf",
+            "finite logits",
+            "check the params for NaN/inf (a diverged or corrupt checkpoint), or compute in "
+            "float32 if a lower-precision dtype overflowed",
+        )
 
 
 def _in_use(pages: PageAllocator | None) -> int | None:
@@ -158,6 +213,13 @@ def _bucket(n: int, cfg: ModelConfig) -> int:
 
 def _check_prompts(prompts, cfg: ModelConfig) -> list[np.ndarray]:
     fix_batch = "pass a list of prompts, each a non-empty list of token ids"
+    if len(getattr(prompts, "shape", ())) >= 2:
+        raise TokenError.describe(
+            "prompts",
+            f"a {len(prompts.shape)}-D array of shape {tuple(prompts.shape)}",
+            "a list of prompts (a padded array has no lengths: its pad ids would be prompt tokens)",
+            "pass [list(row[:n]) for row, n in zip(tokens, lengths)]",
+        )
     if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__") or not len(prompts):
         raise TokenError.describe("prompts", prompts, "a non-empty batch of prompts", fix_batch)
     rows = []
@@ -200,12 +262,25 @@ def _check_run(rows, cfg, max_new_tokens, seed, cache, page_size, num_pages) -> 
             f"<= context_length = {cfg.context_length} (generation never passes the context)",
             f"set max_new_tokens <= {cfg.context_length - longest} or shorten the prompt",
         )
-    if not is_int(seed):
-        raise ConfigError.describe("seed", seed, "an int", "pass an integer seed")
+    if not is_int(seed) or not -(2**63) <= seed < 2**63:
+        raise ConfigError.describe(
+            "seed", seed, "an int in [-2**63, 2**63)", "pass a smaller integer seed"
+        )
     if cache not in CACHES:
         raise ConfigError.describe("cache", cache, f"one of {CACHES}", "pick a listed cache")
-    if not is_int(page_size) or page_size < 1:
-        raise ConfigError.describe("page_size", page_size, "an int >= 1", "use e.g. 16")
+    if cache == "contiguous":
+        for what, value in (("page_size", page_size), ("num_pages", num_pages)):
+            if value is not None:
+                raise ConfigError.describe(
+                    what,
+                    value,
+                    "None with cache='contiguous' (pages are a paged-cache option)",
+                    f"pass cache='paged' to use {what}, or leave it unset",
+                )
+    if page_size is not None and (not is_int(page_size) or page_size < 1):
+        raise ConfigError.describe(
+            "page_size", page_size, f"None (the default, {PAGE_SIZE}) or an int >= 1", "use 16"
+        )
     if num_pages is not None and (not is_int(num_pages) or num_pages < 1):
         raise ConfigError.describe(
             "num_pages", num_pages, "None (the worst case) or an int >= 1", "leave it unset"
@@ -213,7 +288,20 @@ def _check_run(rows, cfg, max_new_tokens, seed, cache, page_size, num_pages) -> 
 
 
 def _check_stop_tokens(stop_tokens, cfg: ModelConfig) -> np.ndarray:
-    stop_tokens = list(stop_tokens)
+    stop_tokens = () if stop_tokens is None else stop_tokens
+    try:
+        if is_int(stop_tokens) or isinstance(stop_tokens, (str, bytes)):
+            raise TypeError
+        stop_tokens = list(stop_tokens)
+    except TypeError:
+        raise TokenError.describe(
+            "stop_tokens",
+            stop_tokens,
+            "a list of int token ids (or None for none)",
+            f"wrap a single id in a list: stop_tokens=[{stop_tokens!r}]"
+            if is_int(stop_tokens)
+            else "pass a list of ids",
+        ) from None
     if not all(is_int(s) for s in stop_tokens):
         raise TokenError.describe(
             "stop_tokens", stop_tokens, "a list of int token ids", "pass ids, not strings"

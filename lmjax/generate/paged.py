@@ -2,25 +2,43 @@
 
 Layout, per layer: `keys[i]`, `values[i]` `[P, page_size, H, Dh]` (a pool of P pages);
 `page_table [B, M]` int32 maps row b's slot j to page `page_table[b, j // page_size]`, offset
-`j % page_size`; an entry equal to P means "no page": writes there are dropped and reads give
-zeros (always masked out: a row only attends to positions it has written). `read` gathers a
-row's pages into the contiguous `[B, M * page_size, H, Dh]` view, so `prefill` / `decode_step`
-of `kv_cache` run unchanged and give the same tokens. (A gather per step: a paged-attention
-kernel would read the pages in place; this is the pure-JAX form.)
+`j % page_size`; an entry outside `[0, P)` (P is the sentinel) means "no page": writes there are
+dropped and reads give zeros (always masked out: a row only attends to positions it has written).
+The table has `M = ceil(capacity / page_size)` entries per row, so the capacity `M * page_size`
+can exceed the context length C; `kv_cache.decode_step` bounds positions by `min(capacity, C)`.
 
-`PageAllocator` is the host-side bookkeeping between jitted steps (`loop.stream` drives it;
-a caller of `kv_cache.prefill` / `decode_step` with a paged cache maps pages the same way
-before each call, or the writes to unmapped slots are dropped): a free list, the pages each
-row owns, `ensure(row, n_slots)` before a row writes slot n_slots - 1, `release(row)` when it
-finishes (stop token or max tokens). The pool and the table have static shapes, so the decode
-step never recompiles as pages come and go.
+Cost per step, stated plainly: `read` gathers a row's pages into a contiguous
+`[B, M * page_size, H, Dh]` view, for keys and for values, in every layer at every step, so that
+`prefill` / `decode_step` of `kv_cache` run unchanged and give the same tokens. That view is as
+large as one layer of a contiguous cache of the same capacity (a transient, one layer at a time),
+and the gather reads the pages once more each step: paging saves resident memory, not per-step
+bandwidth or compute (a paged-attention kernel would read the pages in place; this is the
+pure-JAX form).
 
-Memory. A contiguous cache reserves `B * S` slots (capacity S <= C) for every batch; the pool
-needs `sum_b ceil(len_b / page_size)` pages for rows of final lengths `len_b`. For GPT-2 124M in
-float32 one slot is `2 * 12 * 768 * 4 = 72 KiB` (`cache_bytes(cfg, 1)`), so 8 sequences of final
-lengths 20, 40, 60, 100, 150, 300, 500 and 1000 tokens take, with C = 1024:
+`PageAllocator` is the host-side bookkeeping between jitted steps (`loop.stream` drives it): a
+free list, the pages each row owns, `ensure(row, n_slots)` before a row writes slot
+n_slots - 1, `release(row)` when it finishes (stop token or max tokens). The pool and the table
+have static shapes, so the decode step never recompiles as pages come and go. A caller of
+`kv_cache.prefill` / `decode_step` with a paged cache maps pages the same way before each call;
+those public entry points check the table on the host and raise `ShapeError` naming the row and
+position of an unmapped write. The jitted forms (`prefill_logits`, `decode_logits`, the steps of
+`loop.stream`) do not check: that would cost a host sync per step, and `stream`'s allocator
+maps every page before the step that writes it.
+
+Memory. A contiguous cache reserves `B * S` slots (capacity S <= C) for every batch; a pool of
+P pages holds `P * page_size` slots, whatever the batch. For GPT-2 124M in float32 one slot is
+`2 * 12 * 768 * 4 = 72 KiB` (`cache_bytes(cfg, 1)`); 8 sequences of final lengths 20, 40, 60,
+100, 150, 300, 500 and 1000 tokens, with C = 1024, need:
     contiguous  8 * 1024 slots                             = 576.0 MiB
     paged       (2+3+4+7+10+19+32+63) = 140 pages of 16     = 157.5 MiB  (+ a [8, 64] int32 table)
+The paged figure is the pool the caller sizes for those lengths, `num_pages=140`. `loop.stream`
+cannot know in advance where rows will stop, so its default `num_pages` is the worst case, every
+row running to `max_new_tokens` (`sum_b ceil((len_b + max_new_tokens - 1) / page_size)`): close
+to the contiguous size (smaller only by the prompts' length differences and the contiguous
+cache's power-of-two rounding of S). Pages a finished row frees go back to the pool, but
+within one `stream` call no new sequence draws on them (the batch is fixed), so they only help
+if the pool is smaller than the worst case. A smaller pool saves memory at the risk of running
+out mid-stream: `stream` then raises `ConfigError` with the worst-case page count for the batch.
 """
 
 from __future__ import annotations
@@ -81,7 +99,11 @@ class PagedKVCache(NamedTuple):
 def init_paged_cache(
     cfg: ModelConfig, batch: int, num_pages: int, page_size: int, capacity: int | None = None
 ) -> PagedKVCache:
-    """An empty pool of `num_pages` pages and a `[batch, ceil(capacity / page_size)]` table."""
+    """An empty pool of `num_pages` pages and a `[batch, ceil(capacity / page_size)]` table.
+
+    Every entry of the table is `num_pages` (no page). `ConfigError` for sizes < 1 or a capacity
+    outside [1, C] (as `kv_cache.init_cache`).
+    """
     capacity = cfg.context_length if capacity is None else capacity
     for what, value in (("batch", batch), ("num_pages", num_pages), ("page_size", page_size)):
         if not is_int(value) or value < 1:

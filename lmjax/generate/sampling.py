@@ -3,7 +3,9 @@
 For logits z [B, V] and `Sampling(temperature T, top_k k, top_p p)`:
 
     T == 0:  argmax z (greedy; ties go to the lowest id). No division happens, and k and p
-             play no part.
+             play no part. So is any T whose float32 value is below `np.finfo(float32).tiny`
+             (~1.2e-38, e.g. 1e-40): such a T is subnormal or 0 in float32, which XLA flushes to
+             0, and 0 / 0 would be NaN; the limit T -> 0 of sampling is greedy anyway.
     T > 0:   s = (z - max z) / T                     (shifted first, so a tiny T cannot overflow)
              top-k (k >= 1): keep the k largest s (ties to the lower id), the rest get -inf
              top-p (p < 1):  over the kept tokens sorted by s, with q = softmax of the kept s,
@@ -23,9 +25,12 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from lmjax.errors import ConfigError
 from lmjax.ops._common import is_int, is_real
+
+_TINY = float(np.finfo(np.float32).tiny)  # the smallest normal float32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +58,10 @@ class Sampling:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """T == 0, or a T too small for a float32 division (see the module docstring)."""
+        t = self.temperature
+        # A double >= tiny never rounds below tiny, so np.float32 only sees t < tiny (no overflow).
+        return t < _TINY and float(np.float32(t)) < _TINY
 
     def check_vocab(self, vocab_size: int) -> None:
         """`top_k` must not exceed the vocabulary it chooses from."""

@@ -210,7 +210,7 @@ def _read_meta(directory: Path) -> dict:
     path = directory / "meta.json"
     try:
         meta = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         raise FileFormatError.describe(
             "data directory",
             str(directory),
