@@ -207,9 +207,12 @@ def test_generate_command_continues_greedily(workspace, straight, monkeypatch, c
     # Witness: greedy argmax of the full forward pass, one token at a time, no cache.
     run = train.load_run(straight)
     ids = run.tokenizer.encode("Sonnet")
-    for _ in range(6):
-        logits = models.forward(run.params, np.asarray([ids], np.int32), run.model)
-        ids.append(int(np.argmax(logits[0, -1])))
+    forward = jax.jit(models.forward)  # one compile: a fixed C-long buffer (causal: the
+    for _ in range(6):  # zeros after the current position cannot change its logits)
+        buffer = np.zeros((1, run.model.context_length), np.int32)
+        buffer[0, : len(ids)] = ids
+        logits = forward(run.params, buffer, run.model)
+        ids.append(int(np.argmax(logits[0, len(ids) - 1])))
     assert out == run.tokenizer.decode(ids) + "\n"
 
 
