@@ -95,7 +95,9 @@ def make_train_step(cfg: ModelConfig, tx: optax.GradientTransformation, lr: opta
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & _all_finite(params)
         ok = finite if "step" not in batch else finite & (batch["step"] == state.step)
         new = TrainState(state.step + 1, params, opt_state, state.key)
-        new = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, state)
+        # cond, not a per-leaf where: XLA then passes the donated buffers through instead of
+        # copying the Adam moments (measured ~1% of a CPU step).
+        new = jax.lax.cond(ok, lambda: new, lambda: state)
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr(state.step), "finite": finite}
         return new, metrics
 
