@@ -56,16 +56,11 @@ def _gradcheck(args: argparse.Namespace) -> int:
 
 
 def _prepare(args: argparse.Namespace) -> int:
+    from lmjax.config import DataConfig
     from lmjax.train import data
 
-    directory = data.prepare(
-        args.corpus,
-        args.out,
-        tokenizer=args.tokenizer,
-        vocab_size=args.vocab_size,
-        val_fraction=args.val_fraction,
-        progress=not args.quiet,
-    )
+    section = DataConfig(args.corpus, args.out, args.tokenizer, args.vocab_size, args.val_fraction)
+    directory = data.prepare_section(section, progress=not args.quiet)
     meta = data.open_prepared(directory).meta
     print(
         f"prepared {directory}: {meta['train_tokens']:,} train + {meta['val_tokens']:,} val "

@@ -193,6 +193,18 @@ def _chunks(text: str):
     yield text[start:]
 
 
+def prepare_section(d: DataConfig, progress: bool = True) -> Path:
+    """`prepare` for a config's `data` section."""
+    return prepare(
+        d.corpus,
+        d.dir,
+        tokenizer=d.tokenizer,
+        vocab_size=d.vocab_size,
+        val_fraction=d.val_fraction,
+        progress=progress,
+    )
+
+
 def _check_reusable(out: Path, settings: dict) -> None:
     meta = _read_meta(out)
     differs = {k: (meta.get(k), v) for k, v in settings.items() if meta.get(k) != v}

@@ -65,16 +65,7 @@ def default_run_dir(config_path: str | None) -> Path:
 
 def prepare_data(cfg: RunConfig, progress: bool = True) -> D.Prepared:
     """Prepare (or reuse) the config's data and open it."""
-    d = cfg.data
-    directory = D.prepare(
-        d.corpus,
-        d.dir,
-        tokenizer=d.tokenizer,
-        vocab_size=d.vocab_size,
-        val_fraction=d.val_fraction,
-        progress=progress,
-    )
-    return D.open_prepared(directory)
+    return D.open_prepared(D.prepare_section(cfg.data, progress))
 
 
 def resolve(cfg: RunConfig, prepared: D.Prepared) -> RunConfig:
