@@ -224,3 +224,31 @@ def test_metrics_log_truncates_atomically(tmp_path):
     assert [r["step"] for r in log.read()] == [1, 2, 3]
     log.truncate_after(2)
     assert log.path.read_text() == '{"step": 1, "loss": 1.0}\n{"step": 2, "loss": 2.0}\n'
+
+
+def test_bpe_tokenizer_through_prepare(corpus, tmp_path):
+    out = D.prepare(str(corpus), tmp_path / "bpe", tokenizer="bpe", vocab_size=300, progress=False)
+    prepared = D.open_prepared(out)
+    assert prepared.meta["tokenizer"] == "bpe" and 257 <= prepared.vocab_size <= 300
+    split = int(len(TEXT) * 0.9)
+    assert prepared.tokenizer.decode(prepared.train) == TEXT[:split]
+    assert len(prepared.train) < split / 2  # merges learned: fewer tokens than bytes
+    # Independent witness: HF `tokenizers` with the same files gives the same ids.
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    hf = Tokenizer(models.BPE.from_file(str(out / "tokenizer/vocab.json"),
+                                        str(out / "tokenizer/merges.txt")))  # fmt: skip
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    assert hf.encode(TEXT[split:]).ids == list(prepared.val)
+
+
+def test_vocabularies_over_65536_are_stored_as_uint32(corpus, tmp_path, monkeypatch):
+    class Wide(tokenizers.ByteTokenizer):
+        vocab_size = 70_000  # ids stay bytes; only the declared size decides the dtype
+
+    monkeypatch.setattr(D, "_build_tokenizer", lambda *args: Wide())
+    monkeypatch.setitem(tokenizers._LOADERS, "byte", lambda directory, manifest: Wide())
+    prepared = D.open_prepared(D.prepare(str(corpus), tmp_path / "wide", progress=False))
+    assert prepared.meta["dtype"] == "uint32" and prepared.train.dtype == np.uint32
+    assert bytes(prepared.train.astype(np.uint8)) == TEXT[: int(len(TEXT) * 0.9)].encode()

@@ -439,3 +439,16 @@ def test_truncating_samples_keeps_earlier_steps(tmp_path):
     path.write_text("===== step 4 =====\nab\n\n===== step 8 =====\ncd\n\n===== step 12 =====\nx\n")
     train.loop._truncate_samples(path, 8)
     assert path.read_text() == "===== step 4 =====\nab\n\n===== step 8 =====\ncd\n\n"
+
+
+def test_generate_command_batches_and_pages(workspace, straight, monkeypatch, capsys):
+    args = ["generate", "--run", "straight", "--max-new-tokens", "5", "--temperature", "0"]
+    code, batched, _ = run_cli(
+        workspace, monkeypatch, capsys, *args, "--prompt", "Sonnet", "--prompt", "S"
+    )
+    assert code == 0
+    for prompt in ("Sonnet", "S"):
+        code, alone, _ = run_cli(
+            workspace, monkeypatch, capsys, *args, "--prompt", prompt, "--cache", "paged"
+        )
+        assert code == 0 and f"--- {prompt!r}\n{alone}" in batched  # same text, batched or not
