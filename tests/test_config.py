@@ -23,6 +23,10 @@ def test_shipped_configs_load_and_build_their_models():
         cfg = load_run_config(path)
         model = cfg.with_vocab_size(cfg.data.vocab_size or 97).model_config()
         assert model.n_layers >= 1 and cfg.train.steps >= 1
+        # The sample must fit in one context (a character is at most one token here), else
+        # `lmjax train` refuses the config before starting.
+        prompt = len(cfg.logging.sample_prompt.encode())
+        assert prompt + cfg.logging.sample_tokens <= model.context_length, path.name
 
 
 def test_overrides_reach_every_section_with_types():
