@@ -250,7 +250,7 @@ class _Trainer:
 
     def _loop(self, start: int) -> tuple[float | None, str | None]:
         t, bar, state, pending = self.cfg.train, self.bar, self.state, self.pending
-        window_start, val_loss, sample = time.perf_counter(), None, None
+        self.window_start, val_loss, sample = time.perf_counter(), None, None
         for step in range(start, t.steps):
             batch = D.train_batch(
                 self.data.train, t.seed, step, t.batch_size, self.seq_len, t.grad_accum
@@ -261,19 +261,19 @@ class _Trainer:
             pending.append((done, metrics))
             if step == start:  # the first step compiles: time it apart from the throughput
                 jax.block_until_ready(metrics)
-                self.compile_s = time.perf_counter() - window_start
-                window_start = time.perf_counter()
+                self.compile_s = time.perf_counter() - self.window_start
+                self.window_start = time.perf_counter()
             if done % self.cfg.logging.every == 0 or done == t.steps or _due(done, self.cfg):
-                self._log_window(pending, window_start, int(state.step), bar)
+                self._log_window(pending, self.window_start, int(state.step), bar)
                 pending.clear()
-                window_start = time.perf_counter()
+                self.window_start = time.perf_counter()
             # Checkpoint first: an evaluation that fails must not cost the training behind it.
             if done % self.cfg.checkpoint.every == 0 or done == t.steps:
                 self.ckpt.save(state, self._meta(done))
-                window_start = time.perf_counter()
+                self.window_start = time.perf_counter()
             if done % t.eval_every == 0 or done == t.steps:
                 val_loss, sample = self._evaluate(state, done)
-                window_start = time.perf_counter()
+                self.window_start = time.perf_counter()
         return val_loss, sample
 
     def _save_on_interrupt(self) -> None:
@@ -284,7 +284,7 @@ class _Trainer:
                 raise RuntimeError("interrupted inside a step")  # its input was donated
             step = int(state.step)
             if self.pending:
-                self._log_window(self.pending, time.perf_counter(), step, self.bar)
+                self._log_window(self.pending, self.window_start, step, self.bar)
             if step > (latest or 0):
                 self.ckpt.save(state, self._meta(step))
                 latest = step
