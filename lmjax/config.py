@@ -119,6 +119,17 @@ class LoggingConfig:
     peak_flops: float | None = None  # for MFU; null = measure a matmul on the device
 
 
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    """Device mesh (SPEC section 9, `lmjax.parallel`): `mesh: {data: 2, fsdp: 4}` (model: 1).
+
+    null (the default) trains on one device exactly as before; the axis sizes' product must
+    equal the device count, checked when the run starts.
+    """
+
+    mesh: dict[str, int] | None = None
+
+
 _SECTIONS = {
     "optimizer": OptimizerConfig,
     "schedule": ScheduleConfig,
@@ -127,6 +138,7 @@ _SECTIONS = {
     "run": RunSection,
     "checkpoint": CheckpointConfig,
     "logging": LoggingConfig,
+    "parallel": ParallelConfig,
 }
 
 
@@ -147,6 +159,7 @@ class RunConfig:
     run: RunSection = RunSection()
     checkpoint: CheckpointConfig = CheckpointConfig()
     logging: LoggingConfig = LoggingConfig()
+    parallel: ParallelConfig = ParallelConfig()
 
     def __post_init__(self):
         _validate_run(self)
@@ -319,6 +332,8 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
             return value
         if option is str and isinstance(value, int) and not isinstance(value, bool):
             return str(value)  # run.dir=2024 is a name, not a number
+        if typing.get_origin(option) is dict and isinstance(value, dict):
+            return dict(value)  # the entries are checked by the section's validation
         if typing.get_origin(option) is tuple and isinstance(value, list | tuple):
             if all(isinstance(v, str) for v in value):
                 return tuple(value)
@@ -328,7 +343,11 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
 def _type_name(hint: Any) -> str:
     names = {int: "an int", float: "a number", str: "a string", bool: "true or false"}
     options = typing.get_args(hint) if typing.get_origin(hint) is types.UnionType else (hint,)
-    words = [names.get(o, "a list of strings") for o in options if o is not type(None)]
+    words = [
+        names.get(o, "a mapping" if typing.get_origin(o) is dict else "a list of strings")
+        for o in options
+        if o is not type(None)
+    ]
     return " or ".join(words) + (" or null" if type(None) in options else "")
 
 
@@ -408,6 +427,10 @@ def _validate_run(cfg: RunConfig) -> None:
     _check(temp >= 0, "logging.sample_temperature", temp, ">= 0 (0 = greedy)", "e.g. 0.8")
     peak = g.peak_flops
     _check(peak is None or peak > 0, "logging.peak_flops", peak, "> 0 or null", "leave it null")
+    if cfg.parallel.mesh is not None:
+        from lmjax.parallel.mesh import check_batch, check_mesh_shape
+
+        check_batch(t.batch_size // t.grad_accum, check_mesh_shape(cfg.parallel.mesh))
 
 
 OPTIMIZERS = ("adamw", "adam", "sgd")

@@ -1,0 +1,58 @@
+"""Sharded training over device meshes, multi-host (SPEC section 9).
+
+    mesh = lmjax.parallel.make_mesh({"data": 2, "fsdp": 4})
+    specs = lmjax.parallel.state_specs(state, model_cfg, lmjax.parallel.mesh_shape(mesh))
+    state = jax.device_put(state, lmjax.parallel.shardings(specs, mesh))
+    train_step = lmjax.train.make_train_step(model_cfg, tx, lr, state_sharding=...)
+
+`mesh.py`: the mesh and the batch sharding; `rules.py`: parameter name -> PartitionSpec from the
+parameter declaration; `multihost.py`: `jax.distributed`, per-host batches, the one writer.
+"""
+
+from lmjax.parallel.mesh import (
+    AXES,
+    BATCH_AXES,
+    batch_sharding,
+    batch_spec,
+    check_batch,
+    check_mesh_shape,
+    make_mesh,
+    mesh_shape,
+    parse_mesh_arg,
+    replicated,
+)
+from lmjax.parallel.multihost import host_batch, initialize_from_env, is_main
+from lmjax.parallel.rules import (
+    LOGICAL_TO_MESH,
+    describe,
+    param_specs,
+    per_device_bytes,
+    shard_shape,
+    shardings,
+    spec_for,
+    state_specs,
+)
+
+__all__ = [
+    "AXES",
+    "BATCH_AXES",
+    "LOGICAL_TO_MESH",
+    "batch_sharding",
+    "batch_spec",
+    "check_batch",
+    "check_mesh_shape",
+    "describe",
+    "host_batch",
+    "initialize_from_env",
+    "is_main",
+    "make_mesh",
+    "mesh_shape",
+    "param_specs",
+    "parse_mesh_arg",
+    "per_device_bytes",
+    "replicated",
+    "shard_shape",
+    "shardings",
+    "spec_for",
+    "state_specs",
+]

@@ -1,0 +1,99 @@
+"""Several processes (hosts), one run: `jax.distributed`, per-host batches, one writer.
+
+Start-up (`initialize_from_env`, called by `lmjax train` before jax touches a device), chosen by
+environment variables:
+
+    LMJAX_COORDINATOR=host:port  LMJAX_NUM_PROCESSES=N  LMJAX_PROCESS_ID=i
+        explicit: `jax.distributed.initialize(host:port, N, i)` (any cluster, e.g. GPU hosts)
+    LMJAX_DISTRIBUTED=auto
+        `jax.distributed.initialize()` with no arguments: jax detects Cloud TPU slices, SLURM
+        and Open MPI itself (scripts/tpu/ sets this on every worker)
+    neither
+        one process; nothing is initialized (the default)
+
+Data: every host computes the same random crop starts (a pure function of seed and step) but
+reads only the rows its own devices hold (`host_batch`), then the global batch is assembled
+from the per-device pieces; concatenated over hosts it is exactly the single-host batch.
+Writing: only process 0 writes the run's config, metrics, samples and plots (`is_main`);
+orbax checkpoint writes are collective (every process calls save; each writes its shards),
+so the checkpoint directory must be one all hosts share (e.g. an NFS or gcsfuse mount).
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import numpy as np
+
+from lmjax.errors import ConfigError
+
+ENV_COORDINATOR = "LMJAX_COORDINATOR"
+ENV_NUM_PROCESSES = "LMJAX_NUM_PROCESSES"
+ENV_PROCESS_ID = "LMJAX_PROCESS_ID"
+ENV_AUTO = "LMJAX_DISTRIBUTED"
+
+
+def distributed_args(env: dict[str, str] | None = None) -> dict | None:
+    """The `jax.distributed.initialize` keyword arguments the environment asks for, or None."""
+    env = os.environ if env is None else env
+    if env.get(ENV_AUTO, "").lower() == "auto":
+        return {}
+    address = env.get(ENV_COORDINATOR)
+    if not address:
+        return None
+    values = {}
+    for name in (ENV_NUM_PROCESSES, ENV_PROCESS_ID):
+        text = env.get(name, "")
+        if not text.isdigit():
+            raise ConfigError.describe(
+                name, text or None, f"a non-negative int (set with {ENV_COORDINATOR})",
+                f"export {ENV_NUM_PROCESSES}=<hosts> {ENV_PROCESS_ID}=<this host's rank>",
+            )  # fmt: skip
+        values[name] = int(text)
+    n, i = values[ENV_NUM_PROCESSES], values[ENV_PROCESS_ID]
+    if not 0 <= i < n:
+        raise ConfigError.describe(
+            ENV_PROCESS_ID, i, f"in [0, {ENV_NUM_PROCESSES} = {n})", "number hosts 0..N-1"
+        )
+    return {"coordinator_address": address, "num_processes": n, "process_id": i}
+
+
+def initialize_from_env(env: dict[str, str] | None = None) -> bool:
+    """Call `jax.distributed.initialize` if the environment says so; True if it did."""
+    kwargs = distributed_args(env)
+    if kwargs is None:
+        return False
+    jax.distributed.initialize(**kwargs)
+    return True
+
+
+def is_main() -> bool:
+    """True on the process that writes logs, samples and plots (process 0)."""
+    return jax.process_index() == 0
+
+
+def batch_rows(sharding, shape: tuple[int, ...], devices) -> list[int]:
+    """The rows of dim 1 (the batch dim of `[A, B, T]`) that `devices` hold, in order."""
+    index_map = sharding.devices_indices_map(tuple(shape))
+    rows = set()
+    for device in devices:
+        rows.update(range(*index_map[device][1].indices(shape[1])))
+    return sorted(rows)
+
+
+def host_batch(read_rows, shape: tuple[int, ...], sharding) -> jax.Array:
+    """A global `[A, B, T]` array of which this process reads only its own rows.
+
+    `read_rows(rows)` returns `[A, len(rows), T]` for the given batch rows (the same rows in
+    every micro-batch); it is called once, with the rows this process's devices hold.
+    """
+    rows = batch_rows(sharding, shape, jax.local_devices())
+    local = np.asarray(read_rows(rows))
+    where = {row: i for i, row in enumerate(rows)}
+
+    def piece(index):
+        picked = [where[r] for r in range(*index[1].indices(shape[1]))]
+        return local[index[0]][:, picked][..., index[2]]
+
+    return jax.make_array_from_callback(tuple(shape), sharding, piece)

@@ -1,0 +1,136 @@
+"""Sharding rules: parameter name -> `PartitionSpec`, derived from the parameter declaration.
+
+`lmjax.models.declare(cfg)` gives every parameter's logical axes (`vocab`, `context`, `embed`,
+`heads`, `mlp`); `LOGICAL_TO_MESH` maps each logical axis to a mesh axis, so the rules are one
+table, not a second list of parameter names:
+
+    embed -> fsdp     every weight, embedding and norm scale is split along d_model (FSDP)
+    heads -> model    query/key/value rows and output columns: tensor parallel attention
+    mlp   -> model    expand/gate/up rows and project/down columns: tensor parallel MLP
+    vocab, context -> replicated
+
+e.g. `blocks.0.attention.query.weight [heads, embed]` -> `P("model", "fsdp")` and
+`blocks.0.feed_forward.project.weight [embed, mlp]` -> `P("fsdp", "model")`, the Megatron
+column/row split, so a block needs one reduction over `model` per projection pair.
+
+A dimension that its mesh axis does not divide evenly (d_model 100 on fsdp=8) is replicated
+instead of padded: the tensor stays correct and only that dimension loses the memory saving;
+`describe` lists such leaves. A mesh axis of size 1 is left out of the spec. The optimizer
+state (AdamW's mu and nu mirror the parameter tree) gets its parameter's spec by path; other
+leaves (step counters) are replicated, as are parameters the declaration does not know (e.g.
+adapters added on top).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from lmjax.models import ModelConfig, declare
+
+LOGICAL_TO_MESH: dict[str, str | None] = {
+    "vocab": None,
+    "context": None,
+    "embed": "fsdp",
+    "heads": "model",
+    "mlp": "model",
+}
+
+
+def spec_for(shape, axes, mesh_shape: Mapping[str, int]) -> PartitionSpec:
+    """One leaf's spec from its logical axes; indivisible dims and size-1 axes replicate."""
+    dims, used = [], set()
+    for size, logical in zip(shape, axes, strict=True):
+        mesh_axis = LOGICAL_TO_MESH[logical]
+        n = mesh_shape.get(mesh_axis, 1) if mesh_axis else 1
+        if n == 1 or size % n or mesh_axis in used:
+            dims.append(None)
+        else:
+            dims.append(mesh_axis)
+            used.add(mesh_axis)
+    return PartitionSpec(*dims)
+
+
+def param_specs(cfg: ModelConfig, mesh_shape: Mapping[str, int]) -> dict[str, PartitionSpec]:
+    """`{parameter name: PartitionSpec}` for every leaf of `declare(cfg)`."""
+    return {
+        name: spec_for(spec.shape, spec.axes, mesh_shape) for name, spec in declare(cfg).items()
+    }
+
+
+def _param_name(path) -> str:
+    """The dotted parameter name at the end of a tree path (the trailing dict keys)."""
+    keys = []
+    for entry in reversed(path):
+        if not isinstance(entry, jax.tree_util.DictKey):
+            break
+        keys.append(str(entry.key))
+    return ".".join(reversed(keys))
+
+
+def tree_specs(tree, named: Mapping[str, PartitionSpec], shapes: Mapping[str, tuple]):
+    """Specs for any tree holding parameter-shaped leaves (params, AdamW moments, gradients).
+
+    A leaf whose path ends in a parameter's name and has that parameter's shape gets its spec;
+    every other leaf is replicated.
+    """
+
+    def leaf_spec(path, leaf):
+        name = _param_name(path)
+        if name in named and tuple(leaf.shape) == tuple(shapes[name]):
+            return named[name]
+        return PartitionSpec()
+
+    return jax.tree_util.tree_map_with_path(leaf_spec, tree)
+
+
+def state_specs(state, cfg: ModelConfig, mesh_shape: Mapping[str, int]):
+    """A `TrainState`'s (or any tree's) specs: parameters and optimizer state by the rules."""
+    named = param_specs(cfg, mesh_shape)
+    shapes = {name: spec.shape for name, spec in declare(cfg).items()}
+    return tree_specs(state, named, shapes)
+
+
+def shardings(specs, mesh: Mesh):
+    """A tree of `PartitionSpec`s -> the same tree of `NamedSharding`s on `mesh`."""
+    return jax.tree.map(
+        lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, PartitionSpec)
+    )
+
+
+def shard_shape(shape, spec: PartitionSpec, mesh_shape: Mapping[str, int]) -> tuple[int, ...]:
+    """The per-device block of a leaf, computed from sizes alone (no devices needed)."""
+    out = []
+    for i, size in enumerate(shape):
+        entry = spec[i] if i < len(spec) else None
+        names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        out.append(size // math.prod(mesh_shape[n] for n in names))
+    return tuple(out)
+
+
+def per_device_bytes(tree, specs, mesh_shape: Mapping[str, int]) -> int:
+    """Bytes one device holds of `tree` (arrays or ShapeDtypeStructs) sharded by `specs`."""
+    leaves = jax.tree.leaves(tree)
+    spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    return sum(
+        math.prod(shard_shape(leaf.shape, spec, mesh_shape)) * leaf.dtype.itemsize
+        for leaf, spec in zip(leaves, spec_leaves, strict=True)
+    )
+
+
+def describe(cfg: ModelConfig, mesh_shape: Mapping[str, int]) -> list[str]:
+    """One line per parameter: name, shape, spec, and the dims replicated for indivisibility."""
+    lines = []
+    for name, spec in declare(cfg).items():
+        ps = spec_for(spec.shape, spec.axes, mesh_shape)
+        ragged = [
+            f"{logical}={size} not divisible by {axis}={mesh_shape[axis]}"
+            for size, logical in zip(spec.shape, spec.axes, strict=True)
+            if (axis := LOGICAL_TO_MESH[logical]) and size % mesh_shape.get(axis, 1)
+        ]
+        note = f"  (replicated: {'; '.join(ragged)})" if ragged else ""
+        lines.append(f"{name} {list(spec.shape)} -> {tuple(ps)}{note}")
+    return lines
