@@ -94,13 +94,18 @@ class Checkpoints:
         """The state saved at `step` (default: the latest), in the structure of `abstract_state`.
 
         `abstract_state` is the expected state (arrays or `jax.ShapeDtypeStruct`s); any
-        difference in a leaf's shape or dtype is a `CheckpointError` naming the leaf.
+        difference in a leaf's shape or dtype is a `CheckpointError` naming the leaf. Each leaf
+        is restored with the leaf's `sharding` (default: the first local device), so a state
+        saved on one mesh restores onto another (`lmjax.parallel`).
         """
         ocp = _ocp()
         step = self._require_step(step)
         where = self.directory / str(step)
         _check_structure(where, self._stored_leaves(step), abstract_state)
-        abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), abstract_state)
+        abstract = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=_target_sharding(a)),
+            abstract_state,
+        )
         try:
             restored = self._manager.restore(
                 step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
@@ -137,6 +142,12 @@ class Checkpoints:
                 "checkpoint step", step, f"one of {steps}", "pick a saved step"
             )
         return step
+
+
+def _target_sharding(leaf):
+    # Never the saved sharding: it names the devices of the mesh that wrote the checkpoint.
+    sharding = getattr(leaf, "sharding", None)
+    return sharding or jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
 
 
 def _path_name(path) -> str:
