@@ -194,8 +194,16 @@ def check_tokens(tokens, cfg: ModelConfig) -> jax.Array:
 
 
 def cast(params: Any, dtype) -> Any:
-    """Every float leaf in `dtype` (the compute copy of f32 master weights); a no-op if equal."""
-    return jax.tree.map(lambda a: a.astype(dtype) if a.dtype != dtype else a, params)
+    """Every float leaf in `dtype` (the compute copy of f32 master weights); a no-op if equal.
+
+    Integer leaves (a LoRA adapter's dropout key, quantized codes) are left as they are.
+    """
+    return jax.tree.map(lambda a: _cast_leaf(a, dtype), params)
+
+
+def _cast_leaf(a, dtype):
+    floating = jnp.issubdtype(a.dtype, jnp.floating)
+    return a.astype(dtype) if floating and a.dtype != dtype else a
 
 
 def forward(params: dict, tokens, cfg: ModelConfig, *, dropout_key=None) -> jax.Array:

@@ -83,7 +83,11 @@ def linear(params: Params, x: jax.Array) -> jax.Array:
         db = sum_n g_n              [O]
 
     Init (`init_linear`): Xavier-uniform weight, `U(-a, a)` with `a = sqrt(6 / (I + O))`, zero bias.
+    A `"lora"` entry (an `lmjax.lora.Adapter`, added by `lmjax.lora.attach`) adds its low-rank
+    term `s (x A^T) B^T` to y.
     """
+    if "lora" in params:  # an adapted layer (lmjax.lora.attach): the base plus its adapter
+        return _with_adapter(linear, params, x)
     x = jnp.asarray(x)
     _check(params, x)
     return _linear(dict(params), x)
@@ -91,7 +95,17 @@ def linear(params: Params, x: jax.Array) -> jax.Array:
 
 def linear_reference(params: Params, x: jax.Array) -> jax.Array:
     """Same equation in plain jnp, differentiated by `jax.grad`."""
+    if "lora" in params:
+        return _with_adapter(linear_reference, params, x)
     return _affine(params, x)
+
+
+def _with_adapter(base_linear, params: Params, x: jax.Array) -> jax.Array:
+    """`base_linear(W, b; x) + adapter(x)`: the adapter (`lmjax.lora.Adapter`) is called on x and
+    never combined with W, so a quantized W is never dequantized here."""
+    base = {k: v for k, v in params.items() if k != "lora"}
+    y = base_linear(base, x)
+    return y + params["lora"](jnp.asarray(x)).astype(y.dtype)
 
 
 def xavier_uniform(key: jax.Array, shape_OI: tuple[int, int], dtype=jnp.float32) -> jax.Array:
