@@ -14,6 +14,7 @@ caller where the run failed.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -33,9 +34,13 @@ class TrainState(NamedTuple):
     key: jax.Array  # uint32[2]: the run's dropout key; step keys are fold_in(key, step)
 
 
-def init_state(key: jax.Array, cfg: ModelConfig, tx: optax.GradientTransformation) -> TrainState:
+def init_state(
+    key: jax.Array, cfg: ModelConfig, tx: optax.GradientTransformation, init_params=None
+) -> TrainState:
+    """Step 0: parameters from `init_params(key)` (default `models.init(key, cfg)`; LoRA's
+    adapters for fine-tuning), the optimizer state of exactly those, and the dropout key."""
     init_key, dropout_key = jax.random.split(key)
-    params = models.init(init_key, cfg)
+    params = models.init(init_key, cfg) if init_params is None else init_params(init_key)
     return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), dropout_key)
 
 
@@ -45,18 +50,40 @@ def loss_fn(params: dict, inputs_BT, targets_BT, cfg: ModelConfig, dropout_key=N
     return ops.cross_entropy(logits_BTV, targets_BT)
 
 
-def _mean_loss_and_grads(params, inputs_ABT, targets_ABT, cfg, key):
+def model_loss(cfg: ModelConfig) -> Loss:
+    """The default objective: `loss_fn` of every model parameter (nothing frozen)."""
+
+    def loss(params, frozen, inputs_BT, targets_BT, dropout_key):
+        del frozen
+        return loss_fn(params, inputs_BT, targets_BT, cfg, dropout_key)
+
+    return Loss(loss, uses_key=cfg.dropout > 0.0)
+
+
+class Loss(NamedTuple):
+    """What a train step differentiates: `fn(params, frozen, inputs_BT, targets_BT, key)`.
+
+    `params` are the trained leaves (the state's), `frozen` an argument that is neither
+    differentiated nor updated (LoRA's base model; None for full training). `key` is a dropout
+    key when `uses_key`, else None.
+    """
+
+    fn: Callable
+    uses_key: bool
+
+
+def _mean_loss_and_grads(loss: Loss, params, frozen, inputs_ABT, targets_ABT, key):
     """Average loss and gradient over the A micro-batches, accumulated with `lax.scan`."""
-    grad_fn = jax.value_and_grad(loss_fn)
-    keys = None if cfg.dropout == 0.0 else jax.random.split(key, inputs_ABT.shape[0])
+    grad_fn = jax.value_and_grad(loss.fn)
+    keys = jax.random.split(key, inputs_ABT.shape[0]) if loss.uses_key else None
     if inputs_ABT.shape[0] == 1:  # no accumulation: skip the scan
         k = None if keys is None else keys[0]
-        return grad_fn(params, inputs_ABT[0], targets_ABT[0], cfg, k)
+        return grad_fn(params, frozen, inputs_ABT[0], targets_ABT[0], k)
 
     def micro(carry, xs):
         inputs_BT, targets_BT, k = xs
-        loss, grads = grad_fn(params, inputs_BT, targets_BT, cfg, k)
-        return jax.tree.map(jnp.add, carry, (loss, grads)), None
+        loss_value, grads = grad_fn(params, frozen, inputs_BT, targets_BT, k)
+        return jax.tree.map(jnp.add, carry, (loss_value, grads)), None
 
     zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
     xs = (inputs_ABT, targets_ABT, keys)
@@ -80,8 +107,9 @@ def make_train_step(
     tx: optax.GradientTransformation,
     lr: optax.Schedule,
     state_sharding: Any = None,
+    loss: Loss | None = None,
 ):
-    """`train_step(state, batch) -> (state, metrics)`, jitted, state donated.
+    """`train_step(state, batch, frozen=None) -> (state, metrics)`, jitted, state donated.
 
     batch: `{"inputs": int [A, B, T], "targets": int [A, B, T]}` (A micro-batches; A = 1 for no
     accumulation) and optionally `"step"`: the step this batch belongs to.
@@ -89,12 +117,16 @@ def make_train_step(
     `state_sharding`: a `TrainState` of shardings (`lmjax.parallel`) the new state is pinned to,
     so it leaves the step laid out as it came in and the donated buffers are reused; the batch
     arrives already sharded and XLA partitions everything in between.
+    `loss`: the objective (default `model_loss(cfg)`, all parameters trained); LoRA passes one
+    whose trained `state.params` are the adapters and whose `frozen` argument (not donated,
+    no gradient, no optimizer state) is the base model.
     """
+    objective = loss or model_loss(cfg)
 
-    def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
+    def train_step(state: TrainState, batch: dict, frozen=None) -> tuple[TrainState, dict]:
         key = jax.random.fold_in(state.key, state.step)
         loss, grads = _mean_loss_and_grads(
-            state.params, batch["inputs"], batch["targets"], cfg, key
+            objective, state.params, frozen, batch["inputs"], batch["targets"], key
         )
         grad_norm = global_norm(grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
