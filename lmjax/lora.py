@@ -290,6 +290,26 @@ def attach(params: dict, adapters: dict, lcfg: LoraConfig, dropout_key=None) -> 
     return out
 
 
+def objective(cfg, lcfg: LoraConfig):
+    """The train-step objective (`lmjax.train.step.Loss`) of LoRA fine-tuning:
+
+        loss(adapters; base) = CE(forward(attach(base, adapters), x), y)
+
+    differentiated with respect to the adapters only; the base model is the step's `frozen`
+    argument. The step's dropout key is split between the model's dropout and the adapters'.
+    """
+    from lmjax.train.step import Loss, loss_fn
+
+    def fn(adapters, base, inputs_BT, targets_BT, key):
+        model_key = adapter_key = None
+        if key is not None:
+            model_key, adapter_key = jax.random.split(key)
+        params = attach(base, adapters, lcfg, adapter_key)
+        return loss_fn(params, inputs_BT, targets_BT, cfg, model_key)
+
+    return Loss(fn, uses_key=cfg.dropout > 0.0 or lcfg.dropout > 0.0)
+
+
 # ---- merge, unmerge ----------------------------------------------------------------------------
 
 
@@ -389,6 +409,7 @@ __all__ = [
     "linear_layers",
     "load_adapters",
     "merge",
+    "objective",
     "save_adapters",
     "target_layers",
     "unmerge",

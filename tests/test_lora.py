@@ -1,0 +1,261 @@
+"""LoRA (SPEC section 6): adapters against peft on a tiny Hugging Face GPT-2, peft's init bounds,
+merge/unmerge, adapter files, and training only the adapters (base bit-identical).
+
+Witnesses: `peft` (LoRA on GPT-2's Conv1D layers, logits compared at float32 atol 1e-5),
+`torch.nn.init.kaiming_uniform_(a=sqrt(5))` for the init bound, and the gradient of the merged
+weight `W + s B A` (plain `jax.grad`) for the adapter gradients.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from lmjax import lora, models
+from lmjax import params as P
+from lmjax.errors import ConfigError, FileFormatError, ShapeError
+from lmjax.train.step import init_state, make_train_step
+
+torch = pytest.importorskip("torch")
+peft = pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+
+D, N_LAYERS, V, C, R = 32, 2, 64, 16, 4
+HF_CONFIG = dict(
+    vocab_size=V, n_positions=C, n_embd=D, n_layer=N_LAYERS, n_head=4,
+    activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    bos_token_id=None, eos_token_id=None,
+)  # fmt: skip
+TOKENS = np.random.default_rng(0).integers(0, V, size=(2, C))
+
+
+@pytest.fixture(scope="module")
+def hf_base(tmp_path_factory):
+    """A tiny random GPT-2 saved to disk, and lmjax's import of it."""
+    from lmjax.io import hf_gpt2
+
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**HF_CONFIG)).eval()
+    out = tmp_path_factory.mktemp("hf_lora")
+    model.save_pretrained(out)
+    params, cfg = hf_gpt2.load(out)
+    return out, params, cfg
+
+
+def _peft_model(path, **lora_kwargs):
+    torch.manual_seed(1)
+    base = transformers.GPT2LMHeadModel.from_pretrained(path).eval()
+    config = peft.LoraConfig(
+        r=R, lora_alpha=8, lora_dropout=0.0, fan_in_fan_out=True, **lora_kwargs
+    )
+    model = peft.get_peft_model(base, config).eval()
+    with torch.no_grad():  # B starts at zero: make the adapters do something
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(0.2 * torch.randn_like(param))
+    return model
+
+
+def _weights(model) -> dict[str, np.ndarray]:
+    """`{(block, hf_module): (A [r, in], B [out, r])}` of a peft GPT-2."""
+    out = {}
+    for name, param in model.named_parameters():
+        if "lora_" not in name:
+            continue
+        parts = name.split(".")
+        block = parts[parts.index("h") + 1]
+        module = ".".join(parts[parts.index("h") + 2 : parts.index("h") + 4])  # attn.c_attn
+        which = "a" if "lora_A" in name else "b"
+        out.setdefault((block, module), {})[which] = param.detach().numpy()
+    return out
+
+
+_ONE_TO_ONE = {
+    "attn.c_proj": "attention.output",
+    "mlp.c_fc": "feed_forward.expand",
+    "mlp.c_proj": "feed_forward.project",
+}
+
+
+def _to_lmjax(peft_weights) -> dict:
+    """peft's adapters as lmjax adapters. `c_attn` is q|k|v fused: one A shared by the three
+    projections and B split by rows, which lmjax's per-projection adapters express exactly."""
+    flat = {}
+    for (block, module), w in peft_weights.items():
+        a, b = w["a"], w["b"]
+        if module == "attn.c_attn":
+            for j, proj in enumerate(("query", "key", "value")):
+                flat[f"blocks.{block}.attention.{proj}.lora_a"] = a
+                flat[f"blocks.{block}.attention.{proj}.lora_b"] = b[j * D : (j + 1) * D]
+        else:
+            flat[f"blocks.{block}.{_ONE_TO_ONE[module]}.lora_a"] = a
+            flat[f"blocks.{block}.{_ONE_TO_ONE[module]}.lora_b"] = b
+    return P.unflatten({k: jnp.asarray(v) for k, v in flat.items()})
+
+
+@pytest.mark.parametrize("rslora", [False, True])
+def test_same_adapter_weights_give_peft_logits(hf_base, rslora):
+    path, params, cfg = hf_base
+    model = _peft_model(path, target_modules=["c_attn", "c_proj", "c_fc"], use_rslora=rslora)
+    with torch.no_grad():
+        theirs = model(torch.tensor(TOKENS)).logits.numpy()
+    adapters = _to_lmjax(_weights(model))
+    lcfg = lora.LoraConfig(r=R, alpha=8, targets="all-linear", rslora=rslora)
+    assert lora.adapter_layers(adapters).keys() == lora.target_layers(cfg, lcfg).keys()
+    ours = np.asarray(models.forward(lora.attach(params, adapters, lcfg), TOKENS, cfg))
+    np.testing.assert_allclose(ours, theirs, atol=1e-5, rtol=0)
+    # The adapters matter at this tolerance: without them the logits are far off.
+    plain = np.asarray(models.forward(params, TOKENS, cfg))
+    assert np.abs(plain - theirs).max() > 100 * 1e-5
+
+
+def test_kaiming_init_has_peft_bounds(hf_base):
+    _, params, cfg = hf_base
+    lcfg = lora.LoraConfig(r=R, alpha=8, targets=["*.feed_forward.project", "*.query"])
+    adapters = lora.init(jax.random.PRNGKey(0), cfg, lcfg)
+    # torch's kaiming_uniform_(a=sqrt(5)) (what peft calls) on a large A gives the bound.
+    for name, (a, b) in lora.adapter_layers(adapters).items():
+        in_features = a.shape[1]
+        witness = torch.empty(4096, in_features)
+        torch.nn.init.kaiming_uniform_(witness, a=math.sqrt(5))
+        torch_bound = float(witness.abs().max())
+        assert abs(lora.kaiming_bound(in_features) - torch_bound) / torch_bound < 0.01
+        assert float(jnp.abs(a).max()) <= lora.kaiming_bound(in_features)
+        assert float(jnp.abs(a).max()) > 0.8 * lora.kaiming_bound(in_features), name
+        assert not np.asarray(b).any()
+    # peft's own A (default init) lies within the same bound.
+    model = _peft_model(hf_base[0], target_modules=["c_fc"])
+    for w in _weights(model).values():
+        assert np.abs(w["a"]).max() <= lora.kaiming_bound(w["a"].shape[1]) + 1e-7
+
+
+def test_gaussian_init_matches_peft_std(hf_base):
+    path, _, cfg = hf_base
+    lcfg = lora.LoraConfig(r=R, alpha=8, targets="all-linear", init="gaussian")
+    ours = np.concatenate(
+        [
+            np.ravel(a)
+            for a, _ in lora.adapter_layers(lora.init(jax.random.PRNGKey(0), cfg, lcfg)).values()
+        ]
+    )
+    model = _peft_model(
+        path, target_modules=["c_attn", "c_proj", "c_fc"], init_lora_weights="gaussian"
+    )
+    theirs = np.concatenate([np.ravel(w["a"]) for w in _weights(model).values()])
+    assert abs(ours.std() - 1 / R) < 0.05 / R and abs(theirs.std() - 1 / R) < 0.05 / R
+
+
+def test_targets_scale_and_config_errors():
+    cfg = models.preset("gpt2", vocab_size=V, context_length=C, d_model=D, n_heads=4,
+                        n_layers=N_LAYERS, d_ff=4 * D)  # fmt: skip
+    default = lora.target_layers(cfg, lora.LoraConfig())
+    assert list(default) == [
+        f"blocks.{i}.attention.{p}" for i in range(N_LAYERS) for p in ("query", "value")
+    ]
+    every = lora.target_layers(cfg, lora.LoraConfig(targets="all-linear"))
+    assert len(every) == 6 * N_LAYERS and not any("head" in n for n in every)
+    assert lora.LoraConfig(r=4, alpha=8).scale == 2.0
+    assert lora.LoraConfig(r=4, alpha=8, rslora=True).scale == 4.0
+    parsed = lora.LoraConfig.parse("r=16,alpha=32,targets=*.query|*.expand,dropout=0.1")
+    assert (parsed.r, parsed.alpha, parsed.targets, parsed.dropout) == (
+        16, 32.0, ("*.query", "*.expand"), 0.1
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match="lora target"):
+        lora.target_layers(cfg, lora.LoraConfig(targets="*.attention.qurey"))
+    for bad in ("r=0", "alpha=-1", "dropout=1.0", "init=xavier", "rank=4", "r"):
+        with pytest.raises(ConfigError):
+            lora.LoraConfig.parse(bad)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = models.preset("gpt", vocab_size=V, context_length=C, d_model=D, n_heads=4,
+                        n_layers=N_LAYERS, d_ff=2 * D)  # fmt: skip
+    params = models.init(jax.random.PRNGKey(0), cfg)
+    lcfg = lora.LoraConfig(r=R, alpha=8, targets="all-linear")
+    adapters = lora.init(jax.random.PRNGKey(1), cfg, lcfg)
+    k = iter(jax.random.split(jax.random.PRNGKey(2), 64))
+    adapters = jax.tree.map(lambda x: x + 0.1 * jax.random.normal(next(k), x.shape), adapters)
+    return cfg, params, lcfg, adapters
+
+
+def test_zero_b_is_the_base_and_merge_equals_attach(tiny):
+    cfg, params, lcfg, adapters = tiny
+    fresh = lora.init(jax.random.PRNGKey(5), cfg, lcfg)
+    base = models.forward(params, TOKENS, cfg)
+    np.testing.assert_array_equal(
+        models.forward(lora.attach(params, fresh, lcfg), TOKENS, cfg), base
+    )
+    attached = models.forward(lora.attach(params, adapters, lcfg), TOKENS, cfg)
+    merged = lora.merge(params, adapters, lcfg)
+    np.testing.assert_allclose(models.forward(merged, TOKENS, cfg), attached, atol=2e-5, rtol=0)
+    assert np.abs(np.asarray(attached - base)).max() > 1e-2
+    back = lora.unmerge(merged, adapters, lcfg)
+    for name, leaf in P.flatten(params).items():
+        np.testing.assert_allclose(P.flatten(back)[name], leaf, atol=1e-6, rtol=0, err_msg=name)
+
+
+def test_adapter_gradient_equals_merged_weight_gradient(tiny):
+    """d loss / d(A, B) through the attached adapters equals jax.grad through W + s B A."""
+    cfg, params, lcfg, adapters = tiny
+
+    def via_attach(ad):
+        return models.forward(lora.attach(params, ad, lcfg), TOKENS, cfg).std()
+
+    def via_merge(ad):
+        return models.forward(lora.merge(params, ad, lcfg), TOKENS, cfg).std()
+
+    ours, witness = jax.grad(via_attach)(adapters), jax.grad(via_merge)(adapters)
+    for name, g in P.flatten(ours).items():
+        np.testing.assert_allclose(g, P.flatten(witness)[name], atol=1e-5, rtol=1e-4, err_msg=name)
+
+
+def test_adapters_file_round_trip_and_bad_files(tiny, tmp_path):
+    _, _, lcfg, adapters = tiny
+    path = tmp_path / "adapters.safetensors"
+    custom = lora.LoraConfig(r=R, alpha=3, targets="all-linear", rslora=True, dropout=0.05)
+    lora.save_adapters(path, adapters, custom)
+    back, back_cfg = lora.load_adapters(path, expected=adapters)
+    assert back_cfg == custom
+    for name, leaf in P.flatten(adapters).items():
+        np.testing.assert_array_equal(P.flatten(back)[name], leaf)
+    from lmjax.io import safetensors
+
+    safetensors.save(adapters, tmp_path / "plain.safetensors")
+    with pytest.raises(FileFormatError, match="lmjax-lora"):
+        lora.load_adapters(tmp_path / "plain.safetensors")
+    wrong = jax.tree.map(lambda x: jnp.zeros((x.shape[0] + 1, x.shape[1])), adapters)
+    with pytest.raises(Exception, match="shape|mismatch"):
+        lora.load_adapters(path, expected=wrong)
+    with pytest.raises(ShapeError):
+        lora.attach(tiny[1], wrong, lcfg)
+
+
+def test_training_moves_only_adapters(tiny):
+    """Adapters are the whole train state (optimizer state included); the base, passed as the
+    step's frozen argument, is bit-identical afterwards; the loss falls; dropout on."""
+    cfg, params, _, _ = tiny
+    lcfg = lora.LoraConfig(r=R, alpha=8, dropout=0.1)
+    before = jax.tree.map(np.array, params)
+    tx = optax.adamw(1e-2)
+    state = init_state(jax.random.PRNGKey(0), cfg, tx, lambda k: lora.init(k, params, lcfg))
+    n_adapter = P.count(state.params)
+    assert n_adapter == lora.count(lora.init(jax.random.PRNGKey(0), cfg, lcfg))
+    opt_leaves = [x for x in jax.tree.leaves(state.opt_state) if x.ndim > 0]
+    assert sum(x.size for x in opt_leaves) == 2 * n_adapter  # Adam's mu and nu, adapters only
+    step = make_train_step(cfg, tx, lambda s: 1e-2, loss=lora.objective(cfg, lcfg))
+    inputs = jnp.asarray(TOKENS[None, :, :-1] % 8)
+    batch = {"inputs": jnp.asarray(inputs), "targets": jnp.asarray((inputs + 1) % 8)}
+    losses = []
+    for _ in range(15):
+        state, metrics = step(state, batch, params)
+        losses.append(float(metrics["loss"]))
+    assert losses[-1] < losses[0] - 0.5, losses
+    for name, leaf in P.flatten(params).items():
+        np.testing.assert_array_equal(np.asarray(leaf), P.flatten(before)[name], err_msg=name)
+    assert all(not leaf.is_deleted() for leaf in jax.tree.leaves(params))  # not donated
