@@ -221,12 +221,17 @@ class RunConfig:
 
 def load_run_config(path, overrides: list[str] | dict[str, Any] = ()) -> RunConfig:
     """Read a YAML run config and apply `key=value` overrides (`model.n_layers=4`)."""
+    if not isinstance(overrides, dict):
+        overrides = parse_overrides(list(overrides))
+    return RunConfig.from_dict(read_yaml(path), overrides)
+
+
+def read_yaml(path) -> Any:
+    """A config file's YAML (`{}` when empty), with one-line errors and duplicate keys refused."""
     import yaml
 
     from lmjax.errors import FileFormatError
 
-    if not isinstance(overrides, dict):
-        overrides = parse_overrides(list(overrides))
     try:
         with open(path, encoding="utf-8") as handle:
             data = yaml.load(handle, Loader=_unique_key_loader())
@@ -243,7 +248,7 @@ def load_run_config(path, overrides: list[str] | dict[str, Any] = ()) -> RunConf
         raise FileFormatError.describe(
             f"config file {path}", f"unparseable YAML ({first})", "valid YAML", "fix the syntax"
         ) from None
-    return RunConfig.from_dict({} if data is None else data, overrides)
+    return {} if data is None else data
 
 
 def _unique_key_loader():
