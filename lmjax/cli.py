@@ -73,8 +73,10 @@ def _prepare(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace) -> int:
     from lmjax import train
     from lmjax.config import load_run_config
+    from lmjax.parallel import initialize_from_env
 
     cfg = load_run_config(args.config, args.overrides)
+    initialize_from_env()  # multi-host runs only (LMJAX_COORDINATOR / LMJAX_DISTRIBUTED)
     result = train.train(cfg, config_path=args.config, resume=args.resume)
     print(f"run directory: {result.run_dir} (step {result.step})")
     if result.val_loss is not None:
@@ -257,6 +259,10 @@ def _inspect(args: argparse.Namespace) -> int:
     for name, value in (("--batch-size", args.batch_size), ("--seq-len", args.seq_len)):
         if value is not None and value < 1:
             raise LMJaxError(f"{name} = {value}; expected an int >= 1. Fix: pass e.g. {name} 8.")
+    if args.mesh:  # checked before anything is printed
+        from lmjax.parallel import parse_mesh_arg
+
+        parse_mesh_arg(args.mesh)
     if args.preset.endswith((".yaml", ".yml")):
         return _inspect_config(args)
     cfg = models.preset(args.preset, **parse_overrides(args.overrides))
@@ -267,7 +273,26 @@ def _inspect(args: argparse.Namespace) -> int:
         )
     print(f"{args.preset}: " + ", ".join(f"{k}={v}" for k, v in cfg.to_dict().items()))
     print(models.format_summary(cfg, args.batch_size or 1, args.seq_len))
+    if args.mesh:
+        _print_mesh_memory(args.mesh, cfg, None, args.batch_size, args.seq_len, "AdamW state")
     return 0
+
+
+def _print_mesh_memory(mesh_text, model, opt_state, batch, seq_len, label) -> None:
+    """`inspect --mesh`: per-device bytes (default batch: one sequence per data x fsdp device)."""
+    import jax
+    import optax
+
+    from lmjax import models
+    from lmjax.parallel import memory, parse_mesh_arg
+
+    shape = parse_mesh_arg(mesh_text)
+    if opt_state is None:  # a preset: AdamW, as the summary above assumes
+        opt_state = jax.eval_shape(optax.adamw(1e-3).init, models.abstract_params(model))
+    batch = batch or shape["data"] * shape["fsdp"]
+    seq_len = seq_len or model.context_length
+    print()
+    print(memory.format_device_memory(model, opt_state, batch, seq_len, shape, label))
 
 
 def _inspect_config(args: argparse.Namespace) -> int:
@@ -301,6 +326,11 @@ def _inspect_config(args: argparse.Namespace) -> int:
     print(f"{args.preset}: " + ", ".join(f"{k}={v}" for k, v in model.to_dict().items()))
     label = f"{cfg.optimizer.name} state"
     print(models.format_summary(model, batch, seq_len, optimizer=(label, nbytes)))
+    mesh = args.mesh or (
+        ",".join(f"{k}={v}" for k, v in cfg.parallel.mesh.items()) if cfg.parallel.mesh else None
+    )
+    if mesh:
+        _print_mesh_memory(mesh, model, state, batch, seq_len, label)
     return 0
 
 
@@ -344,6 +374,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     insp.add_argument(
         "--seq-len", type=int, default=None, help="sequence length (default: context_length)"
+    )
+    insp.add_argument(
+        "--mesh",
+        default=None,
+        metavar="data=D,fsdp=F,model=M",
+        help="also print the per-device memory on this device mesh (default: the config's "
+        "parallel.mesh); nothing is allocated, so pick a mesh before renting hardware",
     )
     insp.set_defaults(run=_inspect)
     _add_training_commands(sub)

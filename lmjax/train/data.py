@@ -305,10 +305,11 @@ def check_vocab(prepared: Prepared, model_vocab: int) -> None:
         )
 
 
-def crops(tokens: np.ndarray, seed: int, stream: int, index: int, n: int, seq_len: int):
+def crops(tokens: np.ndarray, seed: int, stream: int, index: int, n: int, seq_len: int, pick=None):
     """`n` random windows of `seq_len + 1` tokens: (inputs, targets), each int32 `[n, seq_len]`.
 
-    The starts are a pure function of (seed, stream, index).
+    The starts are a pure function of (seed, stream, index); `pick` (row indices) reads only
+    those of the `n` windows (a host's share of a sharded batch, `lmjax.parallel`).
     """
     if len(tokens) < seq_len + 1:
         raise ConfigError.describe(
@@ -319,15 +320,23 @@ def crops(tokens: np.ndarray, seed: int, stream: int, index: int, n: int, seq_le
         )
     rng = np.random.default_rng((seed, stream, index))
     starts = rng.integers(0, len(tokens) - seq_len, size=n)
+    starts = starts if pick is None else starts[np.asarray(pick, dtype=np.int64)]
     windows = np.stack([np.asarray(tokens[s : s + seq_len + 1]) for s in starts])
     windows = windows.astype(np.int32)
     return windows[:, :-1], windows[:, 1:]
 
 
-def train_batch(tokens, seed: int, step: int, batch_size: int, seq_len: int, accum: int) -> dict:
-    """The batch of optimizer step `step`: inputs/targets `[accum, batch_size/accum, T]`."""
-    inputs, targets = crops(tokens, seed, 0, step, batch_size, seq_len)
-    shape = (accum, batch_size // accum, seq_len)
+def train_batch(
+    tokens, seed: int, step: int, batch_size: int, seq_len: int, accum: int, rows=None
+) -> dict:
+    """The batch of optimizer step `step`: inputs/targets `[accum, batch_size/accum, T]`.
+
+    `rows`: only these rows of every micro-batch, `[accum, len(rows), T]` (one host's share).
+    """
+    micro = batch_size // accum
+    pick = None if rows is None else [a * micro + r for a in range(accum) for r in rows]
+    inputs, targets = crops(tokens, seed, 0, step, batch_size, seq_len, pick)
+    shape = (accum, micro if rows is None else len(rows), seq_len)
     return {"inputs": inputs.reshape(shape), "targets": targets.reshape(shape)}
 
 

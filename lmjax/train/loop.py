@@ -30,6 +30,7 @@ import jax
 import numpy as np
 import yaml
 
+from lmjax import parallel
 from lmjax.config import RunConfig
 from lmjax.errors import ConfigError, LMJaxError, NonFiniteError
 from lmjax.files import atomic_write_text
@@ -47,6 +48,7 @@ RESUMABLE_CHANGES = (
     "run.",
     "logging.",
     "checkpoint.",
+    "parallel.",  # a checkpoint restores onto any mesh
 )
 
 
@@ -87,9 +89,10 @@ def train(
     cfg = _resumed_config(run_dir, cfg) if resume else _pin_schedule(cfg)
     preflight(cfg, prepared)
     run_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(run_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-    if not (run_dir / "tokenizer").exists():
-        shutil.copytree(prepared.directory / "tokenizer", run_dir / "tokenizer")
+    if parallel.is_main():  # one writer per run; the other hosts only join the checkpoints
+        atomic_write_text(run_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        if not (run_dir / "tokenizer").exists():
+            shutil.copytree(prepared.directory / "tokenizer", run_dir / "tokenizer")
     return _Trainer(cfg, run_dir, prepared, out).run(resume)
 
 
@@ -205,7 +208,9 @@ class _Trainer:
         self.cfg, self.run_dir, self.data, self.out = cfg, run_dir, prepared, out
         self.model = cfg.model_config()
         self.tx, self.lr = optim.from_config(cfg)
-        self.train_step = make_train_step(self.model, self.tx, self.lr)
+        self.main = parallel.is_main()
+        self.mesh, self.shardings = _mesh_and_shardings(cfg, self.model, self.tx)
+        self.train_step = make_train_step(self.model, self.tx, self.lr, self.shardings)
         self.eval_step = make_eval_step(self.model)
         self.ckpt = Checkpoints(run_dir / "checkpoints", keep=cfg.checkpoint.keep)
         self.log = MetricsLog(run_dir / "metrics.jsonl")
@@ -220,15 +225,27 @@ class _Trainer:
         key = jax.random.PRNGKey(self.cfg.train.seed)
         if resume and self.ckpt.latest_step() is not None:
             abstract = jax.eval_shape(lambda: init_state(key, self.model, self.tx))
+            if self.shardings is not None:
+                abstract = jax.tree.map(
+                    lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                    abstract,
+                    self.shardings,
+                )
             meta = self.ckpt.read_meta()
             check_same_model(meta, self.model, self.ckpt.directory)
             state = self.ckpt.restore(abstract)
-            self.log.truncate_after(int(state.step))
-            _truncate_samples(self.run_dir / "samples.txt", int(state.step))
+            if self.main:
+                self.log.truncate_after(int(state.step))
+                _truncate_samples(self.run_dir / "samples.txt", int(state.step))
             return state
-        self.log.truncate_after(0)
-        _truncate_samples(self.run_dir / "samples.txt", 0)
-        return init_state(key, self.model, self.tx)
+        if self.main:
+            self.log.truncate_after(0)
+            _truncate_samples(self.run_dir / "samples.txt", 0)
+        if self.shardings is None:
+            return init_state(key, self.model, self.tx)
+        # Initialized directly into its shards: no device ever holds the whole state.
+        init = jax.jit(init_state, static_argnums=(1, 2), out_shardings=self.shardings)
+        return init(key, self.model, self.tx)
 
     def run(self, resume: bool) -> RunResult:
         t = self.cfg.train
@@ -252,9 +269,7 @@ class _Trainer:
         t, bar, state, pending = self.cfg.train, self.bar, self.state, self.pending
         self.window_start, val_loss, sample = time.perf_counter(), None, None
         for step in range(start, t.steps):
-            batch = D.train_batch(
-                self.data.train, t.seed, step, t.batch_size, self.seq_len, t.grad_accum
-            )
+            batch = self._batch(step)
             state, metrics = self.train_step(state, {**batch, "step": np.int32(step)})
             self.state = state
             done = step + 1
@@ -275,6 +290,24 @@ class _Trainer:
                 val_loss, sample = self._evaluate(state, done)
                 self.window_start = time.perf_counter()
         return val_loss, sample
+
+    def _batch(self, step: int) -> dict:
+        t = self.cfg.train
+        if self.mesh is None:
+            return D.train_batch(
+                self.data.train, t.seed, step, t.batch_size, self.seq_len, t.grad_accum
+            )
+        # Each host reads only the rows its devices hold (lmjax.parallel.multihost).
+        shape = (t.grad_accum, t.batch_size // t.grad_accum, self.seq_len)
+        sharding = parallel.batch_sharding(self.mesh, 3, batch_dim=1)
+
+        def read(rows):
+            return D.train_batch(
+                self.data.train, t.seed, step, t.batch_size, self.seq_len, t.grad_accum, rows
+            )
+
+        pieces = {k: (lambda rows, k=k: read(rows)[k]) for k in ("inputs", "targets")}
+        return {k: parallel.host_batch(f, shape, sharding) for k, f in pieces.items()}
 
     def _save_on_interrupt(self) -> None:
         """Ctrl-C: log and checkpoint the steps done so far, if they are healthy and whole."""
@@ -315,7 +348,8 @@ class _Trainer:
         }
         if self.compile_s is not None:  # once per process: the first step's compile + run time
             record["first_step_s"], self.compile_s = self.compile_s, None
-        self.log.append(record)
+        if self.main:
+            self.log.append(record)
         speed = f"{tokens_per_s:,.0f}" if tokens_per_s else "compiling"
         bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=speed, refresh=False)
         bar.update(step - bar.n)
@@ -338,11 +372,12 @@ class _Trainer:
 
     def _evaluate(self, state: TrainState, step: int) -> tuple[float, str | None]:
         val_loss = self.evaluate_params(state.params)
-        self.log.append(
-            {"step": step, "val_loss": val_loss, "val_perplexity": math.exp(min(val_loss, 700))}
-        )
+        if self.main:
+            self.log.append(
+                {"step": step, "val_loss": val_loss, "val_perplexity": math.exp(min(val_loss, 700))}
+            )
         sample = self._sample(state.params, step)
-        if self.cfg.logging.plot:
+        if self.cfg.logging.plot and self.main:
             plot_losses(self.log.read(), self.run_dir / "loss.png", title=str(self.run_dir))
         return val_loss, sample
 
@@ -350,6 +385,10 @@ class _Trainer:
         g = self.cfg.logging
         if g.sample_tokens == 0:
             return None
+        if self.mesh is not None:  # sample from a host copy: decoding runs on one device
+            from jax.experimental import multihost_utils
+
+            params = multihost_utils.process_allgather(params, tiled=True)
         text = sample_text(
             params,
             self.model,
@@ -359,8 +398,9 @@ class _Trainer:
             g.sample_temperature,
             seed=step,
         )
-        with open(self.run_dir / "samples.txt", "a", encoding="utf-8") as handle:
-            handle.write(f"===== step {step} =====\n{text}\n\n")
+        if self.main:
+            with open(self.run_dir / "samples.txt", "a", encoding="utf-8") as handle:
+                handle.write(f"===== step {step} =====\n{text}\n\n")
         return text
 
     def _meta(self, step: int) -> dict:
@@ -369,6 +409,16 @@ class _Trainer:
             "model": self.model.to_dict(),
             "data_position": {"seed": self.cfg.train.seed, "step": step},
         }
+
+
+def _mesh_and_shardings(cfg: RunConfig, model, tx):
+    """`(mesh, TrainState of NamedShardings)` for a `parallel.mesh` section, else `(None, None)`."""
+    if cfg.parallel.mesh is None:
+        return None, None
+    mesh = parallel.make_mesh(cfg.parallel.mesh)
+    abstract = jax.eval_shape(lambda: init_state(jax.random.PRNGKey(0), model, tx))
+    specs = parallel.state_specs(abstract, model, parallel.mesh_shape(mesh))
+    return mesh, parallel.shardings(specs, mesh)
 
 
 def evaluate(eval_step, params, val_tokens, t, seq_len: int) -> float:

@@ -1,0 +1,70 @@
+"""Per-device memory of a training step on a mesh, from sizes alone (`lmjax inspect --mesh`).
+
+Each parameter and optimizer-state leaf is split by its sharding rule (`rules.py`), so a device
+holds `prod(shard_shape)` elements of it; gradients are laid out like the parameters. The
+activations are `lmjax.models.residual_bytes` for the per-device share of the micro-batch,
+`batch / (data x fsdp)`: tensor parallelism (`model`) splits some of them further, which this
+leaves out, so the activation figure is an upper bound when model > 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+from lmjax.models import ModelConfig, abstract_params, residual_bytes
+from lmjax.models.summary import _human
+from lmjax.parallel.mesh import check_batch
+from lmjax.parallel.rules import per_device_bytes, state_specs
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceMemory:
+    params: int
+    gradients: int
+    optimizer: int
+    activations: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.gradients + self.optimizer + self.activations
+
+
+def device_memory(
+    cfg: ModelConfig, opt_state, batch: int, seq_len: int, mesh_shape: Mapping[str, int]
+) -> DeviceMemory:
+    """Bytes on one device; `opt_state` is the (abstract) optimizer state of `cfg`'s params."""
+    check_batch(batch, mesh_shape, where="batch (sequences per micro-batch)")
+    params = abstract_params(cfg)
+    param_bytes = per_device_bytes(params, state_specs(params, cfg, mesh_shape), mesh_shape)
+    opt_bytes = per_device_bytes(opt_state, state_specs(opt_state, cfg, mesh_shape), mesh_shape)
+    rows = batch // (mesh_shape["data"] * mesh_shape["fsdp"])
+    return DeviceMemory(param_bytes, param_bytes, opt_bytes, residual_bytes(cfg, rows, seq_len))
+
+
+def format_device_memory(
+    cfg: ModelConfig,
+    opt_state,
+    batch: int,
+    seq_len: int,
+    mesh_shape: Mapping[str, int],
+    optimizer_label: str,
+) -> str:
+    """The per-device table `lmjax inspect --mesh` prints (exact bytes and a readable size)."""
+    mem = device_memory(cfg, opt_state, batch, seq_len, mesh_shape)
+    ways = mesh_shape["data"] * mesh_shape["fsdp"]
+    rows = [
+        (f"parameters ({cfg.param_dtype})", mem.params),
+        (f"gradients ({cfg.param_dtype})", mem.gradients),
+        (optimizer_label, mem.optimizer),
+        (f"activations ({batch // ways} of {batch} sequences)", mem.activations),
+        ("total", mem.total),
+    ]
+    width = max(len(text) for text, _ in rows)
+    n = mesh_shape["data"] * mesh_shape["fsdp"] * mesh_shape["model"]
+    mesh = ",".join(f"{k}={v}" for k, v in mesh_shape.items())
+    lines = [f"per device on mesh {mesh} ({n} devices):"]
+    lines += [f"  {text:{width}}  {_human(b):>10}  ({b:,} B)" for text, b in rows]
+    if mesh_shape["model"] > 1:
+        lines.append("  (activations: an upper bound; tensor parallelism splits some further)")
+    return "\n".join(lines)
