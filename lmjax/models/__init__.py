@@ -36,8 +36,10 @@ from lmjax.models.transformer import (
     cached_block,
     check_tokens,
     embed,
+    features,
     forward,
     head,
+    head_params,
     project_qkv,
 )
 
@@ -61,9 +63,11 @@ __all__ = [
     "check_tokens",
     "declare",
     "embed",
+    "features",
     "format_summary",
     "forward",
     "head",
+    "head_params",
     "init",
     "memory_estimate",
     "param_count",

@@ -147,15 +147,17 @@ def embed(p: dict, tokens_BT: jax.Array, cfg: ModelConfig, positions_BT=None) ->
     return x_BTD
 
 
+def head_params(p: dict, cfg: ModelConfig) -> dict:
+    """The language-model head's linear params: the token table when tied."""
+    if cfg.tie_embeddings:
+        return {"weight": p["token_embedding"]["weight"]}
+    return p["language_model_head"]
+
+
 def head(p: dict, x_BTD: jax.Array, cfg: ModelConfig) -> jax.Array:
     """Final norm and the language-model head (the token table when tied): `[B,T,D] -> [B,T,V]`."""
     x_BTD = _norm(cfg, p["final_norm"], x_BTD)
-    w = (
-        {"weight": p["token_embedding"]["weight"]}
-        if cfg.tie_embeddings
-        else p["language_model_head"]
-    )
-    return _op(cfg, "linear")(w, x_BTD)
+    return _op(cfg, "linear")(head_params(p, cfg), x_BTD)
 
 
 def check_tokens(tokens, cfg: ModelConfig) -> jax.Array:
@@ -215,6 +217,16 @@ def forward(params: dict, tokens, cfg: ModelConfig, *, dropout_key=None) -> jax.
     or params that do not match `cfg`, and `TokenError` for an id outside `[0, V)` when the ids
     are concrete (under `jit` the caller checks ids at its host-side boundary).
     """
+    p, x_BTD = features(params, tokens, cfg, dropout_key=dropout_key)
+    return _op(cfg, "linear")(head_params(p, cfg), x_BTD).astype(jnp.float32)
+
+
+def features(params: dict, tokens, cfg: ModelConfig, *, dropout_key=None) -> tuple:
+    """`forward` up to the head: `-> (params in cfg.compute_dtype, final-normed x [B, T, D])`.
+
+    `forward` applies the head to x; the train step instead feeds x and `head_params` to
+    `ops.linear_cross_entropy`, which never materializes the logits. Checks as `forward`.
+    """
     tokens_BT = check_tokens(tokens, cfg)
     check_params(params, cfg)
     p = cast(params, cfg.compute_dtype)
@@ -225,4 +237,4 @@ def forward(params: dict, tokens, cfg: ModelConfig, *, dropout_key=None) -> jax.
     run_block = _block_fn(cfg)
     for i in range(cfg.n_layers):
         x_BTD = run_block(p["blocks"][str(i)], x_BTD, (keys[2 * i + 1], keys[2 * i + 2]))
-    return head(p, x_BTD, cfg).astype(jnp.float32)
+    return p, _norm(cfg, p["final_norm"], x_BTD)

@@ -27,6 +27,7 @@ from lmjax.ops.activations import (
 from lmjax.ops.attention import attention, attention_reference
 from lmjax.ops.dropout import dropout, dropout_reference
 from lmjax.ops.embedding import embedding, embedding_reference
+from lmjax.ops.fused_head import linear_cross_entropy, linear_cross_entropy_reference
 from lmjax.ops.linear import init_linear, linear, linear_reference, xavier_uniform
 from lmjax.ops.losses import (
     binary_cross_entropy_with_logits,
@@ -64,6 +65,8 @@ __all__ = [
     "leaky_relu",
     "leaky_relu_reference",
     "linear",
+    "linear_cross_entropy",
+    "linear_cross_entropy_reference",
     "linear_reference",
     "mse",
     "mse_reference",

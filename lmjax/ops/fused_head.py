@@ -1,0 +1,176 @@
+"""The language-model head fused with the token cross-entropy: `mean CE(x W^T + b, y)`.
+
+The head is the widest layer of a small LM (V = 8192 columns against D = 256): computing the
+`[N, V]` logits, keeping them for the backward and reading them again for the softmax dominates a
+CPU train step. Here the rows are processed in chunks of `chunk` tokens, and when a gradient is
+wanted the forward pass already forms it (the loss is a scalar, so the backward is only a scale
+by the incoming cotangent): per chunk one matmul for the logits, the softmax in the cache, and two
+matmuls for dx and dW. Full logits are never materialized, nothing `[N, V]` is saved, and no
+matmul is repeated.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from lmjax.errors import ShapeError
+from lmjax.ops._common import compute_dtype, is_int
+from lmjax.ops.linear import Params, linear_reference
+from lmjax.ops.linear import _check as _check_linear
+from lmjax.ops.losses import _check_ce, counted_positions, cross_entropy_reference
+
+DEFAULT_CHUNK = 256  # rows per chunk: a [256, 8192] float32 logits tile is 8 MiB
+
+
+def _chunk_stats(w_VD, b_V, x_cD, y_c, acc_dtype):
+    """Logits of one chunk and their row statistics: (z, m, log-sum, picked z_y - m, valid)."""
+    z = jnp.einsum("cd,vd->cv", x_cD, w_VD, preferred_element_type=acc_dtype)
+    if b_V is not None:
+        z = z + b_V.astype(acc_dtype)[None, :]
+    m = jnp.max(z, axis=-1, keepdims=True)
+    log_sum = jnp.log(jnp.sum(jnp.exp(z - m), axis=-1, keepdims=True))
+    hit = jnp.arange(z.shape[-1])[None, :] == y_c[:, None]
+    picked = jnp.sum(jnp.where(hit, z - m, 0.0), axis=-1)
+    valid = (y_c >= 0) & (y_c < z.shape[-1])
+    return z, m, log_sum, hit, picked, valid
+
+
+def _chunk_nll(stats):
+    """-log softmax(z)_y per row; NaN for a target outside the vocabulary."""
+    _, _, log_sum, _, picked, valid = stats
+    return log_sum[:, 0] - jnp.where(valid, picked, jnp.nan)
+
+
+def _split(x_ND, y_N, c_N, chunk):
+    """Rows padded to a multiple of `chunk` (padding rows uncounted) and cut into `[K, chunk]`."""
+    n = x_ND.shape[0]
+    k = -(-n // chunk)
+    pad = k * chunk - n
+    if pad:
+        x_ND = jnp.pad(x_ND, ((0, pad), (0, 0)))
+        y_N = jnp.pad(y_N, (0, pad))
+        c_N = jnp.pad(c_N, (0, pad))
+    return (
+        x_ND.reshape(k, chunk, x_ND.shape[-1]),
+        y_N.reshape(k, chunk),
+        c_N.reshape(k, chunk),
+        pad,
+    )
+
+
+def _loss_only(w_VD, b_V, x_ND, y_N, c_N, chunk):
+    acc = compute_dtype(x_ND.dtype)
+    xs = _split(x_ND, y_N, c_N, chunk)[:3]
+
+    def body(total, xyc):
+        x_cD, y_c, c_c = xyc
+        nll = _chunk_nll(_chunk_stats(w_VD, b_V, x_cD, y_c, acc))
+        return total + jnp.sum(jnp.where(c_c, nll, 0.0)), None
+
+    total, _ = jax.lax.scan(body, jnp.zeros((), acc), xs)
+    return total / jnp.maximum(jnp.sum(c_N), 1).astype(acc)
+
+
+def _loss_and_grads(w_VD, b_V, x_ND, y_N, c_N, chunk):
+    """Loss and its gradients (for a cotangent of 1) in one pass over the chunks.
+
+    With p = softmax(z) and s_n = c_n / N (NaN for a counted row whose target is out of range):
+        dz = s (p - onehot(y)),   dx = dz W,   dW = dz^T x,   db = sum_n dz_n
+    """
+    acc = compute_dtype(x_ND.dtype)
+    n = jnp.maximum(jnp.sum(c_N), 1).astype(acc)
+    x_KcD, y_Kc, c_Kc, pad = _split(x_ND, y_N, c_N, chunk)
+
+    def body(carry, xyc):
+        total, dw_VD, db_V = carry
+        x_cD, y_c, c_c = xyc
+        stats = _chunk_stats(w_VD, b_V, x_cD, y_c, acc)
+        z, m, log_sum, hit, _, valid = stats
+        nll = _chunk_nll(stats)
+        total = total + jnp.sum(jnp.where(c_c, nll, 0.0))
+        scale = jnp.where(c_c, jnp.where(valid, 1.0 / n, jnp.nan), 0.0)
+        dz = (jnp.exp(z - m - log_sum) - hit) * scale[:, None]
+        dz_w = dz.astype(w_VD.dtype)
+        dx_cD = jnp.einsum("cv,vd->cd", dz_w, w_VD, preferred_element_type=acc)
+        dw_VD = dw_VD + jnp.einsum("cv,cd->vd", dz_w, x_cD, preferred_element_type=acc)
+        if db_V is not None:
+            db_V = db_V + jnp.sum(dz, axis=0)
+        return (total, dw_VD, db_V), dx_cD.astype(x_ND.dtype)
+
+    zero_b = None if b_V is None else jnp.zeros(b_V.shape, acc)
+    init = (jnp.zeros((), acc), jnp.zeros(w_VD.shape, acc), zero_b)
+    (total, dw_VD, db_V), dx_KcD = jax.lax.scan(body, init, (x_KcD, y_Kc, c_Kc))
+    dx_ND = dx_KcD.reshape(-1, x_ND.shape[-1])[: x_ND.shape[0]]
+    return total / n, (dw_VD, db_V, dx_ND)
+
+
+def _make(chunk: int):
+    @jax.custom_vjp
+    def fused(w_VD, b_V, x_ND, y_N, c_N):
+        return _loss_only(w_VD, b_V, x_ND, y_N, c_N, chunk)
+
+    def fwd(w_VD, b_V, x_ND, y_N, c_N):
+        loss, grads = _loss_and_grads(w_VD, b_V, x_ND, y_N, c_N, chunk)
+        # w and b ride along only for their dtypes (they are live parameters: no copy).
+        return loss, (grads, w_VD, b_V)
+
+    def bwd(res, g):
+        (dw_VD, db_V, dx_ND), w_VD, b_V = res
+        dw = (g * dw_VD).astype(w_VD.dtype)
+        db = None if db_V is None else (g * db_V).astype(b_V.dtype)
+        dx = (g.astype(dx_ND.dtype) * dx_ND).astype(dx_ND.dtype)
+        return dw, db, dx, None, None
+
+    fused.defvjp(fwd, bwd)
+    return fused
+
+
+_FUSED: dict[int, object] = {}
+
+
+def linear_cross_entropy(
+    params: Params,
+    x: jax.Array,
+    targets: jax.Array,
+    ignore_index: int = -100,
+    time_range: tuple[int, int] | None = None,
+    *,
+    chunk: int = DEFAULT_CHUNK,
+) -> jax.Array:
+    """`cross_entropy(linear(params, x), targets)` without materializing the logits.
+
+    Shapes: params `{"weight": [V, D], "bias": [V]}` (bias optional), x `[..., D]`, integer
+    targets `[...]` -> scalar (float32 or wider). With z_n = W x_n + b and counted positions c_n
+    (as `cross_entropy`: not `ignore_index`, inside `time_range`), N = sum_n c_n:
+        L = (1/N) sum_n c_n (logsumexp(z_n) - z_{n, y_n})
+    VJP, with dz_n = c_n (softmax(z_n) - onehot(y_n)) / N:
+        dx_n = dz_n W,   dW = sum_n dz_n^T x_n,   db = sum_n dz_n
+    computed chunk by chunk (`chunk` rows) in the forward pass when a gradient is taken, and
+    scaled by the cotangent in the backward. Matmuls accumulate in float32 (or wider).
+    """
+    x, targets = jnp.asarray(x), jnp.asarray(targets)
+    raw_targets = targets
+    _check_linear(params, x)
+    if not is_int(chunk) or chunk < 1:
+        raise ShapeError.describe("chunk", chunk, "a positive int", "pass chunk >= 1 rows")
+    v = params["weight"].shape[0]
+    _check_ce(
+        jax.ShapeDtypeStruct(x.shape[:-1] + (v,), jnp.float32),
+        targets,
+        ignore_index,
+        time_range,
+        raw_targets,
+    )
+    counted = counted_positions(targets, ignore_index, time_range)
+    x_ND = x.reshape(-1, x.shape[-1])
+    chunk = min(chunk, max(x_ND.shape[0], 1))
+    fused = _FUSED.get(chunk) or _FUSED.setdefault(chunk, _make(chunk))
+    return fused(
+        params["weight"], params.get("bias"), x_ND, targets.reshape(-1), counted.reshape(-1)
+    )
+
+
+def linear_cross_entropy_reference(params, x, targets, ignore_index=-100, time_range=None):
+    """`cross_entropy_reference(linear_reference(params, x), targets)`; `jax.grad` does the rest."""
+    return cross_entropy_reference(linear_reference(params, x), targets, ignore_index, time_range)
