@@ -78,6 +78,10 @@ def _train(args: argparse.Namespace) -> int:
     cfg = load_run_config(args.config, args.overrides)
     initialize_from_env()  # multi-host runs only (LMJAX_COORDINATOR / LMJAX_DISTRIBUTED)
     result = train.train(cfg, config_path=args.config, resume=args.resume)
+    return _print_run(result)
+
+
+def _print_run(result) -> int:
     print(f"run directory: {result.run_dir} (step {result.step})")
     if result.val_loss is not None:
         print(f"validation loss: {result.val_loss:.4f} nats/token")
@@ -86,6 +90,19 @@ def _train(args: argparse.Namespace) -> int:
             print(f"  {name}: {result.run_dir / name}")
     if result.sample:
         print(f"sample:\n{result.sample}")
+    return 0
+
+
+def _finetune(args: argparse.Namespace) -> int:
+    from lmjax import finetune
+
+    result = finetune.finetune(
+        args.config, args.overrides, lora_text=args.lora, qlora=args.qlora or None,
+        resume=args.resume,
+    )  # fmt: skip
+    _print_run(result)
+    print(f"  adapters: {result.run_dir / finetune.ADAPTERS_FILE}")
+    print(f"  merged model (a weights-only run): {result.run_dir / finetune.MERGED_DIR}")
     return 0
 
 
@@ -384,7 +401,36 @@ def build_parser() -> argparse.ArgumentParser:
     )
     insp.set_defaults(run=_inspect)
     _add_training_commands(sub)
+    _add_finetune_command(sub)
     return parser
+
+
+def _add_finetune_command(sub) -> None:
+    ft = sub.add_parser(
+        "finetune",
+        help="LoRA / QLoRA fine-tuning of a trained or imported model",
+        description="Fine-tune finetune.base (a run directory, RUN/checkpoints/STEP, or an "
+        "`lmjax import-hf` run) with LoRA adapters as CONFIG says (configs/finetune-lora.yaml), "
+        "with section.field=value overrides (finetune.base=PATH lora.r=4 train.steps=50). "
+        "Only the adapters train; --qlora first quantizes the base's linear weights to NF4. "
+        "Writes a run directory like `lmjax train` (config.yaml, finetune.yaml, metrics.jsonl, "
+        "loss.png, samples.txt, checkpoints/ of the adapters) plus adapters.safetensors and "
+        "merged/ (the merged model as a weights-only run for generate, eval and export-hf).",
+    )
+    ft.add_argument("config", help="a fine-tune config, e.g. configs/finetune-lora.yaml")
+    ft.add_argument("overrides", nargs="*", help="section.field=value overrides")
+    ft.add_argument(
+        "--lora",
+        default=None,
+        metavar="K=V,...",
+        help="LoRA fields over the config's lora section: r, alpha, targets (globs joined by "
+        "'|', or all-linear), dropout, init (kaiming|gaussian), rslora; e.g. r=8,alpha=16",
+    )
+    ft.add_argument(
+        "--qlora", action="store_true", help="quantize the base's linear weights to NF4 (QLoRA)"
+    )
+    ft.add_argument("--resume", action="store_true", help="continue the fine-tune in run.dir")
+    ft.set_defaults(run=_finetune)
 
 
 def _add_training_commands(sub) -> None:
@@ -493,6 +539,74 @@ def _add_training_commands(sub) -> None:
     exp.add_argument("--out", required=True, help="the new Hugging Face directory")
     exp.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
     exp.set_defaults(run=_export_hf)
+    _add_bench_command(sub)
+
+
+# ---- lmjax bench ---------------------------------------------------------------------------------
+
+
+def _add_bench_command(sub) -> None:
+    bench = sub.add_parser(
+        "bench",
+        help="time the train step of a run config (compile time, tokens/s, MFU)",
+        description="Build CONFIG's model and optimizer (with section.field=value overrides, "
+        "e.g. model.n_layers=2 train.batch_size=8), then time its jitted train step on random "
+        "token ids: the first step (compile) separately, then --steps steps, each synchronised. "
+        "Prints compile seconds, median step seconds, tokens/s and MFU (model FLOPs per token "
+        "x tokens/s over the peak: a data-sheet bf16 peak on known GPUs, else a measured "
+        "matmul). No data is read; a vocabulary left to the data needs model.vocab_size=N "
+        "(GPT-2's tokenizer is known).",
+    )
+    bench.add_argument("config", help="a YAML run config, e.g. configs/tiny-shakespeare.yaml")
+    bench.add_argument("overrides", nargs="*", help="section.field=value overrides")
+    bench.add_argument("--steps", type=int, default=10, help="timed steps (default 10)")
+    bench.add_argument(
+        "--peak-tflops", type=float, default=None, help="peak TFLOP/s for MFU (default: see above)"
+    )
+    bench.add_argument("--output", default=None, help="also write the result as JSON here")
+    bench.set_defaults(run=_bench)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    import json
+
+    from lmjax.config import load_run_config
+    from lmjax.errors import ConfigError
+    from lmjax.train import bench
+
+    if args.steps < 1:
+        raise ConfigError.describe("--steps", args.steps, ">= 1", "time at least one step")
+    if args.peak_tflops is not None and not args.peak_tflops > 0:
+        raise ConfigError.describe("--peak-tflops", args.peak_tflops, "> 0", "pass a peak")
+    run = load_run_config(args.config, args.overrides)
+    cfg = bench.run_config_model(run)
+    peak = None if args.peak_tflops is None else args.peak_tflops * 1e12
+    result = bench.time_train_step(
+        cfg,
+        batch_size=run.train.batch_size,
+        grad_accum=run.train.grad_accum,
+        seq_len=run.seq_len,
+        steps=args.steps,
+        optimizer=run.optimizer,
+        peak_flops=peak,
+        seed=run.train.seed,
+    )
+    result["config"] = str(args.config)
+    result["overrides"] = list(args.overrides)
+    print(
+        f"{args.config}: {result['tokens_per_step']:,} tokens/step on {result['device']}: "
+        f"compile {result['compile_s']:.1f} s, step {result['median_step_s'] * 1e3:.1f} ms "
+        f"(median of {args.steps}), {result['tokens_per_s']:,.0f} tokens/s, "
+        f"MFU {result['mfu']:.1%} of {result['peak_flops'] / 1e12:.3g} TFLOP/s "
+        f"({result['peak_flops_source']})"
+    )
+    if args.output:
+        from pathlib import Path
+
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.output}")
+    return 0
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:

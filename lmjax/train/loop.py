@@ -58,6 +58,25 @@ class RunResult:
     step: int
     val_loss: float | None
     sample: str | None
+    params: Any = None  # the trained parameters (the adapters of a fine-tune) at `step`
+
+
+def _identity(params):
+    return params
+
+
+@dataclasses.dataclass(frozen=True)
+class Trainable:
+    """What the loop trains. The default: every model parameter. A fine-tune (`lmjax.finetune`)
+    trains `init_params(key)`'s leaves (LoRA adapters) with its `loss`, passes `frozen` (the
+    base model) to every step, and evaluates and samples `model_params(trained)`."""
+
+    init_params: Any = None  # key -> trained params; None: models.init
+    loss: Any = None  # a lmjax.train.step.Loss; None: the model loss
+    frozen: Any = None  # the step's frozen argument: never donated, differentiated or updated
+    model_params: Any = _identity  # trained params -> the tree forward / generate take
+    meta: dict = dataclasses.field(default_factory=dict)  # added to every checkpoint's meta
+    files: dict = dataclasses.field(default_factory=dict)  # {name: text} beside config.yaml
 
 
 def default_run_dir(config_path: str | None) -> Path:
@@ -79,9 +98,16 @@ def resolve(cfg: RunConfig, prepared: D.Prepared) -> RunConfig:
 
 
 def train(
-    cfg: RunConfig, *, config_path: str | None = None, resume: bool = False, out=sys.stderr
+    cfg: RunConfig,
+    *,
+    config_path: str | None = None,
+    resume: bool = False,
+    out=sys.stderr,
+    trainable: Trainable | None = None,
 ) -> RunResult:
-    """Run (or resume) training as configured; see the module docstring."""
+    """Run (or resume) training as configured; see the module docstring. `trainable`: what is
+    trained (default every model parameter; `lmjax.finetune` passes LoRA's)."""
+    trainable = trainable or Trainable()
     run_dir = Path(cfg.run.dir) if cfg.run.dir else default_run_dir(config_path)
     _check_run_dir(run_dir, resume)
     prepared = prepare_data(cfg, cfg.logging.progress)
@@ -91,9 +117,11 @@ def train(
     run_dir.mkdir(parents=True, exist_ok=True)
     if parallel.is_main():  # one writer per run; the other hosts only join the checkpoints
         atomic_write_text(run_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        for name, text in trainable.files.items():
+            atomic_write_text(run_dir / name, text)
         if not (run_dir / "tokenizer").exists():
             shutil.copytree(prepared.directory / "tokenizer", run_dir / "tokenizer")
-    return _Trainer(cfg, run_dir, prepared, out).run(resume)
+    return _Trainer(cfg, run_dir, prepared, out, trainable).run(resume)
 
 
 def _pin_schedule(cfg: RunConfig) -> RunConfig:
@@ -204,13 +232,16 @@ def _override_text(value) -> str:
 class _Trainer:
     """The loop's mutable bookkeeping (timers, the progress bar); the step itself is pure."""
 
-    def __init__(self, cfg: RunConfig, run_dir: Path, prepared: D.Prepared, out):
+    def __init__(self, cfg: RunConfig, run_dir: Path, prepared: D.Prepared, out, trainable):
         self.cfg, self.run_dir, self.data, self.out = cfg, run_dir, prepared, out
+        self.trainable = trainable
         self.model = cfg.model_config()
         self.tx, self.lr = optim.from_config(cfg)
         self.main = parallel.is_main()
         self.mesh, self.shardings = _mesh_and_shardings(cfg, self.model, self.tx)
-        self.train_step = make_train_step(self.model, self.tx, self.lr, self.shardings)
+        self.train_step = make_train_step(
+            self.model, self.tx, self.lr, self.shardings, loss=trainable.loss
+        )
         self.eval_step = make_eval_step(self.model)
         self.ckpt = Checkpoints(run_dir / "checkpoints", keep=cfg.checkpoint.keep)
         self.log = MetricsLog(run_dir / "metrics.jsonl")
@@ -224,7 +255,8 @@ class _Trainer:
     def initial_state(self, resume: bool) -> TrainState:
         key = jax.random.PRNGKey(self.cfg.train.seed)
         if resume and self.ckpt.latest_step() is not None:
-            abstract = jax.eval_shape(lambda: init_state(key, self.model, self.tx))
+            init = self.trainable.init_params
+            abstract = jax.eval_shape(lambda: init_state(key, self.model, self.tx, init))
             if self.shardings is not None:
                 abstract = jax.tree.map(
                     lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
@@ -242,7 +274,7 @@ class _Trainer:
             self.log.truncate_after(0)
             _truncate_samples(self.run_dir / "samples.txt", 0)
         if self.shardings is None:
-            return init_state(key, self.model, self.tx)
+            return init_state(key, self.model, self.tx, self.trainable.init_params)
         # Initialized directly into its shards: no device ever holds the whole state.
         init = jax.jit(init_state, static_argnums=(1, 2), out_shardings=self.shardings)
         return init(key, self.model, self.tx)
@@ -263,14 +295,15 @@ class _Trainer:
         self.bar.close()
         if start >= t.steps and val_loss is None:
             val_loss = self.evaluate_params(self.state.params)
-        return RunResult(self.run_dir, int(self.state.step), val_loss, sample)
+        return RunResult(self.run_dir, int(self.state.step), val_loss, sample, self.state.params)
 
     def _loop(self, start: int) -> tuple[float | None, str | None]:
         t, bar, state, pending = self.cfg.train, self.bar, self.state, self.pending
         self.window_start, val_loss, sample = time.perf_counter(), None, None
         for step in range(start, t.steps):
             batch = self._batch(step)
-            state, metrics = self.train_step(state, {**batch, "step": np.int32(step)})
+            batch = {**batch, "step": np.int32(step)}
+            state, metrics = self.train_step(state, batch, self.trainable.frozen)
             self.state = state
             done = step + 1
             pending.append((done, metrics))
@@ -368,6 +401,7 @@ class _Trainer:
         )
 
     def evaluate_params(self, params) -> float:
+        params = self.trainable.model_params(params)
         return evaluate(self.eval_step, params, self.data.val, self.cfg.train, self.seq_len)
 
     def _evaluate(self, state: TrainState, step: int) -> tuple[float, str | None]:
@@ -390,7 +424,7 @@ class _Trainer:
 
             params = multihost_utils.process_allgather(params, tiled=True)
         text = sample_text(
-            params,
+            self.trainable.model_params(params),
             self.model,
             self.data.tokenizer,
             g.sample_prompt,
@@ -408,6 +442,7 @@ class _Trainer:
             "config": self.cfg.to_dict(),
             "model": self.model.to_dict(),
             "data_position": {"seed": self.cfg.train.seed, "step": step},
+            **self.trainable.meta,
         }
 
 

@@ -3,7 +3,8 @@
 `load_run(path)` accepts a run directory (`RUN/config.yaml`) or one of its checkpoint steps
 (`RUN/checkpoints/<step>`), and returns the resolved config, the model config, the parameters
 (from the newest or the chosen checkpoint, or from `RUN/model.safetensors` for a run that holds
-weights only, such as one made by `lmjax import-hf`) and the run's tokenizer.
+weights only, such as one made by `lmjax import-hf`; for a `lmjax finetune` run, its base merged
+with the checkpoint's adapters) and the run's tokenizer.
 """
 
 from __future__ import annotations
@@ -73,7 +74,11 @@ def load_run(path, step: int | None = None) -> LoadedRun:
     model = cfg.model_config()
     tok_dir = run_dir / "tokenizer"
     tok = tokenizers.load(tok_dir) if tok_dir.is_dir() else None
-    if (run_dir / "checkpoints").is_dir() and Checkpoints(
+    if (run_dir / "finetune.yaml").is_file():  # `lmjax finetune`: its base with the adapters
+        from lmjax.finetune import load_finetuned
+
+        params, step = load_finetuned(run_dir, cfg, step)
+    elif (run_dir / "checkpoints").is_dir() and Checkpoints(
         run_dir / "checkpoints", create=False
     ).steps():
         params, step = _params_from_checkpoint(run_dir, cfg, model, step)

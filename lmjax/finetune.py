@@ -1,0 +1,278 @@
+"""`lmjax finetune`: LoRA / QLoRA fine-tuning of a trained or imported model (SPEC sections 6, 10).
+
+A fine-tune config is a run config (`lmjax train`'s sections) without a model section, plus
+
+    finetune: {base: RUN, qlora: false}       # RUN: a run directory, RUN/checkpoints/STEP, or
+                                              # an `lmjax import-hf` run (GPT-2)
+    lora: {r: 8, alpha: 16, targets: [...], dropout: 0.05, init: kaiming, rslora: false}
+
+The model is the base run's (only `model.dropout`, `dtype`, `remat`, `attention` and `ops` may be
+set); the data must use the base run's tokenizer (checked file for file before anything is
+written). With `qlora: true` the base's linear weights are quantized to NF4 (embeddings, norms
+and head stay float) before the adapters are attached.
+
+The run directory is `lmjax train`'s, written by the same loop (`lmjax.train.loop.train` with a
+`Trainable`): config.yaml, metrics.jsonl, loss.png, samples.txt, checkpoints/ (of the adapters
+and their optimizer state only; `--resume` continues), plus
+
+    RUN/finetune.yaml          the base path, qlora and the LoRA config
+    RUN/adapters.safetensors   the final adapters alone (`lmjax.lora.load_adapters`)
+    RUN/merged/                the merged model as a weights-only run (generate / eval / export-hf)
+
+`lmjax.train.load_run(RUN)` on a fine-tune run returns the merged parameters, so `lmjax
+generate --run RUN`, `lmjax eval RUN` and `lmjax export-hf RUN` work on it directly too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import filecmp
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import jax
+import yaml
+
+from lmjax import lora
+from lmjax.config import RunConfig, parse_overrides, read_yaml
+from lmjax.errors import CheckpointError, ConfigError
+from lmjax.lora import LoraConfig
+
+SPEC_FILE = "finetune.yaml"
+ADAPTERS_FILE = "adapters.safetensors"
+MERGED_DIR = "merged"
+MODEL_FIELDS = ("dropout", "dtype", "remat", "attention", "ops")  # what a fine-tune may change
+
+
+@dataclasses.dataclass(frozen=True)
+class FinetuneSpec:
+    base: str  # the base run as given
+    base_path: str  # ... resolved to an absolute path when the fine-tune started
+    qlora: bool
+    lora: LoraConfig
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "finetune": {"base": self.base, "base_path": self.base_path, "qlora": self.qlora},
+            "lora": self.lora.to_dict(),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str) -> FinetuneSpec:
+        try:
+            f = data["finetune"]
+            return cls(f["base"], f["base_path"], f["qlora"], LoraConfig.from_dict(data["lora"]))
+        except (KeyError, TypeError):
+            raise CheckpointError.describe(
+                where, "incomplete", "finetune: {base, base_path, qlora} and lora: {...}",
+                "restore the file (lmjax finetune writes it) or start a new run",
+            ) from None  # fmt: skip
+
+
+def load_config(
+    path, overrides=(), lora_text: str | None = None, qlora: bool | None = None
+) -> tuple[RunConfig, FinetuneSpec, Any]:
+    """`(run config with the base's model, spec, the loaded base run)`; nothing is written."""
+    from lmjax.train.runs import load_run
+
+    data = read_yaml(path)
+    if not isinstance(data, dict):
+        raise ConfigError.describe("config", data, "a mapping of sections", "see configs/")
+    data = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}
+    items = parse_overrides(list(overrides)) if not isinstance(overrides, dict) else overrides
+    run_overrides = {}
+    for key, value in items.items():
+        section, _, field = key.partition(".")
+        if section in ("finetune", "lora") and field:
+            data[section] = {**(data.get(section) or {}), field: value}
+        else:
+            run_overrides[key] = value
+    section = data.pop("finetune", None) or {}
+    lora_section = data.pop("lora", None) or {}
+    if not isinstance(section, dict) or set(section) - {"base", "qlora"}:
+        raise ConfigError.describe(
+            "finetune section", section, "a mapping with base (a run path) and qlora",
+            "write finetune: {base: runs/NAME, qlora: false}",
+        )  # fmt: skip
+    lcfg = LoraConfig.from_dict(lora_section)
+    if lora_text is not None:
+        lcfg = LoraConfig.parse(lora_text, lcfg)
+    use_qlora = bool(section.get("qlora", False)) if qlora is None else qlora
+    if not isinstance(section.get("qlora", False), bool):
+        raise ConfigError.describe("finetune.qlora", section["qlora"], "true or false", "fix it")
+    base = section.get("base")
+    if not isinstance(base, str) or not base:
+        raise ConfigError.describe(
+            "finetune.base", base, "a run directory, RUN/checkpoints/STEP or an import-hf run",
+            "set finetune.base in the config or pass finetune.base=PATH",
+        )  # fmt: skip
+    base_run = load_run(base)
+    model = _model_section(data.pop("model", None) or {}, run_overrides, base_run)
+    data["model"] = model
+    data["data"] = _data_section(data.get("data") or {}, base_run)
+    cfg = RunConfig.from_dict(data, run_overrides)
+    if cfg.parallel.mesh is not None:
+        raise ConfigError.describe(
+            "parallel.mesh", cfg.parallel.mesh, "null for a fine-tune (single device for now)",
+            "remove the parallel section",
+        )  # fmt: skip
+    spec = FinetuneSpec(base, str(Path(base).absolute()), use_qlora, lcfg)
+    lora.target_layers(base_run.model, lcfg)  # a target that selects nothing fails here
+    return cfg, spec, base_run
+
+
+def _model_section(model: Any, overrides: dict, base_run) -> dict:
+    if not isinstance(model, dict):
+        raise ConfigError.describe("model", model, "a mapping", "write model: {dropout: 0.0}")
+    changes = {**model}
+    for key in [k for k in overrides if k.startswith("model.")]:
+        changes[key.removeprefix("model.")] = overrides.pop(key)
+    bad = sorted(set(changes) - set(MODEL_FIELDS))
+    if bad:
+        raise ConfigError.describe(
+            "model field", bad[0], f"one of {MODEL_FIELDS} (the rest is the base model's)",
+            "remove it: a fine-tune keeps the base architecture",
+        )  # fmt: skip
+    return {**base_run.model.to_dict(), **changes}
+
+
+def _data_section(data: Any, base_run) -> dict:
+    if not isinstance(data, dict):
+        return data  # RunConfig reports it
+    base_data = base_run.cfg.data
+    out = {**data}
+    out.setdefault("tokenizer", base_data.tokenizer)
+    if out["tokenizer"] == "bpe":
+        out.setdefault("vocab_size", base_data.vocab_size)
+    return out
+
+
+def check_tokenizer(prepared, base_run) -> None:
+    """The data's tokenizer must be the base run's, file for file."""
+    if base_run.tokenizer is None:
+        raise ConfigError.describe(
+            "base run", str(base_run.directory), "a run with a tokenizer/ directory",
+            "fine-tune a run written by lmjax train or lmjax import-hf",
+        )  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        ours, theirs = Path(tmp) / "data", Path(tmp) / "base"
+        prepared.tokenizer.save(ours)
+        base_run.tokenizer.save(theirs)
+        names = sorted(p.name for p in ours.iterdir())
+        same = names == sorted(p.name for p in theirs.iterdir()) and all(
+            filecmp.cmp(ours / n, theirs / n, shallow=False) for n in names
+        )
+    if not same:
+        raise ConfigError.describe(
+            "data tokenizer", f"{prepared.tokenizer.kind} of {prepared.directory}",
+            f"the base run's tokenizer ({base_run.directory / 'tokenizer'})",
+            "fine-tune on data tokenized like the base (same data.tokenizer; a char vocabulary "
+            "comes from its corpus, so use a corpus with the same characters)",
+        )  # fmt: skip
+
+
+def frozen_params(base_params: dict, qlora: bool) -> dict:
+    """The frozen base: the float parameters, or with linear weights in NF4 for QLoRA."""
+    if not qlora:
+        return base_params
+    from lmjax.quant.params import quantize_params
+
+    return quantize_params(base_params)
+
+
+def trainable(cfg: RunConfig, spec: FinetuneSpec, frozen: dict):
+    """The loop's `Trainable` for LoRA over `frozen`."""
+    from lmjax.train.loop import Trainable
+
+    model, lcfg = cfg.model_config(), spec.lora
+    return Trainable(
+        init_params=lambda key: lora.init(key, frozen, lcfg),
+        loss=lora.objective(model, lcfg),
+        frozen=frozen,
+        model_params=lambda adapters: lora.attach(frozen, adapters, lcfg),
+        meta={"finetune": spec.to_dict()},
+        files={SPEC_FILE: yaml.safe_dump(spec.to_dict(), sort_keys=False)},
+    )
+
+
+def finetune(
+    path,
+    overrides=(),
+    *,
+    lora_text: str | None = None,
+    qlora: bool | None = None,
+    resume: bool = False,
+    out=sys.stderr,
+):
+    """Run (or resume) a fine-tune as configured; see the module docstring."""
+    from lmjax.train import loop
+
+    cfg, spec, base_run = load_config(path, overrides, lora_text, qlora)
+    run_dir = Path(cfg.run.dir) if cfg.run.dir else loop.default_run_dir(str(path))
+    if resume:
+        _check_same_spec(run_dir, spec)
+    elif (run_dir / SPEC_FILE).exists():
+        pass  # the loop refuses the existing directory with its own message
+    prepared = loop.prepare_data(cfg, cfg.logging.progress)
+    check_tokenizer(prepared, base_run)
+    frozen = frozen_params(base_run.params, spec.qlora)
+    result = loop.train(
+        cfg, config_path=str(path), resume=resume, out=out, trainable=trainable(cfg, spec, frozen)
+    )
+    adapters = result.params
+    lora.save_adapters(run_dir / ADAPTERS_FILE, adapters, spec.lora)
+    _write_merged(run_dir, lora.merge(frozen, adapters, spec.lora), base_run)
+    return result
+
+
+def _check_same_spec(run_dir: Path, spec: FinetuneSpec) -> None:
+    where = run_dir / SPEC_FILE
+    if not where.is_file():
+        raise ConfigError.describe(
+            "run directory to resume", str(run_dir), f"a fine-tune run (with {SPEC_FILE})",
+            "check run.dir, or drop --resume to start a new fine-tune",
+        )  # fmt: skip
+    saved = FinetuneSpec.from_dict(yaml.safe_load(where.read_text(encoding="utf-8")), str(where))
+    for field in ("base_path", "qlora", "lora"):
+        if getattr(saved, field) != getattr(spec, field):
+            raise ConfigError.describe(
+                f"{field} on resume", getattr(spec, field), f"the run's {getattr(saved, field)!r}",
+                "resume with the same finetune/lora settings, or start a new run",
+            )  # fmt: skip
+
+
+def _write_merged(run_dir: Path, params: dict, base_run) -> None:
+    from lmjax.train.runs import write_weights_run
+
+    target = run_dir / MERGED_DIR
+    params = jax.tree.map(lambda a: a.astype(base_run.model.params_dtype), params)
+    tmp = run_dir / f".{MERGED_DIR}.new"
+    shutil.rmtree(tmp, ignore_errors=True)
+    kind = base_run.cfg.data.tokenizer
+    write_weights_run(tmp, params, base_run.model, base_run.tokenizer, kind)
+    shutil.rmtree(target, ignore_errors=True)
+    tmp.rename(target)
+
+
+def load_finetuned(run_dir: Path, cfg: RunConfig, step: int | None):
+    """`(merged params, step)` of a fine-tune run's checkpoint (`lmjax.train.load_run`)."""
+    from lmjax.train import optim
+    from lmjax.train.checkpoint import Checkpoints, check_same_model
+    from lmjax.train.runs import load_run
+    from lmjax.train.step import init_state
+
+    where = run_dir / SPEC_FILE
+    spec = FinetuneSpec.from_dict(yaml.safe_load(where.read_text(encoding="utf-8")), str(where))
+    base_run = load_run(spec.base_path)
+    frozen = frozen_params(base_run.params, spec.qlora)
+    model = cfg.model_config()
+    tx, _ = optim.from_config(cfg)
+    ckpt = Checkpoints(run_dir / "checkpoints", create=False)
+    init = lambda key: lora.init(key, frozen, spec.lora)  # noqa: E731
+    abstract = jax.eval_shape(lambda: init_state(jax.random.PRNGKey(0), model, tx, init))
+    check_same_model(ckpt.read_meta(step), model, ckpt.directory)
+    state = ckpt.restore(abstract, step)
+    return lora.merge(frozen, state.params, spec.lora), int(state.step)
