@@ -1,0 +1,156 @@
+"""lmjax.parallel without extra devices: mesh config validation, the rules on sizes alone,
+multi-host start-up from the environment, and a non-zero process writing nothing.
+(The 8-device tests are in test_parallel_mesh.py.)"""
+
+from __future__ import annotations
+
+import pytest
+from jax.sharding import PartitionSpec as PS
+
+from lmjax import cli, models, parallel
+from lmjax.config import RunConfig
+from lmjax.errors import ConfigError
+from lmjax.parallel import multihost
+
+MODEL = {"preset": "llama", "vocab_size": 64}
+
+
+def run_config(mesh, batch_size=8, grad_accum=1):
+    return RunConfig.from_dict(
+        {
+            "model": MODEL,
+            "train": {"batch_size": batch_size, "grad_accum": grad_accum},
+            "parallel": {"mesh": mesh},
+        }
+    )
+
+
+def test_mesh_section_is_optional_and_kept():
+    assert RunConfig.from_dict({"model": MODEL}).parallel.mesh is None
+    cfg = run_config({"data": 2, "fsdp": 4})
+    assert cfg.to_dict()["parallel"] == {"mesh": {"data": 2, "fsdp": 4}}
+
+
+@pytest.mark.parametrize(
+    ("mesh", "words"),
+    [
+        ({"dat": 2}, ["'dat'", "one of ('data', 'fsdp', 'model')"]),
+        ({"data": 0}, ["parallel.mesh.data = 0", ">= 1"]),
+        ({"fsdp": -2}, ["parallel.mesh.fsdp = -2"]),
+        ({"model": 1.5}, ["parallel.mesh.model = 1.5"]),
+        ({"data": True}, ["parallel.mesh.data = True"]),
+        ([2, 4], ["parallel.mesh", "a mapping"]),
+        ({"data": 3}, ["train.batch_size = 8", "multiple of data x fsdp = 3"]),
+    ],
+)
+def test_bad_mesh_sections_name_the_value_and_the_fix(mesh, words):
+    with pytest.raises(ConfigError) as err:
+        run_config(mesh)
+    assert all(w in str(err.value) for w in words), str(err.value)
+    assert "Fix:" in str(err.value)
+
+
+def test_micro_batch_must_split_over_data_and_fsdp():
+    run_config({"data": 2, "fsdp": 2}, batch_size=8, grad_accum=2)  # 4 per micro-batch: fine
+    with pytest.raises(ConfigError, match="multiple of data x fsdp = 4"):
+        run_config({"data": 2, "fsdp": 2}, batch_size=8, grad_accum=4)  # 2 per micro-batch
+
+
+def test_device_count_must_equal_the_product():
+    with pytest.raises(ConfigError) as err:
+        parallel.check_mesh_shape({"data": 2, "fsdp": 4}, n_devices=1)
+    text = str(err.value)
+    assert "data=2,fsdp=4,model=1" in text and "1 devices" in text and "got 8" in text
+
+
+def test_parse_mesh_arg():
+    assert parallel.parse_mesh_arg("data=2, fsdp=4") == {"data": 2, "fsdp": 4, "model": 1}
+    for bad in ("data", "data=x", "data=2,foo=1", "model=0"):
+        with pytest.raises(ConfigError):
+            parallel.parse_mesh_arg(bad)
+
+
+def test_rules_from_logical_axes():
+    mesh = {"data": 1, "fsdp": 4, "model": 2}
+    # [heads, embed] column-parallel; [embed, mlp] row-parallel; vocab replicated.
+    assert parallel.spec_for((32, 64), ("heads", "embed"), mesh) == PS("model", "fsdp")
+    assert parallel.spec_for((64, 96), ("embed", "mlp"), mesh) == PS("fsdp", "model")
+    assert parallel.spec_for((50257, 64), ("vocab", "embed"), mesh) == PS(None, "fsdp")
+    # Indivisible dims replicate: 50257 is odd, d_model 6 on fsdp=4.
+    assert parallel.spec_for((6,), ("embed",), mesh) == PS(None)
+    assert parallel.spec_for((36, 6), ("mlp", "embed"), {**mesh, "model": 8}) == PS(None, None)
+    # Size-1 axes are left out.
+    assert parallel.spec_for((32, 64), ("heads", "embed"), {"data": 8, "fsdp": 1, "model": 1}) == (
+        PS(None, None)
+    )
+
+
+def test_every_declared_parameter_gets_a_rule_and_indivisible_dims_are_listed():
+    cfg = models.preset("gpt", vocab_size=65, d_ff=36)
+    mesh = {"data": 1, "fsdp": 4, "model": 8}
+    specs = parallel.param_specs(cfg, mesh)
+    assert specs.keys() == models.declare(cfg).keys()
+    lines = parallel.describe(cfg, mesh)
+    ragged = [line for line in lines if "replicated" in line]
+    assert ragged and all("mlp=36 not divisible by model=8" in line for line in ragged)
+
+
+def test_shard_shape_and_bytes():
+    mesh = {"data": 2, "fsdp": 4, "model": 2}
+    assert parallel.shard_shape((8, 12), PS("model", "fsdp"), mesh) == (4, 3)
+    assert parallel.shard_shape((8, 12), PS(("data", "fsdp")), mesh) == (1, 12)
+    cfg = models.preset("llama", vocab_size=64)
+    params = models.abstract_params(cfg)
+    one = parallel.per_device_bytes(params, parallel.state_specs(params, cfg, mesh), mesh)
+    full = sum(s.size for s in models.declare(cfg).values()) * 4
+    # Every llama weight here is divisible, so each leaf is split 4x (fsdp) or 8x (fsdp x model).
+    assert full / 8 <= one <= full / 4
+
+
+def test_distributed_args_from_the_environment():
+    assert multihost.distributed_args({}) is None
+    assert multihost.distributed_args({"LMJAX_DISTRIBUTED": "auto"}) == {}
+    env = {
+        "LMJAX_COORDINATOR": "10.0.0.1:1234",
+        "LMJAX_NUM_PROCESSES": "4",
+        "LMJAX_PROCESS_ID": "3",
+    }
+    assert multihost.distributed_args(env) == {
+        "coordinator_address": "10.0.0.1:1234",
+        "num_processes": 4,
+        "process_id": 3,
+    }
+    with pytest.raises(ConfigError, match="LMJAX_PROCESS_ID = 4"):
+        multihost.distributed_args({**env, "LMJAX_PROCESS_ID": "4"})
+    with pytest.raises(ConfigError, match="LMJAX_NUM_PROCESSES"):
+        multihost.distributed_args({"LMJAX_COORDINATOR": "h:1"})
+
+
+def test_initialize_calls_jax_distributed_only_when_asked(monkeypatch):
+    calls = []
+    monkeypatch.setattr(multihost.jax.distributed, "initialize", lambda **kw: calls.append(kw))
+    assert not multihost.initialize_from_env({})
+    assert multihost.initialize_from_env({"LMJAX_DISTRIBUTED": "auto"})
+    assert calls == [{}]
+
+
+CONFIG = """
+model: {{preset: llama, vocab_size: null, context_length: 16}}
+data: {{corpus: {corpus}, tokenizer: char}}
+schedule: {{warmup_steps: 1}}
+train: {{steps: 2, batch_size: 2, seq_len: 8, eval_every: 2, eval_batches: 1}}
+checkpoint: {{every: 1}}
+logging: {{every: 1, progress: false, sample_tokens: 2, sample_prompt: a, peak_flops: 1.0e+12}}
+run: {{dir: {run}}}
+"""
+
+
+def test_a_process_other_than_zero_writes_only_checkpoints(tmp_path, monkeypatch):
+    (tmp_path / "corpus.txt").write_text("a quick brown fox jumps over the lazy dog\n" * 40)
+    run = tmp_path / "run"
+    (tmp_path / "c.yaml").write_text(CONFIG.format(corpus=tmp_path / "corpus.txt", run=run))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(parallel, "is_main", lambda: False)
+    assert cli.main(["train", str(tmp_path / "c.yaml")]) == 0
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoints"]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["1", "2"]
