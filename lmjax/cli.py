@@ -280,6 +280,7 @@ def _inspect(args: argparse.Namespace) -> int:
         from lmjax.parallel import parse_mesh_arg
 
         parse_mesh_arg(args.mesh)
+    lcfg = _inspect_lora_config(args)  # checked before anything is printed
     if args.preset.endswith((".yaml", ".yml")):
         return _inspect_config(args)
     cfg = models.preset(args.preset, **parse_overrides(args.overrides))
@@ -292,7 +293,27 @@ def _inspect(args: argparse.Namespace) -> int:
     print(models.format_summary(cfg, args.batch_size or 1, args.seq_len))
     if args.mesh:
         _print_mesh_memory(args.mesh, cfg, None, args.batch_size, args.seq_len, "AdamW state")
+    if lcfg is not None:
+        import optax
+
+        _print_lora_memory(cfg, lcfg, args.qlora, optax.adamw(1e-3), "adamw")
     return 0
+
+
+def _inspect_lora_config(args: argparse.Namespace):
+    """`--lora [r=8,...]` / `--qlora`: the LoRA config to report (None: neither flag)."""
+    if args.lora is None and not args.qlora:
+        return None
+    from lmjax.lora import LoraConfig
+
+    return LoraConfig.parse(args.lora or "")
+
+
+def _print_lora_memory(model, lcfg, qlora: bool, tx, optimizer: str) -> None:
+    from lmjax import finetune
+
+    print()
+    print(finetune.format_memory(finetune.memory(model, lcfg, qlora, tx), lcfg, qlora, optimizer))
 
 
 def _print_mesh_memory(mesh_text, model, opt_state, batch, seq_len, label) -> None:
@@ -348,6 +369,9 @@ def _inspect_config(args: argparse.Namespace) -> int:
     )
     if mesh:
         _print_mesh_memory(mesh, model, state, batch, seq_len, label)
+    lcfg = _inspect_lora_config(args)
+    if lcfg is not None:
+        _print_lora_memory(model, lcfg, args.qlora, tx, cfg.optimizer.name)
     return 0
 
 
@@ -398,6 +422,20 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="data=D,fsdp=F,model=M",
         help="also print the per-device memory on this device mesh (default: the config's "
         "parallel.mesh); nothing is allocated, so pick a mesh before renting hardware",
+    )
+    insp.add_argument(
+        "--lora",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="K=V,...",
+        help="also print LoRA fine-tuning memory: trainable adapter, gradient, optimizer-state "
+        "and frozen-weight bytes (optional fields as for finetune --lora, e.g. r=8,alpha=16)",
+    )
+    insp.add_argument(
+        "--qlora",
+        action="store_true",
+        help="as --lora with the base's linear weights in NF4 (their stored bytes)",
     )
     insp.set_defaults(run=_inspect)
     _add_training_commands(sub)
