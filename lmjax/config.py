@@ -124,10 +124,17 @@ class ParallelConfig:
     """Device mesh (SPEC section 9, `lmjax.parallel`): `mesh: {data: 2, fsdp: 4}` (model: 1).
 
     null (the default) trains on one device exactly as before; the axis sizes' product must
-    equal the device count, checked when the run starts.
+    equal the device count, checked when the run starts. An override may write the mesh as
+    text: `parallel.mesh=data=2,fsdp=4`.
     """
 
-    mesh: dict[str, int] | None = None
+    mesh: dict[str, int] | str | None = None
+
+    def __post_init__(self):
+        if isinstance(self.mesh, str):
+            from lmjax.parallel.mesh import parse_mesh_text
+
+            object.__setattr__(self, "mesh", parse_mesh_text(self.mesh, "parallel.mesh"))
 
 
 _SECTIONS = {

@@ -50,6 +50,15 @@ def test_bad_mesh_sections_name_the_value_and_the_fix(mesh, words):
     assert "Fix:" in str(err.value)
 
 
+def test_mesh_override_as_text():
+    cfg = RunConfig.from_dict(
+        {"model": MODEL, "train": {"batch_size": 8}}, {"parallel.mesh": "fsdp=4,model=2"}
+    )
+    assert cfg.parallel.mesh == {"fsdp": 4, "model": 2}
+    with pytest.raises(ConfigError, match="parallel.mesh item = 'fsdp4'"):
+        RunConfig.from_dict({"model": MODEL}, {"parallel.mesh": "fsdp4"})
+
+
 def test_micro_batch_must_split_over_data_and_fsdp():
     run_config({"data": 2, "fsdp": 2}, batch_size=8, grad_accum=2)  # 4 per micro-batch: fine
     with pytest.raises(ConfigError, match="multiple of data x fsdp = 4"):

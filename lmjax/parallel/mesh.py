@@ -63,17 +63,22 @@ def check_mesh_shape(shape: Mapping[str, int], n_devices: int | None = None) -> 
     return full
 
 
-def parse_mesh_arg(text: str) -> dict[str, int]:
-    """`"data=2,fsdp=4"` -> `{"data": 2, "fsdp": 4, "model": 1}` (the CLI's `--mesh`)."""
+def parse_mesh_text(text: str, where: str = "--mesh") -> dict[str, int]:
+    """`"data=2,fsdp=4"` -> `{"data": 2, "fsdp": 4}` (as written; not yet validated)."""
     out: dict[str, int] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         name, sep, value = item.partition("=")
         if not sep or not value.strip().lstrip("-").isdigit():
             raise ConfigError.describe(
-                "--mesh item", item, "axis=size (e.g. data=2,fsdp=4)", "write name=int pairs"
+                f"{where} item", item, "axis=size (e.g. data=2,fsdp=4)", "write name=int pairs"
             )
         out[name.strip()] = int(value)
-    return check_mesh_shape(out)
+    return out
+
+
+def parse_mesh_arg(text: str) -> dict[str, int]:
+    """`"data=2,fsdp=4"` -> `{"data": 2, "fsdp": 4, "model": 1}` (the CLI's `--mesh`)."""
+    return check_mesh_shape(parse_mesh_text(text))
 
 
 def make_mesh(shape: Mapping[str, int], devices=None) -> Mesh:
