@@ -1,0 +1,97 @@
+"""Quantize a model's linear weights to NF4, and count the bytes (SPEC section 6, QLoRA).
+
+Only the `[out, in]` weights of the attention and feed-forward projections are quantized:
+embeddings, norms, biases and the language-model head stay float (as in QLoRA, where the
+frozen base is NF4 but the input and output layers keep their precision).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import jax
+import numpy as np
+
+from lmjax import params as P
+from lmjax.errors import ShapeError
+from lmjax.quant.nf4 import QuantizedWeight, quantize
+
+# Every projection of a block (GPT-2 style expand/project and Llama style gate/up/down).
+LINEAR_WEIGHTS = tuple(
+    f"blocks.*.{name}.weight"
+    for name in (
+        "attention.query",
+        "attention.key",
+        "attention.value",
+        "attention.output",
+        "feed_forward.expand",
+        "feed_forward.project",
+        "feed_forward.gate",
+        "feed_forward.up",
+        "feed_forward.down",
+    )
+)
+
+
+def quantize_params(params: Mapping, patterns: str | Iterable[str] | None = None) -> dict:
+    """A copy of `params` with every leaf matching `patterns` replaced by `quantize(leaf)`.
+
+    `patterns`: globs over `lmjax.params` names (default `LINEAR_WEIGHTS`, the block
+    projections). Given explicitly, every pattern must match a leaf (a typo raises); with the
+    default, at least one leaf must match. A matched leaf must be a 2-D float weight that is
+    not already quantized.
+    """
+    chosen = LINEAR_WEIGHTS if patterns is None else patterns
+    selected = P.mask(params, chosen, require_match=patterns is not None)
+    if not any(jax.tree.leaves(selected)):
+        raise ShapeError.describe(
+            "quantize_params patterns",
+            chosen,
+            "globs matching at least one parameter name",
+            "pass patterns that name linear weights, e.g. 'blocks.*.attention.query.weight'",
+        )
+
+    def convert(name, leaf):
+        if not P.matches(name, chosen):
+            return leaf
+        if isinstance(leaf, QuantizedWeight) or np.ndim(leaf) != 2:
+            raise ShapeError.describe(
+                f"parameter {name!r}",
+                type(leaf).__name__ if isinstance(leaf, QuantizedWeight) else np.shape(leaf),
+                "a 2-D [out, in] float weight that is not quantized yet",
+                "narrow the patterns to linear weights",
+            )
+        return quantize(leaf)
+
+    return P.map_with_names(convert, params)
+
+
+def _leaf_bytes(leaf) -> int:
+    if isinstance(leaf, QuantizedWeight):
+        return leaf.nbytes
+    # Arrays, ShapeDtypeStructs (under jax.eval_shape) and pytree leaves such as adapters.
+    return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(leaf))
+
+
+def weight_bytes(params: Mapping) -> dict[str, int]:
+    """Bytes of a parameter tree, split by kind:
+
+    `quantized` (the NF4 leaves as stored), `quantized_as_float` (what those leaves took in
+    their original dtype), `float` (every other leaf), `total` = quantized + float, and
+    `quantized_params` (how many weights are NF4).
+    """
+    flat = P.flatten(params)
+    quant = [leaf for leaf in flat.values() if isinstance(leaf, QuantizedWeight)]
+    other = [leaf for leaf in flat.values() if not isinstance(leaf, QuantizedWeight)]
+    stored = sum(_leaf_bytes(q) for q in quant)
+    floats = sum(_leaf_bytes(leaf) for leaf in other)
+    return {
+        "quantized": stored,
+        "quantized_as_float": sum(q.size * np.dtype(q.dtype).itemsize for q in quant),
+        "float": floats,
+        "total": stored + floats,
+        "quantized_params": sum(q.size for q in quant),
+    }
+
+
+__all__ = ["LINEAR_WEIGHTS", "quantize_params", "weight_bytes"]
