@@ -62,3 +62,51 @@ def test_quick_run_writes_json_with_agreeing_witness(tmp_path):
     assert witness["grad_norm_rel_diff"] < 1e-5
     for name, diff in witness["params_after_step1"].items():
         assert diff["p99_abs_diff_over_lr"] < 1e-2, name
+
+
+# ---- lmjax bench (lmjax.train.bench, shared with the --scaling mode) ----------------------------
+
+TINY = [
+    "model.vocab_size=32",
+    "model.n_layers=1",
+    "model.d_model=32",
+    "model.n_heads=2",
+    "model.d_ff=64",
+    "train.batch_size=4",
+    "train.grad_accum=2",
+    "train.seq_len=16",
+]
+CONFIG = str(Path(__file__).resolve().parents[1] / "configs" / "tiny-shakespeare.yaml")
+
+
+def test_lmjax_bench_times_a_config_and_writes_json(tmp_path, capsys):
+    from lmjax import cli
+    from lmjax.train.metrics import flops_per_token
+
+    out = tmp_path / "bench.json"
+    args = ["bench", CONFIG, *TINY, "--steps", "2", "--peak-tflops", "0.5", "--output", str(out)]
+    assert cli.main(args) == 0
+    assert "tokens/s" in capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert len(data["step_s"]) == 2 and data["compile_s"] > 0
+    assert data["tokens_per_step"] == 4 * 16 and data["grad_accum"] == 2
+    assert data["tokens_per_s"] == pytest.approx(64 / data["median_step_s"])
+    # MFU recomputed from its definition with the config's model and the given peak.
+    from lmjax.models import ModelConfig
+
+    fpt = flops_per_token(ModelConfig.from_dict(data["model"]), 16)
+    assert data["mfu"] == pytest.approx(fpt * data["tokens_per_s"] / 0.5e12)
+    assert data["finite"] and data["model"]["d_model"] == 32
+
+
+def test_lmjax_bench_errors_are_one_line(capsys):
+    from lmjax import cli
+
+    # The char tokenizer's vocabulary comes from the corpus: the bench reads no data.
+    assert cli.main(["bench", CONFIG, "--steps", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "model.vocab_size" in err
+    assert cli.main(["bench", CONFIG, *TINY, "--steps", "0"]) == 2
+    assert "--steps" in capsys.readouterr().err
+    assert cli.main(["bench", CONFIG, *TINY, "train.batch_size=3"]) == 2
+    assert "grad_accum" in capsys.readouterr().err
