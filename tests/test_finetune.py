@@ -1,0 +1,171 @@
+"""`lmjax finetune` end to end (tiny, in-process): the run directory, exact resume, the merged
+export that generate reads, `inspect --lora/--qlora`, and bad inputs (one line, exit 2, nothing
+written). QLoRA's own checks (NF4 bytes, loss on real text) are in tests/test_qlora.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from lmjax import cli, lora, models
+from lmjax import params as P
+from lmjax.config import RunConfig
+from lmjax.train import loop
+from lmjax.train.runs import load_run, write_weights_run
+
+TEXT = "".join(
+    f"Sonnet {i}: shall I compare thee to a summer's day, {i % 7}?\n" for i in range(300)
+)
+CONFIG = """
+finetune: {{base: {base}, qlora: false}}
+lora: {{r: 4, alpha: 8, targets: ["*.attention.query", "*.attention.value"], dropout: 0.1}}
+data: {{corpus: {corpus}, tokenizer: char}}
+optimizer: {{name: adamw, lr: 0.01, weight_decay: 0.0}}
+schedule: {{warmup_steps: 1, decay_steps: 4}}
+train: {{steps: 4, batch_size: 4, seq_len: 16, eval_every: 2, eval_batches: 1}}
+checkpoint: {{every: 2, keep: 5}}
+logging: {{every: 1, progress: false, sample_tokens: 4, sample_prompt: S, peak_flops: 1.0e+12}}
+"""
+
+
+@pytest.fixture(scope="module")
+def ws(tmp_path_factory):
+    """A workspace with a corpus, a tiny weights-only base run on its char vocabulary, and the
+    fine-tune config; the cache dir is private to it."""
+    root = tmp_path_factory.mktemp("finetune")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("XDG_CACHE_HOME", str(root / "cache"))
+        yield _workspace(root)
+
+
+def _workspace(root: Path) -> Path:
+    (root / "corpus.txt").write_text(TEXT)
+    cfg = RunConfig.from_dict(
+        {
+            "model": {"preset": "gpt", "vocab_size": None},
+            "data": {"corpus": str(root / "corpus.txt")},
+        }
+    )
+    prepared = loop.prepare_data(cfg, progress=False)
+    model = models.preset("gpt", vocab_size=prepared.vocab_size, context_length=16, d_model=32,
+                          n_heads=4, n_layers=2, d_ff=64)  # fmt: skip
+    write_weights_run(root / "base", models.init(jax.random.PRNGKey(0), model), model,
+                      prepared.tokenizer, "char")  # fmt: skip
+    (root / "ft.yaml").write_text(CONFIG.format(base=root / "base", corpus=root / "corpus.txt"))
+    return root
+
+
+def run_cli(*args: str) -> int:
+    return cli.main(list(args))
+
+
+@pytest.fixture(scope="module")
+def straight(ws):
+    """4 steps in one go."""
+    out = ws / "straight"
+    assert run_cli("finetune", str(ws / "ft.yaml"), f"run.dir={out}") == 0
+    return out
+
+
+def test_run_directory_and_frozen_base(ws, straight, capsys):
+    base_bytes = (ws / "base" / "model.safetensors").read_bytes()
+    for name in ("config.yaml", "finetune.yaml", "metrics.jsonl", "samples.txt", "loss.png",
+                 "adapters.safetensors", "merged/model.safetensors", "merged/config.yaml",
+                 "tokenizer"):  # fmt: skip
+        assert (straight / name).exists(), name
+    records = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4]
+    assert [r["step"] for r in records if "val_loss" in r] == [2, 4]
+    adapters, lcfg = lora.load_adapters(straight / "adapters.safetensors")
+    assert (lcfg.r, lcfg.alpha, lcfg.dropout) == (4, 8.0, 0.1)
+    assert sorted(P.flatten(adapters)) == [
+        f"blocks.{i}.attention.{p}.{ab}"
+        for i in range(2) for p in ("query", "value") for ab in ("lora_a", "lora_b")
+    ]  # fmt: skip
+    assert any(np.asarray(b).any() for _, b in lora.adapter_layers(adapters).values())
+    assert (ws / "base" / "model.safetensors").read_bytes() == base_bytes
+    # The checkpoint holds the adapters and their optimizer state, nothing of the base.
+    from lmjax.train.checkpoint import Checkpoints
+
+    stored = Checkpoints(straight / "checkpoints", create=False)._stored_leaves(4)
+    assert not any("embedding" in name or "weight" in name for name in stored), sorted(stored)
+    # load_run of the fine-tune run and of merged/ give the same (merged) parameters.
+    merged, ft = load_run(straight / "merged"), load_run(straight)
+    base = load_run(ws / "base")
+    assert ft.step == 4
+    for name, leaf in P.flatten(merged.params).items():
+        np.testing.assert_allclose(P.flatten(ft.params)[name], leaf, atol=1e-6, err_msg=name)
+    expected = lora.merge(base.params, adapters, lcfg)
+    for name, leaf in P.flatten(expected).items():
+        np.testing.assert_allclose(P.flatten(merged.params)[name], leaf, atol=1e-6, err_msg=name)
+    capsys.readouterr()
+    texts = []
+    for source in (straight, straight / "merged"):
+        assert run_cli("generate", "--run", str(source), "--prompt", "So", "--max-new-tokens",
+                       "6", "--temperature", "0") == 0  # fmt: skip
+        texts.append(capsys.readouterr().out)
+    assert texts[0] == texts[1] and texts[0].startswith("So") and len(texts[0]) == 2 + 6 + 1
+
+
+def test_resume_equals_straight(ws, straight):
+    out = ws / "resumed"
+    assert run_cli("finetune", str(ws / "ft.yaml"), f"run.dir={out}", "train.steps=2") == 0
+    assert run_cli("finetune", str(ws / "ft.yaml"), f"run.dir={out}", "--resume") == 0
+    a, _ = lora.load_adapters(straight / "adapters.safetensors")
+    b, _ = lora.load_adapters(out / "adapters.safetensors")
+    for name, leaf in P.flatten(a).items():
+        np.testing.assert_array_equal(P.flatten(b)[name], leaf, err_msg=name)
+    assert (out / "metrics.jsonl").read_text().count('"val_loss"') == 2
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["finetune.base=nowhere"], "run path"),
+        (["lora.r=0"], "lora.r"),
+        (["--lora", "targets=*.attention.qurey"], "lora target"),
+        (["--lora", "rank=4"], "--lora key"),
+        (["model.n_layers=3"], "model field"),
+        (["finetune.color=red"], "finetune section"),
+        (["train.steps=0"], "train.steps"),
+        (["data.corpus={other}"], "data tokenizer"),
+        (["--resume"], "run directory to resume"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2_nothing_written(ws, capsys, args, message):
+    (ws / "other.txt").write_text("xyz XYZ! " * 500)
+    out = ws / "bad"
+    args = [a.format(other=ws / "other.txt") for a in args]
+    assert run_cli("finetune", str(ws / "ft.yaml"), f"run.dir={out}", *args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("lmjax finetune: error:") and "\n" not in err, err
+    assert message in err, err
+    assert not out.exists()
+
+
+def test_existing_run_directory_is_refused(ws, straight, capsys):
+    before = (straight / "adapters.safetensors").read_bytes()
+    assert run_cli("finetune", str(ws / "ft.yaml"), f"run.dir={straight}") == 2
+    assert "--resume" in capsys.readouterr().err
+    assert (straight / "adapters.safetensors").read_bytes() == before
+
+
+def test_help_and_inspect(capsys):
+    with pytest.raises(SystemExit) as done:
+        run_cli("finetune", "--help")
+    assert done.value.code == 0
+    assert "--qlora" in capsys.readouterr().out
+    assert run_cli("inspect", "gpt", "vocab_size=64", "n_layers=2", "--lora", "r=4") == 0
+    text = capsys.readouterr().out
+    cfg = models.preset("gpt", vocab_size=64, n_layers=2)
+    lcfg = lora.LoraConfig(r=4)
+    n = lora.count(lora.init(jax.random.PRNGKey(0), cfg, lcfg))
+    # query and value adapters: r * (in + out) = 4 * (D + D) each, per layer.
+    assert n == 2 * 2 * 4 * (cfg.d_model + cfg.d_model)
+    assert f"adapters, trainable ({n:,} params)" in text
+    assert "frozen base weights" in text
+    assert run_cli("inspect", "gpt", "--lora", "r=0") == 2
