@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Train an lmjax config on every GPU of one host (SPEC section 9), FSDP over the GPUs.
+#
+#     scripts/gpu/train.sh CONFIG [section.key=value ...]
+#
+# Run from a copy of this tree on the GPU host. Steps:
+#   1 install   with INSTALL=1 (or when .venv is missing): a venv with jax[cuda12] and the
+#               project (pip install -e .)
+#   2 inspect   lmjax inspect CONFIG --mesh MESH: the per-GPU memory of this mesh
+#   3 train     lmjax train CONFIG parallel.mesh=MESH [overrides], console tee'd to
+#               RUN_DIR/../<run name>.log
+#
+# Settings (environment): GPUS (default: nvidia-smi -L | wc -l), MESH (default fsdp=$GPUS;
+# e.g. data=2,fsdp=4 or fsdp=4,model=2), INSTALL (0), VENV (.venv), LOG (train-gpu.log),
+# DRY_RUN=1 prints every command instead of running it.
+set -euo pipefail
+
+DRY_RUN="${DRY_RUN:-0}"
+INSTALL="${INSTALL:-0}"
+VENV="${VENV:-.venv}"
+LOG="${LOG:-train-gpu.log}"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+
+run() {
+    if [[ "$DRY_RUN" == "1" ]]; then
+        printf '+'
+        printf ' %q' "$@"
+        printf '\n'
+    else
+        "$@"
+    fi
+}
+
+if [[ $# -lt 1 ]]; then
+    echo "usage: $0 CONFIG [section.key=value ...]" >&2
+    exit 2
+fi
+config="$1"
+shift
+
+if [[ -z "${GPUS:-}" ]]; then
+    GPUS="$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)"
+fi
+if [[ ! "$GPUS" =~ ^[1-9][0-9]*$ ]]; then
+    echo "$0: found no GPUs (nvidia-smi -L); set GPUS=<count> to say how many" >&2
+    exit 2
+fi
+MESH="${MESH:-fsdp=$GPUS}"
+
+cd "$ROOT"
+if [[ "$INSTALL" == "1" || ! -x "$VENV/bin/lmjax" ]]; then
+    run python3 -m venv "$VENV"
+    run "$VENV/bin/pip" install -q -U pip
+    run "$VENV/bin/pip" install -q 'jax[cuda12]>=0.10.2,<0.12' -e .
+fi
+run "$VENV/bin/lmjax" inspect "$config" --mesh "$MESH"
+if [[ "$DRY_RUN" == "1" ]]; then
+    run "$VENV/bin/lmjax" train "$config" "parallel.mesh=$MESH" "$@"
+else
+    # pipefail: the script fails when training does, not when tee succeeds.
+    "$VENV/bin/lmjax" train "$config" "parallel.mesh=$MESH" "$@" 2>&1 | tee "$LOG"
+fi

@@ -1,0 +1,133 @@
+#!/usr/bin/env bash
+# Train an lmjax config on a Cloud TPU VM or slice (SPEC section 9), with gcloud.
+#
+#     scripts/tpu/tpu.sh all configs/tpu-gpt2-124m.yaml [section.key=value ...]
+#
+# runs every step below in order and deletes the TPU at the end, also after a failure or
+# Ctrl-C. Each step is also a subcommand of its own:
+#
+#     create                    gcloud compute tpus tpu-vm create (spot with SPOT=1)
+#     install                   copy this tree (git ls-files) to every worker; on each: a venv,
+#                               pip install "jax[tpu]" and the project
+#     launch CONFIG [k=v ...]   lmjax train on all workers at once (--worker=all) with
+#                               LMJAX_DISTRIBUTED=auto (jax finds the slice's hosts itself);
+#                               each worker's console goes to ~/lmjax/train.log
+#     logs                      stream worker 0's train.log (process 0 writes the metrics)
+#     fetch                     copy the run directory from worker 0 to ./runs/tpu/RUN_NAME
+#     delete                    delete the TPU VM
+#
+# Settings (environment): TPU_NAME (lmjax-tpu), ZONE (us-central2-b), ACCELERATOR (v4-8),
+# RUNTIME (tpu-ubuntu2204-base), RUN_NAME (tpu-run), SPOT (0), PROJECT (gcloud's default),
+# DRY_RUN=1 prints every command instead of running it.
+#
+# The project is installed from the committed tree (git archive HEAD): commit first.
+#
+# A slice of several hosts (v4-16 and up) must write checkpoints where all hosts see them:
+# orbax saves collectively and each host writes its own shards. Pass run.dir=<a shared mount>
+# (NFS or gcsfuse) there; on one host (v4-8, v5litepod-8) the default is fine.
+set -euo pipefail
+
+TPU_NAME="${TPU_NAME:-lmjax-tpu}"
+ZONE="${ZONE:-us-central2-b}"
+ACCELERATOR="${ACCELERATOR:-v4-8}"
+RUNTIME="${RUNTIME:-tpu-ubuntu2204-base}"
+RUN_NAME="${RUN_NAME:-tpu-run}"
+SPOT="${SPOT:-0}"
+PROJECT="${PROJECT:-}"
+DRY_RUN="${DRY_RUN:-0}"
+REMOTE_DIR="lmjax"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+
+# Run a command, or print it (shell-quoted, one line) under DRY_RUN=1.
+run() {
+    if [[ "$DRY_RUN" == "1" ]]; then
+        printf '+'
+        printf ' %q' "$@"
+        printf '\n'
+    else
+        "$@"
+    fi
+}
+
+gcloud_tpu() {
+    local extra=()
+    if [[ -n "$PROJECT" ]]; then
+        extra+=("--project=$PROJECT")
+    fi
+    run gcloud compute tpus tpu-vm "$@" --zone="$ZONE" "${extra[@]}"
+}
+
+create() {
+    local flags=(--accelerator-type="$ACCELERATOR" --version="$RUNTIME")
+    if [[ "$SPOT" == "1" ]]; then
+        flags+=(--spot)
+    fi
+    gcloud_tpu create "$TPU_NAME" "${flags[@]}"
+}
+
+install() {
+    local archive="${TMPDIR:-/tmp}/lmjax-src-$$.tar.gz"
+    # Tracked files only (git ls-files): no .venv, runs or caches travel.
+    run git -C "$ROOT" archive --format=tar.gz --output="$archive" HEAD
+    # Remote paths without a leading ~ are relative to the home directory (scp's rule).
+    gcloud_tpu scp "$archive" "$TPU_NAME:lmjax.tar.gz" --worker=all
+    local setup="mkdir -p $REMOTE_DIR && tar -xzf lmjax.tar.gz -C $REMOTE_DIR"
+    setup+=" && cd $REMOTE_DIR && python3 -m venv .venv"
+    setup+=" && .venv/bin/pip install -q -U pip"
+    setup+=" && .venv/bin/pip install -q 'jax[tpu]>=0.10.2,<0.12' -e ."
+    gcloud_tpu ssh "$TPU_NAME" --worker=all --command="$setup"
+    run rm -f "$archive"
+}
+
+launch() {
+    if [[ $# -lt 1 ]]; then
+        echo "usage: $0 launch CONFIG [section.key=value ...]" >&2
+        exit 2
+    fi
+    local args="" arg
+    for arg in "$@" "run.dir=runs/$RUN_NAME"; do
+        args+=" $(printf '%q' "$arg")"
+    done
+    local command="cd $REMOTE_DIR && LMJAX_DISTRIBUTED=auto nohup .venv/bin/lmjax train$args"
+    command+=" > train.log 2>&1 < /dev/null & echo \$! > train.pid"
+    gcloud_tpu ssh "$TPU_NAME" --worker=all --command="$command"
+}
+
+logs() {
+    # From the start of the log until the training process on worker 0 exits.
+    local follow="cd $REMOTE_DIR && tail -n +1 --pid=\$(cat train.pid) -f train.log"
+    gcloud_tpu ssh "$TPU_NAME" --worker=0 --command="$follow"
+}
+
+fetch() {
+    run mkdir -p "runs/tpu"
+    gcloud_tpu scp --recurse "$TPU_NAME:$REMOTE_DIR/runs/$RUN_NAME" "runs/tpu/" --worker=0
+}
+
+delete() {
+    gcloud_tpu delete "$TPU_NAME" --quiet
+}
+
+all() {
+    create
+    trap delete EXIT # the TPU bills until deleted: delete it however this ends
+    install
+    launch "$@"
+    logs
+    fetch
+}
+
+main() {
+    local step="${1:-}"
+    shift || true
+    case "$step" in
+        create | install | logs | fetch | delete) "$step" ;;
+        launch | all) "$step" "$@" ;;
+        *)
+            echo "usage: $0 {create|install|launch CONFIG [k=v ...]|logs|fetch|delete|all CONFIG [k=v ...]}" >&2
+            exit 2
+            ;;
+    esac
+}
+
+main "$@"
