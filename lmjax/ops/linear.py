@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from lmjax.errors import ShapeError
 from lmjax.ops._common import expand_left, is_int, require_rank, sum_to_last
+from lmjax.quant.nf4 import QuantizedWeight
 
 Params = dict[str, jax.Array]
 
@@ -85,9 +86,14 @@ def linear(params: Params, x: jax.Array) -> jax.Array:
     Init (`init_linear`): Xavier-uniform weight, `U(-a, a)` with `a = sqrt(6 / (I + O))`, zero bias.
     A `"lora"` entry (an `lmjax.lora.Adapter`, added by `lmjax.lora.attach`) adds its low-rank
     term `s (x A^T) B^T` to y.
+    A `lmjax.quant.QuantizedWeight` (NF4) runs `pallas_kernels.nf4_matmul.quantized_linear`:
+    the Pallas kernel on GPU/TPU (in-features a multiple of 64), else its plain-jnp reference;
+    dx and db only, the frozen weight gets no gradient.
     """
     if "lora" in params:  # an adapted layer (lmjax.lora.attach): the base plus its adapter
         return _with_adapter(linear, params, x)
+    if isinstance(params.get("weight"), QuantizedWeight):
+        return _quantized(params, x, reference=False)
     x = jnp.asarray(x)
     _check(params, x)
     return _linear(dict(params), x)
@@ -97,7 +103,26 @@ def linear_reference(params: Params, x: jax.Array) -> jax.Array:
     """Same equation in plain jnp, differentiated by `jax.grad`."""
     if "lora" in params:
         return _with_adapter(linear_reference, params, x)
+    if isinstance(params.get("weight"), QuantizedWeight):
+        return _quantized(params, x, reference=True)
     return _affine(params, x)
+
+
+def _quantized(params: Params, x: jax.Array, *, reference: bool) -> jax.Array:
+    """An NF4 weight (lmjax.quant): the kernel dispatch or its reference."""
+    # Imported here: pallas_kernels imports lmjax, so a module-level import would be circular.
+    from pallas_kernels import nf4_matmul as nf4mm
+
+    unknown = set(params) - {"weight", "bias"}
+    if unknown:
+        raise ShapeError.describe(
+            "linear params keys",
+            sorted(params),
+            "{'weight'} or {'weight', 'bias'}",
+            "drop the rest",
+        )
+    run = nf4mm.nf4_matmul_reference if reference else nf4mm.quantized_linear
+    return run(x, params["weight"], params.get("bias"))
 
 
 def _with_adapter(base_linear, params: Params, x: jax.Array) -> jax.Array:

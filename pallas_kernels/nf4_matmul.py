@@ -1,0 +1,554 @@
+"""NF4 matmul in Pallas: `y = x @ dequant(W)^T (+ bias)` with W decoded tile by tile on chip.
+
+Shapes: x `[..., I]` (float32, bfloat16 or float16), W an `lmjax.quant.QuantizedWeight` of shape
+`[O, I]` (SPEC section 6), bias `[O]` -> y `[..., O]` in x's dtype. Requirement: I % 64 == 0, so
+every 64-weight quantization block lies inside one row of W (`ShapeError` otherwise; the
+reference path, which dequantizes the whole weight, takes any shape).
+
+What the kernels read: the packed codes, viewed as uint8 `[O, I/2]` (a free reshape: row o holds
+bytes o*I/2 .. (o+1)*I/2 - 1, the high nibble the even column), and the block scales
+`absmax'[o, I/64]` in float32, decoded from the double quantization by XLA in the wrapper
+(`lmjax.quant.nf4.block_absmax`, 1/16 of a float32 weight's size). The float weight is never
+written to memory: each tile is decoded in registers (GPU) or VMEM (TPU) right before its matmul.
+
+Even/odd split. Byte j of a row holds columns 2j (high nibble) and 2j+1 (low nibble). Rather than
+interleave the two nibbles inside the kernel (a shuffle neither Triton nor Mosaic does well), the
+wrapper splits x into its even and odd columns and the kernel runs two matmuls per tile:
+
+    y = x_even @ W_even^T + x_odd @ W_odd^T,   W_even[o, j] = NF4[p[o,j] >> 4] absmax'[o, 2j // 64]
+                                               W_odd[o, j]  = NF4[p[o,j] & 15] absmax'[o, 2j // 64]
+
+Decoding a 4-bit code: a tree of 15 selects on its four bits with the 16 NF4 constants (no
+gather: TPUs have no vector gather, and a select tree lowers everywhere). The decoded tile is
+NF4 * absmax' in float32, rounded to x's dtype, and both matmuls accumulate in float32.
+
+Input gradient (`jax.custom_vjp`): dx = g @ dequant(W), computed by a second kernel that decodes
+the same tiles, again as even and odd column halves that the wrapper interleaves. The quantized
+weight is frozen: its cotangent is zero (the packed codes are integers; the float statistics
+absmax2/offset get zeros), so differentiate with respect to x, the bias, or adapters, not the
+QuantizedWeight (jax.grad over its uint8 leaves is an error, as for any integer array). The bias
+is added outside the kernel by XLA, so its gradient is the ordinary sum of g.
+
+Padding (the wrapper's, undone on the way out): the rows of x (all leading axes flattened) to a
+multiple of block_m, O to block_n, I to block_k; padded weight rows and columns have scale 0 and
+padded x columns are 0, so they add exactly nothing.
+
+Backends: `backend="gpu"` (Triton; grid (M blocks, O blocks), a loop over I inside the forward;
+grid (M blocks, I blocks), a loop over O inside the dx kernel) or `backend="tpu"` (Mosaic; the
+reduction axis is the last, sequential grid axis with a VMEM float32 accumulator). None follows
+`jax.default_backend()`; on CPU the GPU kernel runs interpreted (interpret=None -> True on CPU).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as pltriton
+
+from lmjax.errors import ConfigError, ShapeError
+from lmjax.quant.nf4 import BLOCK, NF4, QuantizedWeight, block_absmax, dequantize
+
+KERNELS = ("gpu", "tpu")
+CPU_KERNEL = "gpu"  # interpreted on a CPU host
+GPU_MIN_TILE = 16  # tl.dot needs every dimension >= 16
+TPU_SUBLANES, TPU_LANES = 8, 128
+INPUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_HALF_BLOCK = BLOCK // 2  # packed bytes per quantization block
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Tiles: block_m rows of x, block_n output features, block_k input features.
+
+    The forward tiles y by (block_m, block_n) and steps over I by block_k; the dx kernel tiles dx
+    by (block_m, block_k) and steps over O by block_n. block_k is a multiple of 64 (whole
+    quantization blocks). GPU kernel: all three powers of two, block_m and block_n >= 16.
+    TPU kernel: block_m a multiple of 8; compiled, block_n a multiple of 128 and block_k of 256
+    (block_k / 2 packed bytes span the 128 lanes); interpreted, multiples of 8 and 64 suffice.
+    `num_warps` / `num_stages` tune the Triton launch (None: 4 warps, 3 stages).
+    """
+
+    block_m: int = 64
+    block_n: int = 64
+    block_k: int = 128
+    num_warps: int | None = None
+    num_stages: int | None = None
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n", "block_k", "num_warps", "num_stages"):
+            value = getattr(self, name)
+            if value is None and name.startswith("num_"):
+                continue
+            if not isinstance(value, int | np.integer) or isinstance(value, bool) or value <= 0:
+                raise ConfigError.describe(
+                    f"BlockSizes.{name}", value, "a positive int", f"set {name} to e.g. 64"
+                )
+        if self.block_k % BLOCK:
+            raise ConfigError.describe(
+                "BlockSizes.block_k",
+                self.block_k,
+                f"a multiple of {BLOCK} (whole NF4 quantization blocks)",
+                "use 64, 128 or 256",
+            )
+
+    @classmethod
+    def default(cls, kernel: str) -> BlockSizes:
+        return cls() if kernel == "gpu" else cls(128, 256, 512)
+
+
+def _check_blocks(sizes: BlockSizes, kernel: str, interpret: bool) -> None:
+    checks = []
+    if kernel == "gpu":
+        for name in ("block_m", "block_n", "block_k"):
+            size = getattr(sizes, name)
+            ok = size >= GPU_MIN_TILE and size & (size - 1) == 0
+            checks.append((name, ok, f"a power of two >= {GPU_MIN_TILE} for the GPU kernel"))
+    else:
+        lanes_n, lanes_k = (8, BLOCK) if interpret else (TPU_LANES, 2 * TPU_LANES)
+        checks += [
+            ("block_m", sizes.block_m % TPU_SUBLANES == 0, "a multiple of 8 for the TPU kernel"),
+            ("block_n", sizes.block_n % lanes_n == 0, f"a multiple of {lanes_n} (TPU kernel)"),
+            ("block_k", sizes.block_k % lanes_k == 0, f"a multiple of {lanes_k} (TPU kernel)"),
+        ]
+    for name, ok, expected in checks:
+        if not ok:
+            raise ConfigError.describe(
+                f"BlockSizes.{name}", getattr(sizes, name), expected, "pick a size that fits"
+            )
+
+
+# ---- the static plan ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    kernel: str
+    interpret: bool
+    m: int  # rows of x, output and input features before padding
+    o: int
+    i: int
+    m_pad: int
+    o_pad: int
+    i_pad: int
+    bm: int
+    bn: int
+    bk: int
+    num_warps: int | None
+    num_stages: int | None
+
+    @property
+    def kh(self) -> int:  # packed bytes (and even or odd columns) per block_k
+        return self.bk // 2
+
+    @property
+    def nq(self) -> int:  # quantization blocks per block_k
+        return self.bk // BLOCK
+
+    @property
+    def nk(self) -> int:
+        return self.i_pad // self.bk
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _fit(block: int, n: int, kernel: str, floor: int) -> int:
+    """Shrink a block longer than n: to n's power of two (GPU) or n rounded up to `floor` (TPU)."""
+    if kernel == "gpu":
+        return min(block, max(floor, pl.next_power_of_2(n)))
+    return min(block, _round_up(n, floor))
+
+
+def _make_plan(m: int, o: int, i: int, sizes: BlockSizes, kernel: str, interpret: bool) -> _Plan:
+    gpu = kernel == "gpu"
+    bm = _fit(sizes.block_m, m, kernel, GPU_MIN_TILE if gpu else TPU_SUBLANES)
+    bn = _fit(sizes.block_n, o, kernel, GPU_MIN_TILE if gpu else TPU_SUBLANES)
+    # A shrunk block_k stays a multiple of 64 (and, compiled on TPU, of the block given).
+    bk = _fit(sizes.block_k, i, kernel, BLOCK) if gpu or interpret else sizes.block_k
+    return _Plan(
+        kernel=kernel,
+        interpret=interpret,
+        m=m,
+        o=o,
+        i=i,
+        m_pad=_round_up(m, bm),
+        o_pad=_round_up(o, bn),
+        i_pad=_round_up(i, bk),
+        bm=bm,
+        bn=bn,
+        bk=bk,
+        num_warps=sizes.num_warps,
+        num_stages=sizes.num_stages,
+    )
+
+
+# ---- decoding a tile (shared by every kernel) ---------------------------------------------------
+
+
+def _nf4_lookup(code):
+    """int32 codes -> float32 NF4 values by a select tree on the code's bits (no gather)."""
+    level = [jnp.float32(v) for v in NF4]
+    for bit in range(4):
+        on = (code & (1 << bit)) != 0
+        level = [jnp.where(on, level[2 * j + 1], level[2 * j]) for j in range(len(level) // 2)]
+    return level[0]
+
+
+def _decode(packed, scale_of_column, dtype):
+    """uint8 [R, kh] tile -> (even, odd) weight columns [R, kh] in dtype.
+
+    `scale_of_column(q)` gives the [R, 1] float32 scale of quantization block q of the tile
+    (packed columns q*32 .. q*32+31).
+    """
+    p = packed.astype(jnp.int32)
+    rows, kh = p.shape
+    scale = scale_of_column(0)
+    if kh > _HALF_BLOCK:  # several quantization blocks per tile: pick each column's scale
+        # lax.div, not //: floor division emits a sign op that Mosaic lowers per TPU generation.
+        column = lax.div(lax.broadcasted_iota(jnp.int32, (1, kh), 1), _HALF_BLOCK)
+        scale = jnp.broadcast_to(scale, (rows, kh))
+        for q in range(1, kh // _HALF_BLOCK):
+            scale = jnp.where(column == q, scale_of_column(q), scale)
+    even = (_nf4_lookup(p >> 4) * scale).astype(dtype)
+    odd = (_nf4_lookup(p & 15) * scale).astype(dtype)
+    return even, odd
+
+
+def _dot(a, b, contract: tuple[int, int]):
+    dims = (((contract[0],), (contract[1],)), ((), ()))
+    return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+
+
+# ---- GPU (Triton) kernels ----------------------------------------------------------------------
+
+
+def _gpu_fwd_kernel(xe_ref, xo_ref, p_ref, s_ref, y_ref, *, plan: _Plan):
+    kh, nq = plan.kh, plan.nq
+
+    def step(k, acc):
+        cols = pl.ds(pl.multiple_of(k * kh, kh), kh)
+        we, wo = _decode(p_ref[:, cols], lambda q: s_ref[:, pl.ds(k * nq + q, 1)], xe_ref.dtype)
+        acc = acc + _dot(xe_ref[:, cols], we, (1, 1))
+        return acc + _dot(xo_ref[:, cols], wo, (1, 1))
+
+    acc = lax.fori_loop(0, plan.nk, step, jnp.zeros((plan.bm, plan.bn), jnp.float32))
+    y_ref[...] = acc.astype(y_ref.dtype)
+
+
+def _gpu_dx_kernel(g_ref, p_ref, s_ref, dxe_ref, dxo_ref, *, plan: _Plan):
+    bn = plan.bn
+
+    def step(n, carry):
+        dxe, dxo = carry
+        rows = pl.ds(pl.multiple_of(n * bn, bn), bn)
+        we, wo = _decode(p_ref[rows, :], lambda q: s_ref[rows, pl.ds(q, 1)], g_ref.dtype)
+        g = g_ref[:, rows]
+        return dxe + _dot(g, we, (1, 0)), dxo + _dot(g, wo, (1, 0))
+
+    zeros = jnp.zeros((plan.bm, plan.kh), jnp.float32)
+    dxe, dxo = lax.fori_loop(0, plan.o_pad // bn, step, (zeros, zeros))
+    dxe_ref[...] = dxe.astype(dxe_ref.dtype)
+    dxo_ref[...] = dxo.astype(dxo_ref.dtype)
+
+
+def _gpu_params(plan: _Plan):
+    return pltriton.CompilerParams(num_warps=plan.num_warps or 4, num_stages=plan.num_stages or 3)
+
+
+def _gpu_forward(plan: _Plan, xe, xo, packed, scales):
+    bm, bn = plan.bm, plan.bn
+    half = plan.i_pad // 2
+    return pl.pallas_call(
+        functools.partial(_gpu_fwd_kernel, plan=plan),
+        out_shape=jax.ShapeDtypeStruct((plan.m_pad, plan.o_pad), xe.dtype),
+        grid=(plan.m_pad // bm, plan.o_pad // bn),
+        in_specs=[
+            pl.BlockSpec((bm, half), lambda i, j: (i, 0)),
+            pl.BlockSpec((bm, half), lambda i, j: (i, 0)),
+            pl.BlockSpec((bn, half), lambda i, j: (j, 0)),
+            pl.BlockSpec((bn, plan.i_pad // BLOCK), lambda i, j: (j, 0)),
+        ],
+        out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
+        compiler_params=_gpu_params(plan),
+        interpret=plan.interpret,
+        name="nf4_matmul_fwd_gpu",
+    )(xe, xo, packed, scales)
+
+
+def _gpu_dx(plan: _Plan, g, packed, scales):
+    bm, kh = plan.bm, plan.kh
+    out = jax.ShapeDtypeStruct((plan.m_pad, plan.i_pad // 2), g.dtype)
+    return pl.pallas_call(
+        functools.partial(_gpu_dx_kernel, plan=plan),
+        out_shape=(out, out),
+        grid=(plan.m_pad // bm, plan.nk),
+        in_specs=[
+            pl.BlockSpec((bm, plan.o_pad), lambda i, k: (i, 0)),
+            pl.BlockSpec((plan.o_pad, kh), lambda i, k: (0, k)),
+            pl.BlockSpec((plan.o_pad, plan.nq), lambda i, k: (0, k)),
+        ],
+        out_specs=[pl.BlockSpec((bm, kh), lambda i, k: (i, k))] * 2,
+        compiler_params=_gpu_params(plan),
+        interpret=plan.interpret,
+        name="nf4_matmul_dx_gpu",
+    )(g, packed, scales)
+
+
+# ---- TPU (Mosaic) kernels: the reduction is the last grid axis, accumulated in VMEM -------------
+# Scales come as [nk, nq, O, 1]: a tile's scales for quantization block q are then the leading-
+# axis slice s_ref[q], a [rows, 1] column, with no lane slicing.
+
+
+def _tpu_fwd_kernel(xe_ref, xo_ref, p_ref, s_ref, y_ref, acc_ref):
+    k = pl.program_id(2)
+
+    @pl.when(k == 0)
+    def _init():
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    we, wo = _decode(p_ref[...], lambda q: s_ref[q], xe_ref.dtype)
+    acc_ref[...] += _dot(xe_ref[...], we, (1, 1)) + _dot(xo_ref[...], wo, (1, 1))
+
+    @pl.when(k == pl.num_programs(2) - 1)
+    def _done():
+        y_ref[...] = acc_ref[...].astype(y_ref.dtype)
+
+
+def _tpu_dx_kernel(g_ref, p_ref, s_ref, dxe_ref, dxo_ref, dxe_acc, dxo_acc):
+    n = pl.program_id(2)
+
+    @pl.when(n == 0)
+    def _init():
+        dxe_acc[...] = jnp.zeros(dxe_acc.shape, jnp.float32)
+        dxo_acc[...] = jnp.zeros(dxo_acc.shape, jnp.float32)
+
+    we, wo = _decode(p_ref[...], lambda q: s_ref[q], g_ref.dtype)
+    g = g_ref[...]
+    dxe_acc[...] += _dot(g, we, (1, 0))
+    dxo_acc[...] += _dot(g, wo, (1, 0))
+
+    @pl.when(n == pl.num_programs(2) - 1)
+    def _done():
+        dxe_ref[...] = dxe_acc[...].astype(dxe_ref.dtype)
+        dxo_ref[...] = dxo_acc[...].astype(dxo_ref.dtype)
+
+
+def _tpu_semantics():
+    return pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary"))
+
+
+def _tpu_scales(plan: _Plan, scales):
+    """[O', I'/64] -> [nk, nq, O', 1] (see above)."""
+    s = scales.reshape(plan.o_pad, plan.nk, plan.nq).transpose(1, 2, 0)
+    return s[..., None]
+
+
+def _tpu_forward(plan: _Plan, xe, xo, packed, scales):
+    bm, bn, kh, nq = plan.bm, plan.bn, plan.kh, plan.nq
+    return pl.pallas_call(
+        _tpu_fwd_kernel,
+        out_shape=jax.ShapeDtypeStruct((plan.m_pad, plan.o_pad), xe.dtype),
+        grid=(plan.m_pad // bm, plan.o_pad // bn, plan.nk),
+        in_specs=[
+            pl.BlockSpec((bm, kh), lambda i, j, k: (i, k)),
+            pl.BlockSpec((bm, kh), lambda i, j, k: (i, k)),
+            pl.BlockSpec((bn, kh), lambda i, j, k: (j, k)),
+            pl.BlockSpec((None, nq, bn, 1), lambda i, j, k: (k, 0, j, 0)),
+        ],
+        out_specs=pl.BlockSpec((bm, bn), lambda i, j, k: (i, j)),
+        scratch_shapes=[pltpu.VMEM((bm, bn), jnp.float32)],
+        compiler_params=_tpu_semantics(),
+        interpret=plan.interpret,
+        name="nf4_matmul_fwd_tpu",
+    )(xe, xo, packed, _tpu_scales(plan, scales))
+
+
+def _tpu_dx(plan: _Plan, g, packed, scales):
+    bm, bn, kh, nq = plan.bm, plan.bn, plan.kh, plan.nq
+    out = jax.ShapeDtypeStruct((plan.m_pad, plan.i_pad // 2), g.dtype)
+    return pl.pallas_call(
+        _tpu_dx_kernel,
+        out_shape=(out, out),
+        grid=(plan.m_pad // bm, plan.nk, plan.o_pad // bn),
+        in_specs=[
+            pl.BlockSpec((bm, bn), lambda i, k, n: (i, n)),
+            pl.BlockSpec((bn, kh), lambda i, k, n: (n, k)),
+            pl.BlockSpec((None, nq, bn, 1), lambda i, k, n: (k, 0, n, 0)),
+        ],
+        out_specs=[pl.BlockSpec((bm, kh), lambda i, k, n: (i, k))] * 2,
+        scratch_shapes=[pltpu.VMEM((bm, kh), jnp.float32)] * 2,
+        compiler_params=_tpu_semantics(),
+        interpret=plan.interpret,
+        name="nf4_matmul_dx_tpu",
+    )(g, packed, _tpu_scales(plan, scales))
+
+
+# ---- custom VJP over padded operands ------------------------------------------------------------
+
+
+def _forward(plan: _Plan, xe, xo, packed, scales):
+    run = _gpu_forward if plan.kernel == "gpu" else _tpu_forward
+    return run(plan, xe, xo, packed, scales)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _matmul(plan: _Plan, xe, xo, packed, scales):
+    return _forward(plan, xe, xo, packed, scales)
+
+
+def _matmul_fwd(plan: _Plan, xe, xo, packed, scales):
+    # dx needs only the weight: x is not saved.
+    return _forward(plan, xe, xo, packed, scales), (packed, scales)
+
+
+def _matmul_bwd(plan: _Plan, res, g):
+    packed, scales = res
+    run = _gpu_dx if plan.kernel == "gpu" else _tpu_dx
+    dxe, dxo = run(plan, g, packed, scales)
+    return dxe, dxo, None, None  # the frozen weight: no cotangent
+
+
+_matmul.defvjp(_matmul_fwd, _matmul_bwd)
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _nf4_padded(plan: _Plan, x_MI, packed_OH, scales_OQ):
+    """x [M, I], packed [O, I/2], scales [O, I/64] -> y [M, O] (x's dtype)."""
+    x_MI = jnp.pad(x_MI, ((0, plan.m_pad - plan.m), (0, plan.i_pad - plan.i)))
+    pairs = x_MI.reshape(plan.m_pad, plan.i_pad // 2, 2)
+    packed = jnp.pad(packed_OH, ((0, plan.o_pad - plan.o), (0, (plan.i_pad - plan.i) // 2)))
+    scales = jnp.pad(scales_OQ, ((0, plan.o_pad - plan.o), (0, (plan.i_pad - plan.i) // BLOCK)))
+    y = _matmul(plan, pairs[..., 0], pairs[..., 1], packed, scales)
+    return y[: plan.m, : plan.o]
+
+
+# ---- public API ---------------------------------------------------------------------------------
+
+
+def resolve_backend(backend: str | None, interpret: bool | None) -> tuple[str, bool]:
+    """(kernel, interpret): None follows jax.default_backend(); CPU interprets `CPU_KERNEL`."""
+    platform = jax.default_backend()
+    kernel = (CPU_KERNEL if platform == "cpu" else platform) if backend is None else backend
+    if kernel not in KERNELS:
+        raise ConfigError.describe(
+            "nf4_matmul backend",
+            kernel,
+            f"one of {KERNELS} (None follows jax.default_backend(); on CPU the "
+            f"{CPU_KERNEL!r} kernel runs interpreted)",
+            "pass backend='gpu' or backend='tpu', or use nf4_matmul_reference",
+        )
+    interpret = platform == "cpu" if interpret is None else bool(interpret)
+    if not interpret and kernel != platform:
+        raise ConfigError.describe(
+            f"backend={kernel!r} compiled (interpret=False) on platform",
+            platform,
+            f"JAX running on {kernel!r}, or interpret=True",
+            "pass interpret=True to run the kernel interpreted (slow, for tests)",
+        )
+    return kernel, interpret
+
+
+def _check_inputs(x, qw, bias, *, kernel: bool) -> None:
+    if not isinstance(qw, QuantizedWeight):
+        raise ShapeError.describe(
+            "weight", type(qw).__name__, "a QuantizedWeight", "quantize it with lmjax.quant"
+        )
+    if qw.ndim != 2:
+        raise ShapeError.describe("weight.shape", qw.shape, "[out, in]", "quantize a 2-D weight")
+    out_features, in_features = qw.shape
+    if x.dtype not in INPUT_DTYPES:
+        raise ShapeError.describe(
+            "x.dtype", str(x.dtype), "float32, bfloat16 or float16", "cast x to one of them"
+        )
+    if x.ndim < 1 or x.shape[-1] != in_features or x.size == 0:
+        raise ShapeError.describe(
+            "x.shape",
+            x.shape,
+            f"[..., {in_features}], non-empty (the weight is [{out_features}, {in_features}])",
+            "project from the last axis",
+        )
+    if bias is not None and np.shape(bias) != (out_features,):
+        raise ShapeError.describe(
+            "bias.shape", np.shape(bias), f"({out_features},)", "one entry per output feature"
+        )
+    if kernel and in_features % BLOCK:
+        raise ShapeError.describe(
+            "weight in-features",
+            in_features,
+            f"a multiple of {BLOCK}, so each NF4 block lies in one row of the weight",
+            "use nf4_matmul_reference (or lmjax.ops.linear, which does) for this weight",
+        )
+
+
+def nf4_matmul(
+    x,
+    qw: QuantizedWeight,
+    bias=None,
+    *,
+    block_sizes: BlockSizes | None = None,
+    backend: str | None = None,
+    interpret: bool | None = None,
+):
+    """`x @ dequant(qw)^T (+ bias)` by the Pallas kernels (module docstring); y in x's dtype.
+
+    Differentiable in x (kernel dx) and bias; the quantized weight gets no gradient.
+    """
+    x = jnp.asarray(x)
+    _check_inputs(x, qw, bias, kernel=True)
+    kernel, interpret = resolve_backend(backend, interpret)
+    sizes = BlockSizes.default(kernel) if block_sizes is None else block_sizes
+    if not isinstance(sizes, BlockSizes):
+        raise ConfigError.describe("block_sizes", sizes, "a BlockSizes", "pass BlockSizes(...)")
+    _check_blocks(sizes, kernel, interpret)
+    out_features, in_features = qw.shape
+    x_MI = x.reshape(-1, in_features)
+    plan = _make_plan(x_MI.shape[0], out_features, in_features, sizes, kernel, interpret)
+    qw = jax.lax.stop_gradient(qw)
+    packed = qw.packed.reshape(out_features, in_features // 2)
+    scales = block_absmax(qw).reshape(out_features, in_features // BLOCK)
+    y = _nf4_padded(plan, x_MI, packed, scales).reshape(*x.shape[:-1], out_features)
+    return y if bias is None else y + _expand(bias, y)
+
+
+def _expand(bias, y):
+    """bias [O] -> [1, ..., 1, O] in y's dtype (implicit rank promotion is an error here)."""
+    return jnp.asarray(bias).astype(y.dtype).reshape((1,) * (y.ndim - 1) + (-1,))
+
+
+def nf4_matmul_reference(x, qw: QuantizedWeight, bias=None):
+    """The same contract in plain jnp: dequantize the whole weight (in x's dtype), one matmul
+    accumulated in float32, differentiated by jax.grad (the weight behind stop_gradient)."""
+    x = jnp.asarray(x)
+    _check_inputs(x, qw, bias, kernel=False)
+    w_OI = dequantize(jax.lax.stop_gradient(qw), x.dtype)
+    y = jnp.einsum("...i,oi->...o", x, w_OI, preferred_element_type=jnp.float32).astype(x.dtype)
+    return y if bias is None else y + _expand(bias, y)
+
+
+def quantized_linear(x, qw: QuantizedWeight, bias=None):
+    """What `lmjax.ops.linear` runs for a QuantizedWeight: the kernel, compiled, on GPU and TPU
+    when in-features are a multiple of 64; otherwise `nf4_matmul_reference` (on CPU, where the
+    kernel could only be interpreted, and for weights whose quantization blocks straddle rows)."""
+    compiled = jax.default_backend() in KERNELS
+    if compiled and isinstance(qw, QuantizedWeight) and qw.ndim == 2 and qw.shape[1] % BLOCK == 0:
+        return nf4_matmul(x, qw, bias)
+    return nf4_matmul_reference(x, qw, bias)
+
+
+__all__ = [
+    "BlockSizes",
+    "CPU_KERNEL",
+    "KERNELS",
+    "nf4_matmul",
+    "nf4_matmul_reference",
+    "quantized_linear",
+    "resolve_backend",
+]
