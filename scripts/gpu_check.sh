@@ -25,12 +25,14 @@
 #   3 bench  benchmarks/attention_gpu.py; runs whatever step 2 gave        BENCH_TIMEOUT_S=210
 #            (its --budget-s, after which no new point starts: the limit less min(60,
 #            limit/3), so never negative)
+#   3b train gpt2-124m bf16 train step, flash attention: `lmjax bench`     TRAIN_TIMEOUT_S=150
+#            configs/gpt2-124m.yaml, tokens/s and MFU on the bf16 data-sheet peak -> train_step_gpu.json
 #   4 fast   the other fast tests of the kernel and of ops.attention       FAST_TIMEOUT_S=120
 #            (all of them, smoke included, when step 2 did not pass)
 #   5 slow   the slow product, in the time left; skipped under 30 s        SLOW_TIMEOUT_S=120
 # A step out of time gets SIGINT (pytest still writes its junit file, the benchmark its JSON)
-# and SIGKILL KILL_AFTER_S=10 later. TOTAL_BUDGET_S=440 ends every step by then, so the worst
-# case is 440 s plus the closing summary (at most 20 s): under 7.7 minutes.
+# and SIGKILL KILL_AFTER_S=10 later. TOTAL_BUDGET_S=560 ends every step by then, so the worst
+# case is 560 s plus the closing summary (at most 20 s): under 9.7 minutes.
 # GPU_CHECK_STEPS picks steps for a shorter rerun, e.g. GPU_CHECK_STEPS="bench" or
 # "smoke fast" (env always runs); steps left out are recorded as not requested.
 #
@@ -49,18 +51,19 @@ cd "$ROOT"
 PYTHON="${PYTHON:-python3}"
 RESULTS_DIR="${RESULTS_DIR:-${OUT:-benchmarks/results}}"
 DRY_RUN="${GPU_CHECK_DRY_RUN:-0}"
-STEPS=" ${GPU_CHECK_STEPS:-smoke bench fast slow} "
+STEPS=" ${GPU_CHECK_STEPS:-smoke bench train fast slow} "
 ENV_TIMEOUT_S="${ENV_TIMEOUT_S:-40}"
 SMOKE_TIMEOUT_S="${SMOKE_TIMEOUT_S:-60}"
 BENCH_TIMEOUT_S="${BENCH_TIMEOUT_S:-210}"
 FAST_TIMEOUT_S="${FAST_TIMEOUT_S:-120}"
 SLOW_TIMEOUT_S="${SLOW_TIMEOUT_S:-120}"
+TRAIN_TIMEOUT_S="${TRAIN_TIMEOUT_S:-150}" # issue 11: the gpt2-124m train-step benchmark (3b)
 KILL_AFTER_S="${KILL_AFTER_S:-10}"
-TOTAL_BUDGET_S="${TOTAL_BUDGET_S:-440}"
+TOTAL_BUDGET_S="${TOTAL_BUDGET_S:-560}"
 MIN_STEP_S=20 # a step with less time than this left is skipped, not started
 MIN_SLOW_S=30
 for knob in ENV_TIMEOUT_S SMOKE_TIMEOUT_S BENCH_TIMEOUT_S FAST_TIMEOUT_S SLOW_TIMEOUT_S \
-    KILL_AFTER_S TOTAL_BUDGET_S; do
+    TRAIN_TIMEOUT_S KILL_AFTER_S TOTAL_BUDGET_S; do
     case "${!knob}" in
         '' | *[!0-9]*) echo "gpu_check: $knob=${!knob} is not a whole number of seconds" >&2 && exit 2 ;;
     esac
@@ -223,8 +226,8 @@ if begin_step env "$ENV_TIMEOUT_S" 5 "python, jax, devices"; then
     run_bounded "$PYTHON" -c "$ENV_PY" "$RESULTS_DIR" "$DRY_RUN"
 fi
 if [ "$STEP_OUTCOME" != ok ]; then
-    for name in smoke bench fast slow; do record "$name" skipped "" 0 0 "environment step failed"; done
-    FAILED+=(smoke bench fast slow)
+    for name in smoke bench train fast slow; do record "$name" skipped "" 0 0 "environment step failed"; done
+    FAILED+=(smoke bench train fast slow)
     write_summary true
     say "gpu_check: FAILED at the environment step; see $LOG"
     exit 1
@@ -258,6 +261,23 @@ if begin_step bench "$BENCH_TIMEOUT_S" "$MIN_STEP_S" "flash vs cuDNN vs XLA, bf1
     margin=$((STEP_LIMIT / 3 < 60 ? STEP_LIMIT / 3 : 60))
     run_bounded "$PYTHON" benchmarks/attention_gpu.py "${BENCH_ARGS[@]}" \
         --results-dir "$RESULTS_DIR" --budget-s "$((STEP_LIMIT - margin))"
+fi
+
+# ---- 3b: gpt2-124m bf16 train step with flash attention (issue 11) -------------------------------
+# `lmjax bench` times the config's own step (batch 64 x 1024 tokens in 4 micro-batches, AdamW,
+# bf16 compute over f32 master weights); MFU is quoted on the device's dense bf16 data-sheet peak
+# (lmjax.train.bench.BF16_PEAK_FLOPS: H200 989.4 TFLOP/s). The dry run times a tiny model of the
+# same config (flash attention interpreted) only to check this step and its JSON.
+if [ "$DRY_RUN" = 1 ]; then
+    TRAIN_ARGS=(model.vocab_size=512 model.n_layers=1 model.d_model=64 model.n_heads=2
+        model.d_ff=128 model.context_length=32 train.batch_size=4 train.grad_accum=2
+        train.seq_len=32 --steps 2 --peak-tflops 1)
+else
+    TRAIN_ARGS=(--steps 10)
+fi
+if begin_step train "$TRAIN_TIMEOUT_S" "$MIN_STEP_S" "gpt2-124m bf16 train step, flash attention"; then
+    run_bounded "$PYTHON" -m lmjax bench configs/gpt2-124m.yaml "${TRAIN_ARGS[@]}" \
+        --output "$RESULTS_DIR/train_step_gpu.json"
 fi
 
 # ---- 4: the rest of the fast tests -----------------------------------------------------------
@@ -302,6 +322,16 @@ if "ratio_cudnn_over_flash_geomean" in r:
     print(f"  cudnn/flash geomean {r['ratio_cudnn_over_flash_geomean']:.2f}, min "
           f"{r['ratio_cudnn_over_flash_min']:.2f}; {r['points_meeting_target']} of "
           f"{r['points_measured']} points >= {r['target_ratio_cudnn_over_flash']}")
+EOF
+fi
+if [ -f "$RESULTS_DIR/train_step_gpu.json" ]; then # issue 11's train-step benchmark (3b)
+    timeout 20 "$PYTHON" - "$RESULTS_DIR/train_step_gpu.json" <<'EOF' 2>&1 | tee -a "$LOG" || true
+import json, sys
+
+r = json.load(open(sys.argv[1]))
+print(f"train: {r['device_kind']}, {r['tokens_per_step']} tokens/step: {r['tokens_per_s']:,.0f} "
+      f"tokens/s, MFU {r['mfu']:.1%} of {r['peak_flops'] / 1e12:.4g} TFLOP/s "
+      f"({r['peak_flops_source']}), compile {r['compile_s']:.1f} s")
 EOF
 fi
 say "files: $(cd "$RESULTS_DIR" && ls | tr '\n' ' ')"

@@ -110,3 +110,36 @@ def test_lmjax_bench_errors_are_one_line(capsys):
     assert "--steps" in capsys.readouterr().err
     assert cli.main(["bench", CONFIG, *TINY, "train.batch_size=3"]) == 2
     assert "grad_accum" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_gpu_check_dry_run_of_the_train_step_benchmark(tmp_path):
+    """scripts/gpu_check.sh step 3b on CPU (GPU_CHECK_DRY_RUN=1): the gpt2-124m config, shrunk,
+    through `lmjax bench` with flash attention interpreted, bf16; its JSON and summary."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    env = {
+        **os.environ,
+        "GPU_CHECK_DRY_RUN": "1",
+        "GPU_CHECK_STEPS": "train",
+        "PYTHON": sys.executable,
+        "RESULTS_DIR": str(tmp_path),
+    }
+    proc = subprocess.run(
+        ["bash", str(root / "scripts" / "gpu_check.sh")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    steps = {s["step"]: s["outcome"] for s in summary["steps"]}
+    assert steps["train"] == "ok" and summary["finished"]
+    data = json.loads((tmp_path / "train_step_gpu.json").read_text())
+    assert data["model"]["attention"] == "flash" and data["model"]["dtype"] == "bfloat16"
+    assert data["finite"] and data["tokens_per_s"] > 0 and 0 < data["mfu"]
+    assert "train: cpu" in proc.stdout

@@ -30,8 +30,8 @@ from lmjax.train.step import init_state, make_train_step
 # Dense bf16 tensor-core peaks (FLOP/s) by device-kind substring, from the vendors' data sheets
 # (without sparsity). MFU on a GPU is quoted against these, not a measured matmul.
 BF16_PEAK_FLOPS = {
-    "H200": 989e12,
-    "H100": 989e12,  # SXM; the PCIe card is lower (756e12): pass --peak-tflops for it
+    "H200": 989.4e12,
+    "H100": 989.4e12,  # SXM; the PCIe card is lower (756e12): pass --peak-tflops for it
     "A100": 312e12,
 }
 
