@@ -445,7 +445,12 @@ def resolve_backend(backend: str | None, interpret: bool | None) -> tuple[str, b
             f"{CPU_KERNEL!r} kernel runs interpreted)",
             "pass backend='gpu' or backend='tpu', or use nf4_matmul_reference",
         )
-    interpret = platform == "cpu" if interpret is None else bool(interpret)
+    return kernel, platform == "cpu" if interpret is None else bool(interpret)
+
+
+def _require_platform(kernel: str, interpret: bool) -> None:
+    """A compiled kernel needs its own device; only interpret mode runs anywhere."""
+    platform = jax.default_backend()
     if not interpret and kernel != platform:
         raise ConfigError.describe(
             f"backend={kernel!r} compiled (interpret=False) on platform",
@@ -453,7 +458,6 @@ def resolve_backend(backend: str | None, interpret: bool | None) -> tuple[str, b
             f"JAX running on {kernel!r}, or interpret=True",
             "pass interpret=True to run the kernel interpreted (slow, for tests)",
         )
-    return kernel, interpret
 
 
 def _check_inputs(x, qw, bias, *, kernel: bool) -> None:
@@ -508,6 +512,7 @@ def nf4_matmul(
     if not isinstance(sizes, BlockSizes):
         raise ConfigError.describe("block_sizes", sizes, "a BlockSizes", "pass BlockSizes(...)")
     _check_blocks(sizes, kernel, interpret)
+    _require_platform(kernel, interpret)
     out_features, in_features = qw.shape
     x_MI = x.reshape(-1, in_features)
     plan = _make_plan(x_MI.shape[0], out_features, in_features, sizes, kernel, interpret)

@@ -1,0 +1,308 @@
+"""The Pallas NF4 matmul (SPEC section 7) against its reference and against x @ dequantize(W)^T.
+
+On CPU both kernels (GPU-style and TPU-style) run interpreted. With `LMJAX_PALLAS_INTERPRET=0`
+the kernel of the machine's own backend runs compiled and the other kernel's tests are skipped.
+
+Every case runs forward and backward in one jit and checks y, dx (the kernel's own dx kernel)
+and db against (a) `nf4_matmul_reference` (jax.grad through plain jnp) and (b) numpy in float64
+on the dequantized weight (`lmjax.quant.dequantize`, checked against bitsandbytes in
+tests/test_quant_nf4.py), so the kernels are tied to an outside witness through that chain.
+"""
+
+import dataclasses
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lmjax import ops
+from lmjax.errors import ConfigError, ShapeError
+from lmjax.quant import dequantize, quantize
+from pallas_kernels import nf4_matmul as nm
+from pallas_kernels.nf4_matmul import BlockSizes, nf4_matmul, nf4_matmul_reference
+
+INTERPRET = os.environ.get("LMJAX_PALLAS_INTERPRET", "1") != "0"
+PLATFORM = jax.default_backend()
+
+# float32: the kernel sums the same products as the reference in another order (tiles of
+# block_k, even and odd columns apart), so results differ by a few float32 ulps of the largest
+# partial sums: 1e-5 of max(1, max |expected|) bounds that with room and no more.
+F32_RTOL = 1e-5
+# bfloat16 x: both sides round the decoded weight to bf16 identically and accumulate in f32;
+# only the final rounding of y (or dx) to bf16 can differ, by one bf16 ulp (2^-8 relative) of the
+# largest entry, plus the f32 order effects: 1e-2 of the scale.
+BF16_RTOL = 1e-2
+RTOL = {"float32": F32_RTOL, "bfloat16": BF16_RTOL}
+
+
+def kernel_param(kernel: str):
+    runnable = INTERPRET or kernel == PLATFORM
+    reason = f"compiled run on {PLATFORM}: the {kernel} kernel needs its own device"
+    return pytest.param(kernel, marks=pytest.mark.skipif(not runnable, reason=reason), id=kernel)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    lead: tuple[int, ...]  # leading axes of x
+    o: int
+    i: int
+    bias: bool
+    dtype: str
+    kernel: str
+    sizes: BlockSizes
+
+    def __str__(self):
+        lead = "x".join(map(str, self.lead))
+        bias = "bias" if self.bias else "nobias"
+        s = self.sizes
+        blocks = f"{s.block_m}-{s.block_n}-{s.block_k}"
+        return f"{lead}-o{self.o}-i{self.i}-{bias}-{self.dtype}-{self.kernel}-{blocks}"
+
+
+def sizes_for(case: Case) -> BlockSizes:
+    """Compiled TPU tiles span the lanes (block_n 128, block_k 256); interpreted, small ones do."""
+    if case.kernel == "tpu" and not INTERPRET:
+        return BlockSizes(8, 128, 256)
+    return case.sizes
+
+
+def inputs(case: Case, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    dtype = jnp.dtype(case.dtype)
+    w = (rng.standard_normal((case.o, case.i)) * 0.1).astype(np.float32)
+    x = jnp.asarray(rng.standard_normal((*case.lead, case.i)), dtype)
+    bias = jnp.asarray(rng.standard_normal((case.o,)), dtype) if case.bias else None
+    g = jnp.asarray(rng.standard_normal((*case.lead, case.o)), dtype)
+    return quantize(w), x, bias, g
+
+
+def _value_and_grads(matmul, qw, x, bias, g):
+    def run(x, bias, g):
+        y, pull = jax.vjp(lambda x, b: matmul(x, qw, b), x, bias)
+        return y, *pull(g)
+
+    return jax.jit(run)(x, bias, g)
+
+
+def assert_close(actual, expected, rtol: float, what: str):
+    a, e = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    assert a.shape == e.shape, f"{what}: shape {a.shape} != {e.shape}"
+    assert np.isfinite(a).all(), f"{what}: non-finite"
+    err = float(np.max(np.abs(a - e)))
+    scale = max(1.0, float(np.max(np.abs(e))))
+    assert err <= rtol * scale, f"{what}: max error {err:.3g} > {rtol:g} * {scale:.3g}"
+
+
+def assert_matches(case: Case):
+    qw, x, bias, g = inputs(case)
+    options = dict(block_sizes=sizes_for(case), backend=case.kernel, interpret=INTERPRET)
+    y, dx, db = _value_and_grads(lambda x, w, b: nf4_matmul(x, w, b, **options), qw, x, bias, g)
+    with jax.default_matmul_precision("highest"):
+        y_ref, dx_ref, db_ref = _value_and_grads(nf4_matmul_reference, qw, x, bias, g)
+    rtol = RTOL[case.dtype]
+    assert y.dtype == dx.dtype == x.dtype
+    assert_close(y, y_ref, rtol, "y vs reference")
+    assert_close(dx, dx_ref, rtol, "dx vs reference")
+    # Float64 on the dequantized weight (rounded to x's dtype, as both sides use it).
+    w = np.asarray(dequantize(qw, x.dtype), np.float64)
+    x64, g64 = np.asarray(x, np.float64), np.asarray(g, np.float64)
+    y64 = x64 @ w.T + (0.0 if bias is None else np.asarray(bias, np.float64))
+    assert_close(y, y64, rtol, "y vs float64 x @ W^T")
+    assert_close(dx, g64 @ w, rtol, "dx vs float64 g @ W")
+    if bias is None:
+        assert db is None
+    else:
+        assert_close(db, g64.reshape(-1, case.o).sum(axis=0), rtol, "db")
+
+
+G16 = BlockSizes(16, 16, 64)
+G32 = BlockSizes(16, 32, 128)  # two quantization blocks per tile
+T8 = BlockSizes(8, 16, 128)
+T16 = BlockSizes(16, 8, 64)
+
+FAST_CASES = [
+    # M = 5, O = 40, I = 192: every axis ragged against its tile; three block_k steps.
+    Case((5,), 40, 192, True, "float32", "gpu", G16),
+    # Two leading axes; I = 320 pads to 384; two quantization blocks decoded per tile.
+    Case((2, 3), 33, 320, False, "float32", "gpu", G32),
+    Case((3, 4), 24, 128, True, "bfloat16", "gpu", G32),
+    Case((7,), 24, 256, True, "float32", "tpu", T8),
+    Case((2, 5), 20, 192, False, "bfloat16", "tpu", T16),
+]
+
+
+@pytest.mark.parametrize("case", FAST_CASES, ids=str)
+def test_matches_reference_and_dequantized_matmul(case):
+    if not INTERPRET and case.kernel != PLATFORM:
+        pytest.skip(f"compiled run on {PLATFORM}: the {case.kernel} kernel needs its own device")
+    assert_matches(case)
+
+
+def _slow_cases():
+    shapes = [((1,), 16, 64), ((17,), 70, 448), ((4, 9), 130, 320), ((33,), 8, 1024)]
+    n = 0
+    for lead, o, i in shapes:
+        for kernel in ("gpu", "tpu"):
+            for dtype in ("float32", "bfloat16"):
+                sizes = (G16, G32)[n % 2] if kernel == "gpu" else (T8, T16)[n % 2]
+                yield Case(lead, o, i, n % 3 != 0, dtype, kernel, sizes)
+                n += 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(_slow_cases()), ids=str)
+def test_matches_reference_product(case):
+    if not INTERPRET and case.kernel != PLATFORM:
+        pytest.skip(f"compiled run on {PLATFORM}: the {case.kernel} kernel needs its own device")
+    assert_matches(case)
+
+
+# ---- the frozen weight and lmjax.ops.linear -----------------------------------------------------
+
+
+def test_quantized_weight_gets_zero_gradient_and_x_gets_the_kernel_dx():
+    qw, x, bias, _ = inputs(Case((4,), 16, 128, True, "float32", "gpu", G16), seed=1)
+
+    def loss(x, absmax2, offset):
+        w = dataclasses.replace(qw, absmax2=absmax2, offset=offset)
+        return nf4_matmul(x, w, bias, block_sizes=G16).sum()
+
+    dx, d_absmax2, d_offset = jax.grad(loss, (0, 1, 2))(x, qw.absmax2, qw.offset)
+    assert np.all(np.asarray(d_absmax2) == 0) and float(d_offset) == 0.0
+    # d(sum y)/dx = sum over outputs of W: every row of dx is the column sums of W.
+    w = np.asarray(dequantize(qw), np.float64)
+    assert_close(dx, np.broadcast_to(w.sum(axis=0), x.shape), F32_RTOL, "dx")
+
+
+def test_linear_dispatches_quantized_weights():
+    qw, x, bias, g = inputs(Case((2, 3), 24, 128, True, "float32", "gpu", G16), seed=2)
+    params = {"weight": qw, "bias": bias}
+    with jax.default_matmul_precision("highest"):
+        y_ref, dx_ref, db_ref = _value_and_grads(nf4_matmul_reference, qw, x, bias, g)
+    y, dx, db = _value_and_grads(
+        lambda x, w, b: ops.linear({"weight": w, "bias": b}, x), qw, x, bias, g
+    )
+    for a, e, what in ((y, y_ref, "y"), (dx, dx_ref, "dx"), (db, db_ref, "db")):
+        assert_close(a, e, F32_RTOL, what)
+    assert_close(ops.linear_reference(params, x), y_ref, F32_RTOL, "linear_reference")
+    # In-features that are not a multiple of 64 take the reference path (blocks span rows).
+    ragged = quantize(np.asarray(jax.random.normal(jax.random.key(0), (8, 100))))
+    x100 = jnp.ones((3, 100))
+    expected = np.asarray(x100, np.float64) @ np.asarray(dequantize(ragged), np.float64).T
+    assert_close(ops.linear({"weight": ragged}, x100), expected, F32_RTOL, "ragged")
+    with pytest.raises(ShapeError, match="linear params keys"):
+        ops.linear({"weight": qw, "scale": bias}, x)
+
+
+# ---- the compiled paths at least lower on this host --------------------------------------------
+
+
+@pytest.mark.parametrize("kernel, platform", [("gpu", "cuda"), ("tpu", "tpu")])
+def test_compiled_kernels_lower_for_their_platform(kernel, platform):
+    """Forward and dx lowered to Triton / Mosaic (no device needed), bf16, every axis ragged
+    (M 200, O 300, I 768 against the default tiles); running them compiled is
+    scripts/gpu_check.sh's job on a GPU."""
+    sizes = BlockSizes.default(kernel)
+    plan = nm._make_plan(200, 300, 768, sizes, kernel, False)
+
+    def loss(x, packed, scales):
+        return nm._nf4_padded(plan, x, packed, scales).astype(jnp.float32).sum()
+
+    args = (
+        jax.ShapeDtypeStruct((200, 768), jnp.bfloat16),
+        jax.ShapeDtypeStruct((300, 384), jnp.uint8),
+        jax.ShapeDtypeStruct((300, 12), jnp.float32),
+    )
+    lowered = jax.jit(jax.grad(loss)).trace(*args)
+    try:
+        text = lowered.lower(lowering_platforms=(platform,)).as_text()
+    except RuntimeError as err:
+        # jax >= 0.11 asks a local GPU for its compute capability before emitting Triton IR.
+        if "No supported GPU devices" not in str(err):
+            raise
+        pytest.skip(f"this jax {jax.__version__} needs a GPU to lower Triton: {err}")
+    target = "__gpu$xla.gpu.triton" if kernel == "gpu" else "tpu_custom_call"
+    assert text.count(target) == 2  # forward, dx
+
+
+# ---- plan and configuration ---------------------------------------------------------------------
+
+
+def test_padding_plan_follows_each_backend():
+    gpu = nm._make_plan(5, 40, 192, BlockSizes(), "gpu", True)
+    # Default 64 x 64 x 128 tiles shrink to the axis' power of two (M 5 -> 16, O 40 -> 64) ...
+    assert (gpu.bm, gpu.bn, gpu.bk) == (16, 64, 128)
+    assert (gpu.m_pad, gpu.o_pad, gpu.i_pad, gpu.nk, gpu.nq) == (16, 64, 256, 2, 2)
+    tpu = nm._make_plan(5, 40, 192, BlockSizes.default("tpu"), "tpu", True)
+    # ... or, on TPU, to a multiple of 8 (and of 64 for block_k when interpreted).
+    assert (tpu.bm, tpu.bn, tpu.bk, tpu.m_pad, tpu.o_pad, tpu.i_pad) == (8, 40, 192, 8, 40, 192)
+
+
+def test_default_backend_choice_is_explicit():
+    if PLATFORM == "cpu":
+        assert nm.resolve_backend(None, None) == ("gpu", True)
+    else:
+        assert nm.resolve_backend(None, None) == (PLATFORM, False)
+    assert nm.resolve_backend("tpu", True) == ("tpu", True)
+    with pytest.raises(ConfigError, match=r"backend = 'cuda'; expected one of \('gpu', 'tpu'\)"):
+        nm.resolve_backend("cuda", None)
+    other = "tpu" if PLATFORM != "tpu" else "gpu"
+    qw, x = quantize(np.ones((16, 128), np.float32)), jnp.ones((2, 128))
+    with pytest.raises(ConfigError, match=f"backend='{other}' compiled.*interpret=True"):
+        nf4_matmul(x, qw, backend=other, interpret=False)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(block_m=0), "BlockSizes.block_m = 0; expected a positive int"),
+        (dict(block_k=96), "block_k = 96; expected a multiple of 64"),
+        (dict(block_n=16.0), "positive int"),
+        (dict(num_warps=0), "BlockSizes.num_warps"),
+    ],
+)
+def test_block_sizes_must_be_positive_ints(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        BlockSizes(**kwargs)
+
+
+def test_block_sizes_are_frozen_and_must_fit_the_backend():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        BlockSizes().block_m = 32
+    qw, x = quantize(np.ones((16, 128), np.float32)), jnp.ones((2, 128))
+    cases = [
+        ("gpu", True, BlockSizes(block_m=24), "block_m = 24; expected a power of two"),
+        ("gpu", True, BlockSizes(block_k=192), "block_k = 192; expected a power of two"),
+        ("tpu", True, BlockSizes(12, 16, 64), "block_m = 12; expected a multiple of 8"),
+        ("tpu", False, BlockSizes(8, 64, 256), "block_n = 64; expected a multiple of 128"),
+    ]
+    for kernel, interpret, sizes, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            nf4_matmul(x, qw, block_sizes=sizes, backend=kernel, interpret=interpret)
+    with pytest.raises(ConfigError, match="block_sizes"):
+        nf4_matmul(x, qw, block_sizes=(64, 64, 64))
+
+
+# ---- bad input -----------------------------------------------------------------------------------
+
+
+def test_rejects_bad_inputs():
+    qw = quantize(np.ones((16, 128), np.float32))
+    x = jnp.ones((2, 128))
+    bad = [
+        (lambda: nf4_matmul(x, jnp.ones((16, 128))), "weight = 'ArrayImpl'; expected a Quant"),
+        (lambda: nf4_matmul(x[:, :64], qw), r"x.shape = \(2, 64\); expected \[..., 128\]"),
+        (lambda: nf4_matmul(x.astype(jnp.int32), qw), "x.dtype = 'int32'"),
+        (lambda: nf4_matmul(x, qw, jnp.ones(8)), r"bias.shape = \(8,\); expected \(16,\)"),
+        (lambda: nf4_matmul(jnp.ones((0, 128)), qw), "non-empty"),
+        (lambda: nf4_matmul(x, quantize(np.ones((4, 4, 64)))), r"expected \[out, in\]"),
+        (
+            lambda: nf4_matmul(jnp.ones((2, 96)), quantize(np.ones((8, 96), np.float32))),
+            "in-features = 96; expected a multiple of 64.*nf4_matmul_reference",
+        ),
+    ]
+    for call, message in bad:
+        with pytest.raises(ShapeError, match=message):
+            call()
