@@ -5,7 +5,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: venv demo test test-fast bench lint clean
+.PHONY: venv demo test test-fast bench lint strip-notebooks clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -37,6 +37,10 @@ bench: $(STAMP)
 lint: $(STAMP)
 	$(PY) -m ruff check lmjax pallas_kernels tests benchmarks
 	$(PY) -m ruff format --check lmjax pallas_kernels tests benchmarks
+
+# Notebooks are committed without outputs (tests/test_notebooks.py checks): strip them in place.
+strip-notebooks: $(STAMP)
+	$(PY) notebooks/strip_outputs.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
