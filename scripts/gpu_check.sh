@@ -16,6 +16,7 @@
 #     environment.json             python, jax, jaxlib, devices
 #     junit_{smoke,fast,slow}.xml  pytest's per-test results (written on a timeout too)
 #     attention_gpu.json           the timings, rewritten after every point
+#     junit_nf4.xml, nf4_matmul_gpu.json   the NF4 matmul kernel's tests and timings (3c, 3d)
 #
 # Steps, in this order; limits in seconds, each also cut to what is left of TOTAL_BUDGET_S:
 #   1 env    python, jax, devices (and nvidia-smi); no GPU ends the run     ENV_TIMEOUT_S=40
@@ -27,12 +28,18 @@
 #            limit/3), so never negative)
 #   3b train gpt2-124m bf16 train step, flash attention: `lmjax bench`     TRAIN_TIMEOUT_S=150
 #            configs/gpt2-124m.yaml, tokens/s and MFU on the bf16 data-sheet peak -> train_step_gpu.json
+#   3c nf4   tests/test_nf4_matmul.py (fast ones), the NF4 matmul kernel compiled
+#                                                                           NF4_TEST_TIMEOUT_S=60
+#   3d nf4bench  benchmarks/nf4_matmul_gpu.py: NF4 kernel vs bf16 matmul (and XLA dequantize +
+#            matmul) at GPT-2 124M's projections, 4096 and 16 tokens -> nf4_matmul_gpu.json
+#            (its --budget-s: the limit less min(40, limit/3))              NF4_BENCH_TIMEOUT_S=100
 #   4 fast   the other fast tests of the kernel and of ops.attention       FAST_TIMEOUT_S=120
 #            (all of them, smoke included, when step 2 did not pass)
 #   5 slow   the slow product, in the time left; skipped under 30 s        SLOW_TIMEOUT_S=120
 # A step out of time gets SIGINT (pytest still writes its junit file, the benchmark its JSON)
-# and SIGKILL KILL_AFTER_S=10 later. TOTAL_BUDGET_S=560 ends every step by then, so the worst
-# case is 560 s plus the closing summary (at most 20 s): under 9.7 minutes.
+# and SIGKILL KILL_AFTER_S=10 later. TOTAL_BUDGET_S=720 ends every step by then, so the worst
+# case is 720 s plus the closing summaries (at most 20 s each): under 13 minutes. (Without the
+# NF4 steps: GPU_CHECK_STEPS="smoke bench train fast slow" TOTAL_BUDGET_S=560, under 9.7.)
 # GPU_CHECK_STEPS picks steps for a shorter rerun, e.g. GPU_CHECK_STEPS="bench" or
 # "smoke fast" (env always runs); steps left out are recorded as not requested.
 #
@@ -51,19 +58,21 @@ cd "$ROOT"
 PYTHON="${PYTHON:-python3}"
 RESULTS_DIR="${RESULTS_DIR:-${OUT:-benchmarks/results}}"
 DRY_RUN="${GPU_CHECK_DRY_RUN:-0}"
-STEPS=" ${GPU_CHECK_STEPS:-smoke bench train fast slow} "
+STEPS=" ${GPU_CHECK_STEPS:-smoke bench train nf4 nf4bench fast slow} "
 ENV_TIMEOUT_S="${ENV_TIMEOUT_S:-40}"
 SMOKE_TIMEOUT_S="${SMOKE_TIMEOUT_S:-60}"
 BENCH_TIMEOUT_S="${BENCH_TIMEOUT_S:-210}"
 FAST_TIMEOUT_S="${FAST_TIMEOUT_S:-120}"
 SLOW_TIMEOUT_S="${SLOW_TIMEOUT_S:-120}"
 TRAIN_TIMEOUT_S="${TRAIN_TIMEOUT_S:-150}" # issue 11: the gpt2-124m train-step benchmark (3b)
+NF4_TEST_TIMEOUT_S="${NF4_TEST_TIMEOUT_S:-60}"    # issue 8: NF4 matmul kernel tests (3c)
+NF4_BENCH_TIMEOUT_S="${NF4_BENCH_TIMEOUT_S:-100}" # issue 8: NF4 vs bf16 matmul timings (3d)
 KILL_AFTER_S="${KILL_AFTER_S:-10}"
-TOTAL_BUDGET_S="${TOTAL_BUDGET_S:-560}"
+TOTAL_BUDGET_S="${TOTAL_BUDGET_S:-720}"
 MIN_STEP_S=20 # a step with less time than this left is skipped, not started
 MIN_SLOW_S=30
 for knob in ENV_TIMEOUT_S SMOKE_TIMEOUT_S BENCH_TIMEOUT_S FAST_TIMEOUT_S SLOW_TIMEOUT_S \
-    TRAIN_TIMEOUT_S KILL_AFTER_S TOTAL_BUDGET_S; do
+    TRAIN_TIMEOUT_S NF4_TEST_TIMEOUT_S NF4_BENCH_TIMEOUT_S KILL_AFTER_S TOTAL_BUDGET_S; do
     case "${!knob}" in
         '' | *[!0-9]*) echo "gpu_check: $knob=${!knob} is not a whole number of seconds" >&2 && exit 2 ;;
     esac
@@ -226,8 +235,8 @@ if begin_step env "$ENV_TIMEOUT_S" 5 "python, jax, devices"; then
     run_bounded "$PYTHON" -c "$ENV_PY" "$RESULTS_DIR" "$DRY_RUN"
 fi
 if [ "$STEP_OUTCOME" != ok ]; then
-    for name in smoke bench train fast slow; do record "$name" skipped "" 0 0 "environment step failed"; done
-    FAILED+=(smoke bench train fast slow)
+    for name in smoke bench train nf4 nf4bench fast slow; do record "$name" skipped "" 0 0 "environment step failed"; done
+    FAILED+=(smoke bench train nf4 nf4bench fast slow)
     write_summary true
     say "gpu_check: FAILED at the environment step; see $LOG"
     exit 1
@@ -278,6 +287,25 @@ fi
 if begin_step train "$TRAIN_TIMEOUT_S" "$MIN_STEP_S" "gpt2-124m bf16 train step, flash attention"; then
     run_bounded "$PYTHON" -m lmjax bench configs/gpt2-124m.yaml "${TRAIN_ARGS[@]}" \
         --output "$RESULTS_DIR/train_step_gpu.json"
+fi
+
+# ---- 3c, 3d: the NF4 matmul kernel, compiled, and its timings (issue 8) -----------------------
+# The fast tests of tests/test_nf4_matmul.py (the GPU kernel compiled, the TPU kernel's skipped),
+# then NF4 vs bf16 matmul at GPT-2 124M's projections. The dry run interprets the kernel and
+# times one tiny shape, only to check these steps and their JSON.
+if [ "$DRY_RUN" = 1 ]; then
+    NF4_BENCH_ARGS=(--allow-cpu --tokens 16 --shapes 64x128 --calls 1 --samples 1)
+else
+    NF4_BENCH_ARGS=(--require-gpu)
+fi
+if begin_step nf4 "$NF4_TEST_TIMEOUT_S" "$MIN_STEP_S" "NF4 matmul kernel tests ($MODE)"; then
+    run_bounded "${PYTEST[@]}" --junitxml="$RESULTS_DIR/junit_nf4.xml" -m "not slow" \
+        tests/test_nf4_matmul.py
+fi
+if begin_step nf4bench "$NF4_BENCH_TIMEOUT_S" "$MIN_STEP_S" "NF4 vs bf16 matmul, GPT-2 124M shapes"; then
+    margin=$((STEP_LIMIT / 3 < 40 ? STEP_LIMIT / 3 : 40))
+    run_bounded "$PYTHON" benchmarks/nf4_matmul_gpu.py "${NF4_BENCH_ARGS[@]}" \
+        --results-dir "$RESULTS_DIR" --budget-s "$((STEP_LIMIT - margin))"
 fi
 
 # ---- 4: the rest of the fast tests -----------------------------------------------------------
@@ -332,6 +360,19 @@ r = json.load(open(sys.argv[1]))
 print(f"train: {r['device_kind']}, {r['tokens_per_step']} tokens/step: {r['tokens_per_s']:,.0f} "
       f"tokens/s, MFU {r['mfu']:.1%} of {r['peak_flops'] / 1e12:.4g} TFLOP/s "
       f"({r['peak_flops_source']}), compile {r['compile_s']:.1f} s")
+EOF
+fi
+if [ -f "$RESULTS_DIR/nf4_matmul_gpu.json" ]; then # issue 8's NF4 matmul timings (3d)
+    timeout 20 "$PYTHON" - "$RESULTS_DIR/nf4_matmul_gpu.json" <<'EOF' 2>&1 | tee -a "$LOG" || true
+import json, sys
+
+r = json.load(open(sys.argv[1]))
+nan = float("nan")
+print(f"nf4: {r.get('status')}, {r.get('device')}, {len(r.get('rows', []))} points")
+for row in r.get("rows", []):
+    ms = " ".join(f"{i} {row.get(f't_{i}_fwd_ms') or nan:7.3f}" for i in ("nf4", "nf4_xla", "bf16"))
+    print(f"  {row['tokens']:5d} x {row['out']}x{row['in']}: fwd ms {ms}  bf16/nf4 "
+          f"{row.get('ratio_bf16_over_nf4_fwd') or nan:.2f}")
 EOF
 fi
 say "files: $(cd "$RESULTS_DIR" && ls | tr '\n' ' ')"
