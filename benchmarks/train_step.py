@@ -28,6 +28,13 @@ best f32 n x n matmul measured in this process with both jnp and torch (the larg
     python benchmarks/train_step.py                 # reference config -> results/train_step.json
     python benchmarks/train_step.py --quick         # tiny shapes, seconds (no torch.compile)
     python benchmarks/train_step.py --steps 10 --rounds 5 --batch 8 --seq 256
+    python benchmarks/train_step.py --scaling       # lmjax alone -> train_step_scaling.json
+
+--scaling times lmjax's step alone (`lmjax.train.bench.time_train_step`, the code behind
+`lmjax bench`) for the `gpt` and `llama` presets at the reference sizes, T = 128, 256, 512, 1024,
+with B = --scaling-tokens / T sequences (2,048 tokens per step by default, so the rows differ by
+attention length, not by batch), reporting compile seconds, tokens/s and MFU on the same measured
+peak as the main mode.
 
 Run it on a quiet machine. On a loaded one torch's OpenMP threads spin-wait at every barrier while
 other processes hold the cores, which can make torch steps 10-100x slower; for a trial run there,
@@ -56,8 +63,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from lmjax import params as P  # noqa: E402
 from lmjax.config import OptimizerConfig, ScheduleConfig  # noqa: E402
-from lmjax.models import ModelConfig, preset  # noqa: E402
-from lmjax.train import init_state, make_train_step, optim  # noqa: E402
+from lmjax.models import ModelConfig, param_count, preset  # noqa: E402
+from lmjax.train import bench, init_state, make_train_step, optim  # noqa: E402
 from lmjax.train.metrics import flops_per_token, measured_peak_flops  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -289,11 +296,90 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--scaling", action="store_true", help="lmjax alone over T and presets")
+    ap.add_argument(
+        "--scaling-tokens", type=int, default=None, help="tokens per step (--scaling; 2048)"
+    )
     return ap.parse_args(argv)
+
+
+SCALING_T = (128, 256, 512, 1024)
+QUICK_SCALING_T = (16,)
+
+
+def scaling(args: argparse.Namespace) -> dict:
+    """tokens/s and MFU of lmjax's step for T in SCALING_T x presets (gpt, llama)."""
+    shapes = {k: (getattr(args, k) or v) for k, v in (QUICK if args.quick else REFERENCE).items()}
+    steps = args.steps or (2 if args.quick else 5)
+    tokens = args.scaling_tokens or (64 if args.quick else 2048)
+    n_peak = 512 if args.quick else 2048
+    peaks = {
+        "jax_matmul": measured_peak_flops("float32", n=n_peak),
+        "torch_matmul": torch_peak_flops(n_peak),
+    }
+    peak = max(peaks.values())
+    rows = []
+    for name in ("gpt", "llama"):
+        for t in QUICK_SCALING_T if args.quick else SCALING_T:
+            cfg = preset(
+                name,
+                vocab_size=shapes["vocab"],
+                context_length=t,
+                d_model=shapes["d_model"],
+                n_heads=shapes["heads"],
+                n_layers=shapes["layers"],
+                d_ff=shapes["d_ff"],
+                dtype="float32",
+                param_dtype="float32",
+            )
+            r = bench.time_train_step(
+                cfg,
+                batch_size=max(1, tokens // t),
+                seq_len=t,
+                steps=steps,
+                optimizer=OptimizerConfig(name="adamw", lr=args.lr),
+                peak_flops=peak,
+                seed=args.seed,
+            )
+            row = {"preset": name, "seq_len": t, "batch_size": r["batch_size"]}
+            for key in ("tokens_per_step", "compile_s", "median_step_s", "tokens_per_s", "mfu"):
+                row[key] = r[key]
+            row["flops_per_token"] = r["flops_per_token"]
+            row["n_params"] = param_count(cfg)
+            row["step_s"] = r["step_s"]
+            rows.append(row)
+            print(
+                f"{name:5s} T={t:<5d} B={row['batch_size']:<3d} compile {row['compile_s']:5.1f}s "
+                f"step {row['median_step_s'] * 1e3:7.1f} ms  {row['tokens_per_s']:8,.0f} tok/s  "
+                f"MFU {row['mfu']:.1%}",
+                flush=True,
+            )
+    result = {
+        "benchmark": "train_step_scaling",
+        "quick": args.quick,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "machine": machine_info(torch.get_num_threads()),
+        "shapes": {k: v for k, v in shapes.items() if k not in ("seq", "batch")},
+        "tokens_per_step_target": tokens,
+        "steps": steps,
+        "peak_flops": {**peaks, "used": peak},
+        "rows": rows,
+        "loadavg_at_end": list(os.getloadavg()),
+    }
+    args.results_dir.mkdir(parents=True, exist_ok=True)
+    default = "train_step_scaling_quick.json" if args.quick else "train_step_scaling.json"
+    path = args.results_dir / (args.output or default)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    result["path"] = str(path)
+    print(f"wrote {path}")
+    return result
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.scaling:
+        torch.set_num_threads(args.threads or physical_cores())
+        return scaling(args)
     shapes = {k: (getattr(args, k) or v) for k, v in (QUICK if args.quick else REFERENCE).items()}
     steps = args.steps or (2 if args.quick else 10)
     rounds = args.rounds or (2 if args.quick else 5)

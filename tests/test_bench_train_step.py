@@ -143,3 +143,22 @@ def test_gpu_check_dry_run_of_the_train_step_benchmark(tmp_path):
     assert data["model"]["attention"] == "flash" and data["model"]["dtype"] == "bfloat16"
     assert data["finite"] and data["tokens_per_s"] > 0 and 0 < data["mfu"]
     assert "train: cpu" in proc.stdout
+
+
+@pytest.mark.slow
+def test_scaling_mode_writes_rows_per_preset_and_length(tmp_path):
+    bench = load_script()
+    args = ["--scaling", "--quick", "--steps", "1", "--threads", "1"]
+    result = bench.main([*args, "--results-dir", str(tmp_path)])
+    data = json.loads(Path(result["path"]).read_text())
+    assert Path(result["path"]).name == "train_step_scaling_quick.json"
+    rows = {(r["preset"], r["seq_len"]): r for r in data["rows"]}
+    assert set(rows) == {("gpt", 16), ("llama", 16)}
+    for r in rows.values():
+        assert r["batch_size"] * r["seq_len"] == r["tokens_per_step"] == 64
+        assert r["tokens_per_s"] == pytest.approx(64 / r["median_step_s"])
+        assert r["mfu"] == pytest.approx(
+            r["flops_per_token"] * r["tokens_per_s"] / data["peak_flops"]["used"]
+        )
+    # SwiGLU's third matrix: the llama row has more parameters at the same sizes.
+    assert rows[("llama", 16)]["n_params"] != rows[("gpt", 16)]["n_params"]
