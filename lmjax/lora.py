@@ -328,7 +328,8 @@ def _dense(weight) -> jax.Array:
 
 
 def _apply_delta(params: dict, adapters: dict, lcfg: LoraConfig, sign: float) -> dict:
-    flat = dict(_flat_layers(params))
+    # Every quantized weight becomes float, adapted or not: the result is a plain model.
+    flat = {name: _dense(leaf) for name, leaf in _flat_layers(params).items()}
     for name, (a, b) in adapter_layers(adapters).items():
         weight = flat.get(f"{name}.weight")
         if weight is None:
@@ -336,18 +337,16 @@ def _apply_delta(params: dict, adapters: dict, lcfg: LoraConfig, sign: float) ->
                 "adapter layer", name, "a linear layer of the base model",
                 "load adapters made for this model",
             )  # fmt: skip
-        dense = _dense(weight)
-        dtype = dense.dtype
-        flat[f"{name}.weight"] = (
-            dense.astype(jnp.float32) + sign * delta(a, b, lcfg.scale)
-        ).astype(dtype)
+        updated = weight.astype(jnp.float32) + sign * delta(a, b, lcfg.scale)
+        flat[f"{name}.weight"] = updated.astype(weight.dtype)
     return P.unflatten(flat)
 
 
 def merge(params: dict, adapters: dict, lcfg: LoraConfig) -> dict:
     """Plain model parameters with `W <- W + s B A` on every adapted layer (float32 math).
 
-    An NF4 base weight is dequantized first, so a QLoRA model merges into float weights.
+    Every NF4 weight of the base is dequantized (adapted or not), so a QLoRA model merges into
+    a float model that `lmjax.models.forward`, `lmjax.io` and `export-hf` take as is.
     """
     return _apply_delta(params, adapters, lcfg, 1.0)
 

@@ -113,8 +113,9 @@ def test_run_directory_and_frozen_base(ws, straight, capsys):
 
 def test_resume_equals_straight(ws, straight):
     out = ws / "resumed"
-    assert run_cli("finetune", str(ws / "ft.yaml"), f"run.dir={out}", "train.steps=2") == 0
-    assert run_cli("finetune", str(ws / "ft.yaml"), f"run.dir={out}", "--resume") == 0
+    quiet = ("logging.sample_tokens=0", "logging.plot=false")  # no effect on the adapters
+    assert run_cli("finetune", str(ws / "ft.yaml"), f"run.dir={out}", "train.steps=2", *quiet) == 0
+    assert run_cli("finetune", str(ws / "ft.yaml"), f"run.dir={out}", "--resume", *quiet) == 0
     a, _ = lora.load_adapters(straight / "adapters.safetensors")
     b, _ = lora.load_adapters(out / "adapters.safetensors")
     for name, leaf in P.flatten(a).items():
@@ -169,3 +170,23 @@ def test_help_and_inspect(capsys):
     assert f"adapters, trainable ({n:,} params)" in text
     assert "frozen base weights" in text
     assert run_cli("inspect", "gpt", "--lora", "r=0") == 2
+
+
+def test_qlora_run_merges_into_a_float_model(ws, capsys):
+    """--qlora: the NF4 base trains its query/value adapters; merged/ is a float model in which
+    every weight (adapted or not) is the dequantized NF4 weight plus the adapters' update."""
+    from lmjax.quant.params import quantize_params
+
+    out = ws / "qlora"
+    quiet = ("train.steps=2", "logging.sample_tokens=0", "logging.plot=false")
+    assert run_cli("finetune", str(ws / "ft.yaml"), f"run.dir={out}", "--qlora", *quiet) == 0
+    assert "qlora: true" in (out / "finetune.yaml").read_text()
+    adapters, lcfg = lora.load_adapters(out / "adapters.safetensors")
+    expected = lora.merge(quantize_params(load_run(ws / "base").params), adapters, lcfg)
+    merged = load_run(out / "merged").params
+    assert all(isinstance(leaf, jax.Array) for leaf in P.flatten(merged).values())
+    for name, leaf in P.flatten(expected).items():
+        np.testing.assert_allclose(P.flatten(merged)[name], leaf, atol=1e-6, err_msg=name)
+    key = P.flatten(merged)["blocks.0.attention.key.weight"]  # not adapted: NF4 round-off only
+    original = P.flatten(load_run(ws / "base").params)["blocks.0.attention.key.weight"]
+    assert 0 < float(np.abs(np.asarray(key) - np.asarray(original)).max()) < 0.1
