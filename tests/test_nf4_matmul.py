@@ -313,3 +313,24 @@ def test_rejects_bad_inputs():
     for call, message in bad:
         with pytest.raises(ShapeError, match=message):
             call()
+
+
+# ---- the GPU benchmark script runs its argument handling here -------------------------------
+
+
+def test_gpu_benchmark_script_parses_and_skips_without_a_gpu(capsys):
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "nf4_matmul_gpu.py"
+    spec = importlib.util.spec_from_file_location("nf4_matmul_gpu", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.parse_shape("768x3072") == (768, 3072)
+    for bad in ("768", "768x100", "0x64"):
+        with pytest.raises(Exception, match="OUTxIN|multiple of 64"):
+            bench.parse_shape(bad)
+    if PLATFORM != "gpu":
+        assert bench.main([]) == 0
+        assert bench.main(["--require-gpu"]) == 1
+        assert "no GPU" in capsys.readouterr().out
