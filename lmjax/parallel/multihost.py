@@ -82,18 +82,23 @@ def batch_rows(sharding, shape: tuple[int, ...], devices) -> list[int]:
     return sorted(rows)
 
 
-def host_batch(read_rows, shape: tuple[int, ...], sharding) -> jax.Array:
-    """A global `[A, B, T]` array of which this process reads only its own rows.
+def host_batch(read_rows, shape: tuple[int, ...], sharding):
+    """Global `[A, B, T]` arrays of which this process reads only its own rows.
 
-    `read_rows(rows)` returns `[A, len(rows), T]` for the given batch rows (the same rows in
-    every micro-batch); it is called once, with the rows this process's devices hold.
+    `read_rows(rows)` returns a pytree of `[A, len(rows), T]` arrays for the given batch rows
+    (the same rows in every micro-batch); it is called once, with the rows this process's
+    devices hold. Returns the same pytree of global `jax.Array`s laid out by `sharding`.
     """
     rows = batch_rows(sharding, shape, jax.local_devices())
-    local = np.asarray(read_rows(rows))
     where = {row: i for i, row in enumerate(rows)}
 
-    def piece(index):
-        picked = [where[r] for r in range(*index[1].indices(shape[1]))]
-        return local[index[0]][:, picked][..., index[2]]
+    def assemble(local):
+        local = np.asarray(local)
 
-    return jax.make_array_from_callback(tuple(shape), sharding, piece)
+        def piece(index):
+            picked = [where[r] for r in range(*index[1].indices(shape[1]))]
+            return local[index[0]][:, picked][..., index[2]]
+
+        return jax.make_array_from_callback(tuple(shape), sharding, piece)
+
+    return jax.tree.map(assemble, read_rows(rows))

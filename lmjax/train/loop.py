@@ -339,8 +339,7 @@ class _Trainer:
                 self.data.train, t.seed, step, t.batch_size, self.seq_len, t.grad_accum, rows
             )
 
-        pieces = {k: (lambda rows, k=k: read(rows)[k]) for k in ("inputs", "targets")}
-        return {k: parallel.host_batch(f, shape, sharding) for k, f in pieces.items()}
+        return parallel.host_batch(read, shape, sharding)
 
     def _save_on_interrupt(self) -> None:
         """Ctrl-C: log and checkpoint the steps done so far, if they are healthy and whole."""
