@@ -114,6 +114,11 @@ def train(
     cfg = resolve(cfg, prepared)
     cfg = _resumed_config(run_dir, cfg) if resume else _pin_schedule(cfg)
     preflight(cfg, prepared)
+    if cfg.parallel.mesh is not None and trainable.frozen is not None:
+        raise ConfigError.describe(
+            "parallel.mesh", cfg.parallel.mesh, "no mesh for a fine-tune (not supported yet)",
+            "remove the parallel section: fine-tunes run on one device",
+        )  # fmt: skip
     run_dir.mkdir(parents=True, exist_ok=True)
     if parallel.is_main():  # one writer per run; the other hosts only join the checkpoints
         atomic_write_text(run_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
