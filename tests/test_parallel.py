@@ -154,6 +154,7 @@ run: {{dir: {run}}}
 """
 
 
+@pytest.mark.slow  # a short lmjax train (~10 s of CPU)
 def test_a_process_other_than_zero_writes_only_checkpoints(tmp_path, monkeypatch):
     (tmp_path / "corpus.txt").write_text("a quick brown fox jumps over the lazy dog\n" * 40)
     run = tmp_path / "run"

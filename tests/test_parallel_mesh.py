@@ -25,6 +25,9 @@ import jax
 import numpy as np
 import pytest
 
+# ~75 s of CPU in one subprocess (start-up, 4 meshes, 3 short runs): `make test`, not test-fast.
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).parent.parent
 MESHES = [(8, 1, 1), (2, 4, 1), (1, 4, 2), (1, 1, 8)]
 LR, EPS = 1e-2, 1e-4
