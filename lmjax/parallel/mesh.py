@@ -7,13 +7,13 @@
 parameters and optimizer state (ZeRO-3 style: XLA all-gathers a weight where it is used);
 `model` splits the attention heads and the MLP features (tensor parallel).
 
-Axis types: the mesh is built with `AxisType.Auto` on every axis, deliberately. Newer jax
-(`jax.make_mesh` in 0.7+) defaults to `Explicit` axes, under which every op whose output sharding
-is ambiguous (the embedding gather `table[ids]`, our custom-VJP ops' scatter-add) must be given
-an explicit `out_sharding`. With `Auto` the shardings we pin (parameters, optimizer state, the
-batch) propagate through the model by XLA's partitioner, so the model code stays free of
-sharding annotations and is identical on one device and on a mesh; the cost is that XLA, not
-us, picks the layout of intermediates.
+Axis types: the mesh is built with `AxisType.Auto` on every axis, deliberately. `jax.make_mesh`
+defaults to `Explicit` axes (it does in jax 0.10.2, checked), under which every op whose output
+sharding is ambiguous (the embedding gather `table[ids]`, our custom-VJP ops' scatter-add) must
+be given an explicit `out_sharding`. With `Auto` the shardings we pin (parameters, optimizer
+state, the batch) propagate through the model by XLA's partitioner, so the model code stays
+free of sharding annotations and is identical on one device and on a mesh; the cost is that
+XLA, not us, picks the layout of intermediates.
 """
 
 from __future__ import annotations
