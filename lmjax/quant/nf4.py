@@ -218,13 +218,15 @@ def quantize(w) -> QuantizedWeight:
     """
     w = jnp.asarray(w)
     _check_weight(w)
-    return _quantize(w)
+    # The jitted part sees a flat float32 vector: one compile per size, whatever shape or dtype.
+    packed, qabsmax, absmax2, offset = _quantize(w.reshape(-1).astype(jnp.float32))
+    return QuantizedWeight(packed, qabsmax, absmax2, offset, shape=tuple(w.shape), dtype=w.dtype)
 
 
 @jax.jit
-def _quantize(w: jax.Array) -> QuantizedWeight:
-    n = w.size
-    blocks, absmax = _blockwise_absmax(w.reshape(-1).astype(jnp.float32), BLOCK)
+def _quantize(flat: jax.Array):
+    n = flat.shape[0]
+    blocks, absmax = _blockwise_absmax(flat, BLOCK)
     codes = _nearest_code(_scale_by_reciprocal(blocks, absmax), _NF4_MID).reshape(-1)
     codes = codes[: 2 * (-(-n // 2))].astype(jnp.uint8)  # keeps one padding code when n is odd
     packed = (codes[0::2] << 4) | codes[1::2]
@@ -233,27 +235,24 @@ def _quantize(w: jax.Array) -> QuantizedWeight:
     offset = jnp.sum(absmax) / lax.optimization_barrier(jnp.float32(absmax.shape[0]))
     groups, absmax2 = _blockwise_absmax(absmax - offset, BLOCK2)
     qabsmax = _nearest_code(_scale_by_reciprocal(groups, absmax2), _DYNAMIC_MID).reshape(-1)
-    return QuantizedWeight(
-        packed=packed,
-        qabsmax=qabsmax[: absmax.shape[0]].astype(jnp.uint8),
-        absmax2=absmax2,
-        offset=offset,
-        shape=tuple(w.shape),
-        dtype=w.dtype,
-    )
+    return packed, qabsmax[: absmax.shape[0]].astype(jnp.uint8), absmax2, offset
 
 
 def block_absmax(qw: QuantizedWeight) -> jax.Array:
     """The dequantized block scales, f32 [ceil(N/64)]: `DYNAMIC[qabsmax] * absmax2 + offset`."""
-    nb = qw.qabsmax.shape[0]
-    scale2 = jnp.repeat(qw.absmax2, BLOCK2, total_repeat_length=qw.absmax2.shape[0] * BLOCK2)
-    code = qw.qabsmax.astype(jnp.int32)
+    return _block_absmax(qw.qabsmax, qw.absmax2, qw.offset)
+
+
+def _block_absmax(qabsmax, absmax2, offset):
+    nb = qabsmax.shape[0]
+    scale2 = jnp.repeat(absmax2, BLOCK2, total_repeat_length=absmax2.shape[0] * BLOCK2)
+    code = qabsmax.astype(jnp.int32)
     scaled = jnp.asarray(DYNAMIC)[code] * scale2[:nb]
     # Two roundings, as bitsandbytes (multiply, then add). Fused by XLA, the pair would become
     # one multiply-add that rounds once; a select between them (a no-op in value: DYNAMIC at
     # the zero code is 0) keeps them apart.
     scaled = jnp.where(code == ZERO_CODE, 0.0, scaled)
-    return scaled + qw.offset
+    return scaled + offset
 
 
 def unpack_codes(packed: jax.Array, n: int) -> jax.Array:
@@ -270,15 +269,16 @@ def dequantize(qw: QuantizedWeight, dtype=None) -> jax.Array:
         raise ShapeError.describe(
             "qw", type(qw).__name__, "a QuantizedWeight", "build one with lmjax.quant.quantize(w)"
         )
-    return _dequantize(qw, jnp.dtype(qw.dtype if dtype is None else dtype))
+    flat = _dequantize(qw.packed, qw.qabsmax, qw.absmax2, qw.offset, qw.size)
+    return flat.reshape(qw.shape).astype(qw.dtype if dtype is None else dtype)
 
 
-@functools.partial(jax.jit, static_argnums=1)
-def _dequantize(qw: QuantizedWeight, dtype) -> jax.Array:
-    n = qw.size
-    absmax = jnp.repeat(block_absmax(qw), BLOCK, total_repeat_length=qw.qabsmax.shape[0] * BLOCK)
-    w = jnp.asarray(NF4)[unpack_codes(qw.packed, n)] * absmax[:n]
-    return w.astype(dtype).reshape(qw.shape)
+@functools.partial(jax.jit, static_argnums=4)
+def _dequantize(packed, qabsmax, absmax2, offset, n: int) -> jax.Array:
+    """Flat float32 [n]: one compile per size, whatever the original shape or dtype."""
+    scales = _block_absmax(qabsmax, absmax2, offset)
+    absmax = jnp.repeat(scales, BLOCK, total_repeat_length=qabsmax.shape[0] * BLOCK)
+    return jnp.asarray(NF4)[unpack_codes(packed, n)] * absmax[:n]
 
 
 __all__ = [
