@@ -97,8 +97,9 @@ def execute(path: Path, sandbox) -> nbformat.NotebookNode:
     workdir.mkdir()
     copy = workdir / path.name
     shutil.copyfile(path, copy)
-    jupyter = Path(sys.executable).with_name("jupyter")
-    command = [str(jupyter), "execute", str(copy), "--inplace", f"--kernel_name={KERNEL}"]
+    # `python -m jupyter execute` is `.venv/bin/jupyter execute` without guessing the script path.
+    command = [sys.executable, "-m", "jupyter", "execute", str(copy), "--inplace"]
+    command.append(f"--kernel_name={KERNEL}")
     command.append(f"--timeout={CELL_TIMEOUT_S}")
     done = subprocess.run(command, env=env, capture_output=True, text=True)
     # A failing cell: jupyter execute exits non-zero with the cell and its traceback on stderr.
