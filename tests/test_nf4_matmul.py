@@ -149,14 +149,9 @@ def test_matches_reference_and_dequantized_matmul(case):
 
 
 def _slow_cases():
-    """Each shape on both kernels, the dtype and block sizes alternating: 10 cases."""
-    shapes = [
-        ((1,), 16, 64),
-        ((7,), 24, 256),
-        ((17,), 70, 448),
-        ((4, 9), 130, 320),
-        ((33,), 8, 1024),
-    ]
+    """Each shape on both kernels, the dtype and block sizes alternating: 6 cases (many K steps,
+    every axis ragged, a long reduction over 1024 in-features)."""
+    shapes = [((7,), 24, 256), ((4, 9), 130, 320), ((33,), 8, 1024)]
     for n, ((lead, o, i), kernel) in enumerate((s, k) for s in shapes for k in ("gpu", "tpu")):
         dtype = ("float32", "bfloat16")[(n + n // 2) % 2]
         sizes = (G16, G32)[n // 2 % 2] if kernel == "gpu" else (T8, T16)[n // 2 % 2]
