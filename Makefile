@@ -35,8 +35,8 @@ bench: $(STAMP)
 	else echo "no benchmarks yet"; fi
 
 lint: $(STAMP)
-	$(PY) -m ruff check lmjax pallas_kernels tests benchmarks
-	$(PY) -m ruff format --check lmjax pallas_kernels tests benchmarks
+	$(PY) -m ruff check lmjax pallas_kernels tests benchmarks notebooks
+	$(PY) -m ruff format --check lmjax pallas_kernels tests benchmarks notebooks
 
 # Notebooks are committed without outputs (tests/test_notebooks.py checks): strip them in place.
 strip-notebooks: $(STAMP)
