@@ -70,8 +70,9 @@ class BlockSizes:
     The forward tiles y by (block_m, block_n) and steps over I by block_k; the dx kernel tiles dx
     by (block_m, block_k) and steps over O by block_n. block_k is a multiple of 64 (whole
     quantization blocks). GPU kernel: all three powers of two, block_m and block_n >= 16.
-    TPU kernel: block_m a multiple of 8; compiled, block_n a multiple of 128 and block_k of 256
-    (block_k / 2 packed bytes span the 128 lanes); interpreted, multiples of 8 and 64 suffice.
+    TPU kernel compiled: block_m a multiple of 16 (a bf16 tile's sublanes), block_n of 128 and
+    block_k of 256 (block_k / 2 packed bytes span the 128 lanes); interpreted, multiples of 8, 8
+    and 64 suffice.
     `num_warps` / `num_stages` tune the Triton launch (None: 4 warps, 3 stages).
     """
 
@@ -111,9 +112,10 @@ def _check_blocks(sizes: BlockSizes, kernel: str, interpret: bool) -> None:
             ok = size >= GPU_MIN_TILE and size & (size - 1) == 0
             checks.append((name, ok, f"a power of two >= {GPU_MIN_TILE} for the GPU kernel"))
     else:
+        rows = TPU_SUBLANES if interpret else 2 * TPU_SUBLANES
         lanes_n, lanes_k = (8, BLOCK) if interpret else (TPU_LANES, 2 * TPU_LANES)
         checks += [
-            ("block_m", sizes.block_m % TPU_SUBLANES == 0, "a multiple of 8 for the TPU kernel"),
+            ("block_m", sizes.block_m % rows == 0, f"a multiple of {rows} (TPU kernel)"),
             ("block_n", sizes.block_n % lanes_n == 0, f"a multiple of {lanes_n} (TPU kernel)"),
             ("block_k", sizes.block_k % lanes_k == 0, f"a multiple of {lanes_k} (TPU kernel)"),
         ]
@@ -169,10 +171,16 @@ def _fit(block: int, n: int, kernel: str, floor: int) -> int:
 
 def _make_plan(m: int, o: int, i: int, sizes: BlockSizes, kernel: str, interpret: bool) -> _Plan:
     gpu = kernel == "gpu"
-    bm = _fit(sizes.block_m, m, kernel, GPU_MIN_TILE if gpu else TPU_SUBLANES)
-    bn = _fit(sizes.block_n, o, kernel, GPU_MIN_TILE if gpu else TPU_SUBLANES)
-    # A shrunk block_k stays a multiple of 64 (and, compiled on TPU, of the block given).
-    bk = _fit(sizes.block_k, i, kernel, BLOCK) if gpu or interpret else sizes.block_k
+    # Shrunk TPU tiles keep the compiled tiling rules (see BlockSizes); interpreted, 8 rows do.
+    tpu_m, tpu_n = (TPU_SUBLANES, TPU_SUBLANES) if interpret else (2 * TPU_SUBLANES, TPU_LANES)
+    bm = _fit(sizes.block_m, m, kernel, GPU_MIN_TILE if gpu else tpu_m)
+    bn = _fit(sizes.block_n, o, kernel, GPU_MIN_TILE if gpu else tpu_n)
+    # A shrunk block_k stays a multiple of 64 (compiled on TPU, of 256).
+    bk = (
+        _fit(sizes.block_k, i, kernel, BLOCK)
+        if gpu or interpret
+        else min(sizes.block_k, _round_up(i, 2 * TPU_LANES))
+    )
     return _Plan(
         kernel=kernel,
         interpret=interpret,

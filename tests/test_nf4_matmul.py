@@ -62,9 +62,9 @@ class Case:
 
 
 def sizes_for(case: Case) -> BlockSizes:
-    """Compiled TPU tiles span the lanes (block_n 128, block_k 256); interpreted, small ones do."""
+    """Compiled TPU tiles follow its tiling (16, 128, 256); interpreted, small ones do."""
     if case.kernel == "tpu" and not INTERPRET:
-        return BlockSizes(8, 128, 256)
+        return BlockSizes(16, 128, 256)
     return case.sizes
 
 
@@ -233,8 +233,11 @@ def test_padding_plan_follows_each_backend():
     assert (gpu.bm, gpu.bn, gpu.bk) == (16, 64, 128)
     assert (gpu.m_pad, gpu.o_pad, gpu.i_pad, gpu.nk, gpu.nq) == (16, 64, 256, 2, 2)
     tpu = nm._make_plan(5, 40, 192, BlockSizes.default("tpu"), "tpu", True)
-    # ... or, on TPU, to a multiple of 8 (and of 64 for block_k when interpreted).
+    # ... or, on TPU interpreted, to a multiple of 8 (and of 64 for block_k) ...
     assert (tpu.bm, tpu.bn, tpu.bk, tpu.m_pad, tpu.o_pad, tpu.i_pad) == (8, 40, 192, 8, 40, 192)
+    # ... and compiled, to its tiling: 16 rows, 128 output lanes, 256 in-features.
+    tpu = nm._make_plan(5, 40, 192, BlockSizes.default("tpu"), "tpu", False)
+    assert (tpu.bm, tpu.bn, tpu.bk, tpu.m_pad, tpu.o_pad, tpu.i_pad) == (16, 128, 256, 16, 128, 256)
 
 
 def test_default_backend_choice_is_explicit():
@@ -273,7 +276,8 @@ def test_block_sizes_are_frozen_and_must_fit_the_backend():
         ("gpu", True, BlockSizes(block_m=24), "block_m = 24; expected a power of two"),
         ("gpu", True, BlockSizes(block_k=192), "block_k = 192; expected a power of two"),
         ("tpu", True, BlockSizes(12, 16, 64), "block_m = 12; expected a multiple of 8"),
-        ("tpu", False, BlockSizes(8, 64, 256), "block_n = 64; expected a multiple of 128"),
+        ("tpu", False, BlockSizes(8, 128, 256), "block_m = 8; expected a multiple of 16"),
+        ("tpu", False, BlockSizes(16, 64, 256), "block_n = 64; expected a multiple of 128"),
     ]
     for kernel, interpret, sizes, message in cases:
         with pytest.raises(ConfigError, match=message):
