@@ -8,7 +8,7 @@ reference path, which dequantizes the whole weight, takes any shape).
 What the kernels read: the packed codes, viewed as uint8 `[O, I/2]` (a free reshape: row o holds
 bytes o*I/2 .. (o+1)*I/2 - 1, the high nibble the even column), and the block scales
 `absmax'[o, I/64]` in float32, decoded from the double quantization by XLA in the wrapper
-(`lmjax.quant.nf4.block_absmax`, 1/16 of a float32 weight's size). The float weight is never
+(`lmjax.quant.nf4.block_absmax`, 1/64 of a float32 weight's size). The float weight is never
 written to memory: each tile is decoded in registers (GPU) or VMEM (TPU) right before its matmul.
 
 Even/odd split. Byte j of a row holds columns 2j (high nibble) and 2j+1 (low nibble). Rather than
@@ -20,7 +20,9 @@ wrapper splits x into its even and odd columns and the kernel runs two matmuls p
 
 Decoding a 4-bit code: a tree of 15 selects on its four bits with the 16 NF4 constants (no
 gather: TPUs have no vector gather, and a select tree lowers everywhere). The decoded tile is
-NF4 * absmax' in float32, rounded to x's dtype, and both matmuls accumulate in float32.
+NF4 * absmax' in float32, rounded to x's dtype, and both matmuls accumulate in float32. Float32
+matmuls inside the kernel follow `jax_default_matmul_precision` (on GPUs JAX's default is TF32;
+the tests set `highest`).
 
 Input gradient (`jax.custom_vjp`): dx = g @ dequant(W), computed by a second kernel that decodes
 the same tiles, again as even and odd column halves that the wrapper interleaves. The quantized
