@@ -162,3 +162,16 @@ def test_scaling_mode_writes_rows_per_preset_and_length(tmp_path):
         )
     # SwiGLU's third matrix: the llama row has more parameters at the same sizes.
     assert rows[("llama", 16)]["n_params"] != rows[("gpt", 16)]["n_params"]
+
+
+def test_lmjax_bench_help(capsys):
+    from lmjax import cli
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "--steps" in out and "--peak-tflops" in out and "MFU" in out
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    assert "bench" in capsys.readouterr().out
