@@ -172,6 +172,7 @@ def test_help_and_inspect(capsys):
     assert run_cli("inspect", "gpt", "--lora", "r=0") == 2
 
 
+@pytest.mark.slow
 def test_qlora_run_merges_into_a_float_model(ws, capsys):
     """--qlora: the NF4 base trains its query/value adapters; merged/ is a float model in which
     every weight (adapted or not) is the dequantized NF4 weight plus the adapters' update."""

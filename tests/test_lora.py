@@ -176,7 +176,7 @@ def test_targets_scale_and_config_errors():
 def tiny():
     cfg = models.preset("gpt", vocab_size=V, context_length=C, d_model=D, n_heads=4,
                         n_layers=N_LAYERS, d_ff=2 * D)  # fmt: skip
-    params = models.init(jax.random.PRNGKey(0), cfg)
+    params = jax.jit(models.init, static_argnums=1)(jax.random.PRNGKey(0), cfg)  # one compile
     lcfg = lora.LoraConfig(r=R, alpha=8, targets="all-linear")
     adapters = lora.init(jax.random.PRNGKey(1), cfg, lcfg)
     k = iter(jax.random.split(jax.random.PRNGKey(2), 64))

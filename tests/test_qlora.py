@@ -32,7 +32,7 @@ quant_params = pytest.importorskip("lmjax.quant.params")
 TEXT = "".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics))
 DATA = np.frombuffer(TEXT.encode("utf-8"), np.uint8)
 C = 32
-CFG = models.preset("gpt2", vocab_size=256, context_length=C, d_model=64, n_heads=4, n_layers=2,
+CFG = models.preset("gpt2", vocab_size=256, context_length=C, d_model=64, n_heads=4, n_layers=1,
                     d_ff=256)  # fmt: skip
 
 
@@ -113,7 +113,8 @@ def test_qlora_training_lowers_loss_on_real_text_and_keeps_nf4_bytes(quantized):
         assert bool(metrics["finite"])
     end = float(evaluate(lora.attach(frozen, state.params, lcfg), *held_out))
     # A random base starts near ln(256) = 5.5 nats; 25 steps of the adapters alone (over frozen
-    # random embeddings) took it to 5.13 when this test was written.
+    # random embeddings) took it from 5.60 to 5.17 when this test was written.
+    print(f"held-out loss {start:.3f} -> {end:.3f}")
     assert end < start - 0.3, (start, end)
     for name, leaf in P.flatten(jax.tree.map(np.asarray, frozen)).items():
         leaves = jax.tree.leaves(leaf)
@@ -122,6 +123,7 @@ def test_qlora_training_lowers_loss_on_real_text_and_keeps_nf4_bytes(quantized):
             np.testing.assert_array_equal(got, want, err_msg=name)
 
 
+@pytest.mark.slow
 def test_benchmark_quick_writes_json(tmp_path):
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "qlora.py"
     spec = importlib.util.spec_from_file_location("bench_qlora", path)
