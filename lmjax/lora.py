@@ -24,7 +24,8 @@ non-differentiated argument); the model code, the KV-cache decoder and evaluatio
 attached tree unchanged.
 
 Targets are globs (`lmjax.params.matches`) over linear layer names of `lmjax.models.declare(cfg)`,
-i.e. weight names without `.weight` (`blocks.3.attention.query`); `"all-linear"` selects every
+i.e. weight names without `.weight` (`blocks.3.attention.query`; a glob over the weight name,
+`*.query.weight`, selects the same layer); `"all-linear"` selects every
 linear layer of the blocks (as peft's "all-linear": not the embeddings, norms or output head).
 """
 
@@ -171,7 +172,7 @@ def target_layers(params_or_cfg, lcfg: LoraConfig) -> dict[str, tuple[int, int]]
     if lcfg.targets == (ALL_LINEAR,):
         return layers
     for pattern in lcfg.targets:
-        if not any(P.matches(name, pattern) for name in layers):
+        if not any(_selects(pattern, name) for name in layers):
             example = next(iter(layers), "<none>")
             raise ConfigError.describe(
                 "lora target", pattern,
@@ -179,7 +180,13 @@ def target_layers(params_or_cfg, lcfg: LoraConfig) -> dict[str, tuple[int, int]]
                 f"{example!r}), or 'all-linear'",
                 "check the spelling against `lmjax inspect`'s parameter names (drop '.weight')",
             )  # fmt: skip
-    return {name: shape for name, shape in layers.items() if P.matches(name, lcfg.targets)}
+    chosen = lambda name: any(_selects(p, name) for p in lcfg.targets)  # noqa: E731
+    return {name: shape for name, shape in layers.items() if chosen(name)}
+
+
+def _selects(pattern: str, layer: str) -> bool:
+    """A glob over the layer name (`blocks.0.attention.query`) or its weight's name."""
+    return P.matches(layer, pattern) or P.matches(f"{layer}.weight", pattern)
 
 
 # ---- parameters --------------------------------------------------------------------------------

@@ -157,6 +157,8 @@ def test_targets_scale_and_config_errors():
     assert list(default) == [
         f"blocks.{i}.attention.{p}" for i in range(N_LAYERS) for p in ("query", "value")
     ]
+    weights = lora.LoraConfig(targets=["*.attention.query.weight", "*.value.weight"])
+    assert lora.target_layers(cfg, weights) == default
     every = lora.target_layers(cfg, lora.LoraConfig(targets="all-linear"))
     assert len(every) == 6 * N_LAYERS and not any("head" in n for n in every)
     assert lora.LoraConfig(r=4, alpha=8).scale == 2.0
