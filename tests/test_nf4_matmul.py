@@ -317,7 +317,7 @@ def test_rejects_bad_inputs():
 # ---- the GPU benchmark script runs its argument handling here -------------------------------
 
 
-def test_gpu_benchmark_script_parses_and_skips_without_a_gpu(capsys):
+def load_benchmark():
     import importlib.util
     import pathlib
 
@@ -325,6 +325,11 @@ def test_gpu_benchmark_script_parses_and_skips_without_a_gpu(capsys):
     spec = importlib.util.spec_from_file_location("nf4_matmul_gpu", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_gpu_benchmark_script_parses_and_skips_without_a_gpu(capsys):
+    bench = load_benchmark()
     assert bench.parse_shape("768x3072") == (768, 3072)
     for bad in ("768", "768x100", "0x64"):
         with pytest.raises(Exception, match="OUTxIN|multiple of 64"):
@@ -333,3 +338,20 @@ def test_gpu_benchmark_script_parses_and_skips_without_a_gpu(capsys):
         assert bench.main([]) == 0
         assert bench.main(["--require-gpu"]) == 1
         assert "no GPU" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_gpu_benchmark_script_runs_interpreted_on_a_tiny_shape(tmp_path):
+    """The whole flow with --allow-cpu (kernel interpreted): every candidate block size timed,
+    the three impls measured, and the kernel's output equal to the XLA path's."""
+    import json
+
+    bench = load_benchmark()
+    args = ["--allow-cpu", "--tokens", "16", "--shapes", "64x128", "--calls", "1"]
+    assert bench.main([*args, "--samples", "1", "--results-dir", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "nf4_matmul_gpu.json").read_text())
+    assert result["status"] == "done" and result["nf4_interpreted"]
+    [row] = result["rows"]
+    assert all(row[f"t_{impl}_fwd_dx_ms"] > 0 for impl in bench.IMPLS)
+    assert len(row["nf4_candidates"]) == len(bench.CANDIDATES)
+    assert row["max_abs_diff_nf4_vs_nf4_xla"] <= 1e-2  # bf16 outputs below 1: a few bf16 ulps
