@@ -170,6 +170,15 @@ def test_help_and_inspect(capsys):
     assert f"adapters, trainable ({n:,} params)" in text
     assert "frozen base weights" in text
     assert run_cli("inspect", "gpt", "--lora", "r=0") == 2
+    capsys.readouterr()
+    assert run_cli("inspect", "gpt", "vocab_size=64", "n_layers=2", "--qlora") == 0
+    text = capsys.readouterr().out
+    n = 2 * (4 * cfg.d_model**2 + 2 * cfg.d_model * cfg.d_ff)  # the block projections
+    per_weight = [cfg.d_model**2] * 4 + [cfg.d_model * cfg.d_ff] * 2  # one block's
+    # SPEC section 6: N/2 + ceil(N/64) + 4 ceil(N/16384) + 4 bytes per weight matrix.
+    stored = 2 * sum(w // 2 + -(-w // 64) + 4 * -(-w // 16384) + 4 for w in per_weight)
+    assert f"NF4: {n:,} weights in" in text
+    assert f"{8 * stored / n:.3f} bits each" in text
 
 
 @pytest.mark.slow
