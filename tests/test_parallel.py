@@ -164,3 +164,15 @@ def test_a_process_other_than_zero_writes_only_checkpoints(tmp_path, monkeypatch
     assert cli.main(["train", str(tmp_path / "c.yaml")]) == 0
     assert sorted(p.name for p in run.iterdir()) == ["checkpoints"]
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["1", "2"]
+
+
+def test_barrier_waits_only_with_several_processes(monkeypatch):
+    from jax.experimental import multihost_utils
+
+    calls = []
+    monkeypatch.setattr(multihost_utils, "sync_global_devices", calls.append)
+    multihost.barrier("one")
+    assert calls == []
+    monkeypatch.setattr(multihost.jax, "process_count", lambda: 2)
+    multihost.barrier("two")
+    assert calls == ["two"]

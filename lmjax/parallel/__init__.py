@@ -21,7 +21,7 @@ from lmjax.parallel.mesh import (
     parse_mesh_arg,
     replicated,
 )
-from lmjax.parallel.multihost import host_batch, initialize_from_env, is_main
+from lmjax.parallel.multihost import barrier, host_batch, initialize_from_env, is_main
 from lmjax.parallel.rules import (
     LOGICAL_TO_MESH,
     describe,
@@ -37,6 +37,7 @@ __all__ = [
     "AXES",
     "BATCH_AXES",
     "LOGICAL_TO_MESH",
+    "barrier",
     "batch_sharding",
     "batch_spec",
     "check_batch",

@@ -68,6 +68,14 @@ def initialize_from_env(env: dict[str, str] | None = None) -> bool:
     return True
 
 
+def barrier(name: str) -> None:
+    """Wait until every process gets here (nothing to wait for with one process)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
 def is_main() -> bool:
     """True on the process that writes logs, samples and plots (process 0)."""
     return jax.process_index() == 0

@@ -119,6 +119,8 @@ def train(
             "parallel.mesh", cfg.parallel.mesh, "no mesh for a fine-tune (not supported yet)",
             "remove the parallel section: fine-tunes run on one device",
         )  # fmt: skip
+    # Every host checks the (shared) run directory before process 0 writes into it.
+    parallel.barrier("lmjax train: run directory checked")
     run_dir.mkdir(parents=True, exist_ok=True)
     if parallel.is_main():  # one writer per run; the other hosts only join the checkpoints
         atomic_write_text(run_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
