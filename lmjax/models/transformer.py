@@ -29,6 +29,7 @@ from lmjax.errors import ShapeError
 from lmjax.models.config import REMAT_POLICIES, ModelConfig
 from lmjax.models.layout import check_params
 from lmjax.ops._common import check_token_ids, is_concrete, require_int
+from lmjax.quant.nf4 import QuantizedWeight
 
 
 def _op(cfg: ModelConfig, name: str):
@@ -198,12 +199,20 @@ def check_tokens(tokens, cfg: ModelConfig) -> jax.Array:
 def cast(params: Any, dtype) -> Any:
     """Every float leaf in `dtype` (the compute copy of f32 master weights); a no-op if equal.
 
-    Integer leaves (a LoRA adapter's dropout key, quantized codes) are left as they are.
+    Integer leaves (a LoRA adapter's dropout key) are left as they are, and so is an NF4
+    `QuantizedWeight` as a whole: its float32 statistics (absmax2, offset) are part of its format,
+    and rounded to bf16 they would decode other weights; the kernel decodes in x's dtype anyway.
     """
-    return jax.tree.map(lambda a: _cast_leaf(a, dtype), params)
+    return jax.tree.map(lambda a: _cast_leaf(a, dtype), params, is_leaf=_is_quantized)
+
+
+def _is_quantized(a) -> bool:
+    return isinstance(a, QuantizedWeight)
 
 
 def _cast_leaf(a, dtype):
+    if _is_quantized(a):
+        return a
     floating = jnp.issubdtype(a.dtype, jnp.floating)
     return a.astype(dtype) if floating and a.dtype != dtype else a
 
