@@ -10,7 +10,9 @@ and the loss in a different order, so they differ by float32 rounding (~1e-7 rel
 largest gradient). Adam's first update is lr * g / (|g| + eps): with the default eps = 1e-8 an
 entry whose gradient is itself ~1e-7 turns that rounding into a change of a few thousandths of
 lr (measured 2.5e-5 at lr 1e-2). The test optimizer therefore uses eps = 1e-4, which bounds the
-update's sensitivity to 1/eps: |Δθ| <= lr * |Δg| / eps ≈ 1e-2 * 1e-9 / 1e-4 = 1e-7.
+update's sensitivity to 1/eps: |Δθ| <= lr * |Δg| / eps ≈ 1e-2 * 1e-8 / 1e-4 = 1e-6, with
+|Δg| ≲ 1e-8 the float32 rounding of gradient sums of size ~1e-2. Measured (jax 0.10.2, CPU):
+largest state difference 5.4e-7 (on (8,1,1)), largest loss difference 1.1e-7 relative.
 """
 
 from __future__ import annotations
