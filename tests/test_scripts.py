@@ -137,3 +137,61 @@ def test_gpu_without_gpus_says_so():
 
 def _command(cmd: list[str]) -> str:
     return next(a for a in cmd if a.startswith("--command=")).split("=", 1)[1]
+
+
+FAKE_GCLOUD = """#!/usr/bin/env bash
+# Records each call; the log-streaming ssh fails while $FAIL_LOGS_FILE holds a count > 0,
+# and any command containing $FAIL_ON fails.
+echo "$*" >> "$GCLOUD_LOG"
+if [[ -n "${FAIL_ON:-}" && "$*" == *"$FAIL_ON"* ]]; then exit 7; fi
+if [[ "$*" == *"--worker=0"* && "$*" == *"tail"* ]]; then
+    n=$(cat "$FAIL_LOGS_FILE")
+    if [[ $n -gt 0 ]]; then echo $((n - 1)) > "$FAIL_LOGS_FILE"; exit 255; fi
+fi
+"""
+
+
+def run_with_fake_gcloud(tmp_path, fail_logs: int, fail_on: str = ""):
+    """tpu.sh all for real (DRY_RUN=0) against a fake gcloud on PATH; its calls, in order."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "gcloud").write_text(FAKE_GCLOUD)
+    (bin_dir / "gcloud").chmod(0o755)
+    (bin_dir / "sleep").write_text("#!/usr/bin/env bash\n")  # no real waits between retries
+    (bin_dir / "sleep").chmod(0o755)
+    (tmp_path / "fails").write_text(str(fail_logs))
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "GCLOUD_LOG": str(tmp_path / "calls.log"),
+        "FAIL_LOGS_FILE": str(tmp_path / "fails"),
+        "FAIL_ON": fail_on,
+        "TMPDIR": str(tmp_path),
+        "DRY_RUN": "0",
+    }
+    done = subprocess.run(
+        ["bash", str(TPU), "all", "c.yaml"], env=env, cwd=tmp_path, capture_output=True, text=True
+    )
+    calls = (tmp_path / "calls.log").read_text().splitlines()
+    verbs = [c.split()[3] + (" logs" if "tail" in c else "") for c in calls]
+    return done, verbs
+
+
+def test_tpu_all_reconnects_a_dropped_log_stream_then_fetches_and_deletes(tmp_path):
+    done, verbs = run_with_fake_gcloud(tmp_path, fail_logs=2)
+    assert done.returncode == 0, done.stderr
+    assert verbs == ["create", "scp", "ssh", "ssh"] + ["ssh logs"] * 3 + ["scp", "delete"]
+    assert done.stderr.count("reconnecting") == 2
+    assert not list(tmp_path.glob("lmjax-src-*.tar.gz"))  # the source archive is removed
+
+
+def test_tpu_all_gives_up_streaming_after_five_drops_but_still_fetches(tmp_path):
+    done, verbs = run_with_fake_gcloud(tmp_path, fail_logs=99)
+    assert done.returncode == 0, done.stderr
+    assert verbs == ["create", "scp", "ssh", "ssh"] + ["ssh logs"] * 5 + ["scp", "delete"]
+
+
+def test_tpu_all_deletes_the_vm_when_a_step_fails(tmp_path):
+    done, verbs = run_with_fake_gcloud(tmp_path, fail_logs=0, fail_on="pip install")
+    assert done.returncode == 7
+    assert verbs == ["create", "scp", "ssh", "delete"]  # install failed: no launch, but deleted

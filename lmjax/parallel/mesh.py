@@ -31,7 +31,9 @@ AXES = ("data", "fsdp", "model")
 BATCH_AXES = ("data", "fsdp")
 
 
-def check_mesh_shape(shape: Mapping[str, int], n_devices: int | None = None) -> dict[str, int]:
+def check_mesh_shape(
+    shape: Mapping[str, int], n_devices: int | None = None, where: str = "parallel.mesh"
+) -> dict[str, int]:
     """`{"data": 2, "fsdp": 4}` -> `{"data": 2, "fsdp": 4, "model": 1}`, validated.
 
     Unknown axis names, sizes that are not positive ints, and (when `n_devices` is given) a
@@ -39,23 +41,23 @@ def check_mesh_shape(shape: Mapping[str, int], n_devices: int | None = None) -> 
     """
     if not isinstance(shape, Mapping):
         raise ConfigError.describe(
-            "parallel.mesh", shape, f"a mapping of axis sizes over {AXES}",
+            where, shape, f"a mapping of axis sizes over {AXES}",
             "write e.g. parallel: {mesh: {data: 2, fsdp: 4}}",
         )  # fmt: skip
     for name, size in shape.items():
         if name not in AXES:
             raise ConfigError.describe(
-                "parallel.mesh axis", name, f"one of {AXES}", "fix the spelling or remove it"
+                f"{where} axis", name, f"one of {AXES}", "fix the spelling or remove it"
             )
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ConfigError.describe(
-                f"parallel.mesh.{name}", size, "an int >= 1", "use a positive device count"
+                f"{where}.{name}", size, "an int >= 1", "use a positive device count"
             )
     full = {name: int(shape.get(name, 1)) for name in AXES}
     product = math.prod(full.values())
     if n_devices is not None and product != n_devices:
         raise ConfigError.describe(
-            "parallel.mesh",
+            where,
             _text(full),
             f"axis sizes whose product equals the {n_devices} devices jax sees (got {product})",
             f"resize the axes so data x fsdp x model = {n_devices}",
@@ -78,7 +80,7 @@ def parse_mesh_text(text: str, where: str = "--mesh") -> dict[str, int]:
 
 def parse_mesh_arg(text: str) -> dict[str, int]:
     """`"data=2,fsdp=4"` -> `{"data": 2, "fsdp": 4, "model": 1}` (the CLI's `--mesh`)."""
-    return check_mesh_shape(parse_mesh_text(text))
+    return check_mesh_shape(parse_mesh_text(text), where="--mesh")
 
 
 def make_mesh(shape: Mapping[str, int], devices=None) -> Mesh:

@@ -113,7 +113,18 @@ all() {
     trap delete EXIT # the TPU bills until deleted: delete it however this ends
     install
     launch "$@"
-    logs
+    # A dropped ssh connection must not end the run (the trap would delete the TPU under a
+    # training that is still going): reconnect a few times; tail exits when training does.
+    local tries=0
+    until logs; do
+        tries=$((tries + 1))
+        if [[ $tries -ge 5 ]]; then
+            echo "$0: lost the log stream $tries times; fetching what is there" >&2
+            break
+        fi
+        echo "$0: log stream dropped; reconnecting" >&2
+        sleep 10
+    done
     fetch
 }
 
