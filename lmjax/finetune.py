@@ -186,10 +186,14 @@ def frozen_params(base_params: dict, qlora: bool) -> dict:
 def trainable(cfg: RunConfig, spec: FinetuneSpec, frozen: dict):
     """The loop's `Trainable` for LoRA over `frozen`."""
     from lmjax.train.loop import Trainable
+    from lmjax.train.metrics import lora_flops_per_token
 
     model, lcfg = cfg.model_config(), spec.lora
+    init = lambda key: lora.init(key, frozen, lcfg)  # noqa: E731
+    shapes = lora.adapter_shapes(jax.eval_shape(init, jax.random.PRNGKey(0)))
     return Trainable(
-        init_params=lambda key: lora.init(key, frozen, lcfg),
+        init_params=init,
+        flops_per_token=lambda model_cfg, seq_len: lora_flops_per_token(model_cfg, seq_len, shapes),
         loss=lora.objective(model, lcfg),
         frozen=frozen,
         model_params=lambda adapters: lora.attach(frozen, adapters, lcfg),

@@ -238,6 +238,14 @@ def adapter_layers(adapters) -> dict[str, tuple[Any, Any]]:
     return layers
 
 
+def adapter_shapes(adapters) -> dict[str, tuple[int, int, int]]:
+    """`{layer name: (out, in, r)}` of an adapter tree (or its `jax.eval_shape`)."""
+    return {
+        name: (b.shape[0], a.shape[1], a.shape[0])
+        for name, (a, b) in adapter_layers(adapters).items()
+    }
+
+
 # ---- the forward pass --------------------------------------------------------------------------
 
 
@@ -407,6 +415,8 @@ __all__ = [
     "ALL_LINEAR",
     "Adapter",
     "LoraConfig",
+    "adapter_layers",
+    "adapter_shapes",
     "attach",
     "count",
     "delta",

@@ -87,6 +87,15 @@ def test_run_directory_and_frozen_base(ws, straight, capsys):
         for i in range(2) for p in ("query", "value") for ab in ("lora_a", "lora_b")
     ]  # fmt: skip
     assert any(np.asarray(b).any() for _, b in lora.adapter_layers(adapters).values())
+    # MFU counts a LoRA step's FLOPs (frozen base: no weight gradients), not 6N of the model.
+    from lmjax.train.metrics import lora_flops_per_token
+
+    shapes = lora.adapter_shapes(adapters)
+    per_token = lora_flops_per_token(load_run(ws / "base").model, 16, shapes)
+    timed = [r for r in records if r.get("mfu") is not None]
+    assert timed
+    for r in timed:  # logging.peak_flops is 1e12 in CONFIG
+        assert r["mfu"] == pytest.approx(per_token * r["tokens_per_s"] / 1e12, rel=1e-9)
     assert (ws / "base" / "model.safetensors").read_bytes() == base_bytes
     # The checkpoint holds the adapters and their optimizer state, nothing of the base.
     from lmjax.train.checkpoint import Checkpoints

@@ -261,3 +261,53 @@ def test_training_moves_only_adapters(tiny):
     for name, leaf in P.flatten(params).items():
         np.testing.assert_array_equal(np.asarray(leaf), P.flatten(before)[name], err_msg=name)
     assert all(not leaf.is_deleted() for leaf in jax.tree.leaves(params))  # not donated
+
+
+def _hlo_dot_flops(text: str) -> int:
+    """2 x (output elements) x (contracted size), summed over every dot of a compiled module."""
+    import re
+
+    assert " while(" not in text  # a loop body would count once per trip: keep the model small
+    total, shapes = 0, {}
+    for line in text.splitlines():
+        if line and not line.startswith(" "):
+            shapes = {}  # a new computation: instruction names are local to it
+        defined = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = \w+\[([\d,]*)\]", line)
+        if defined:
+            shapes[defined[1]] = [int(n) for n in defined[2].split(",") if n]
+        if " dot(" in line:
+            lhs = shapes[re.search(r"dot\(%([\w.\-]+)", line)[1]]
+            contracted = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", line)[1]
+            k = math.prod(lhs[int(i)] for i in contracted.split(",") if i)
+            total += 2 * math.prod(shapes[defined[1]]) * k
+    return total
+
+
+@pytest.mark.parametrize(
+    "preset, targets",
+    [
+        ("gpt", lora.DEFAULT_TARGETS),
+        ("llama", ("blocks.0.attention.value", "blocks.1.attention.key", "*.feed_forward.up")),
+    ],
+)
+def test_lora_flops_equal_the_compiled_steps_dot_flops(preset, targets):
+    """MFU's FLOPs of a LoRA step equal the matmul FLOPs XLA kept in the compiled step (frozen
+    weight gradients and the gradient into block 0's frozen input are dead code there)."""
+    from lmjax.train.metrics import flops_per_token, lora_flops_per_token
+
+    cfg = models.preset(preset, vocab_size=V, context_length=C, d_model=D, n_heads=4,
+                        n_layers=N_LAYERS, d_ff=2 * D)  # fmt: skip
+    params = jax.eval_shape(models.init, jax.random.PRNGKey(0), cfg)
+    lcfg = lora.LoraConfig(r=R, alpha=8, targets=targets)
+    tx = optax.sgd(1e-2)
+    state = jax.eval_shape(
+        lambda: init_state(jax.random.PRNGKey(0), cfg, tx, lambda k: lora.init(k, params, lcfg))
+    )
+    step = make_train_step(cfg, tx, lambda s: 1e-2, loss=lora.objective(cfg, lcfg))
+    batch = {"inputs": jax.ShapeDtypeStruct((1, 4, C), jnp.int32)}
+    batch["targets"] = batch["inputs"]
+    text = step.lower(state, batch, params).compile().as_text()
+    per_token = _hlo_dot_flops(text) / (4 * C)
+    ours = lora_flops_per_token(cfg, C, lora.adapter_shapes(state.params))
+    assert ours == per_token
+    assert ours < 0.8 * flops_per_token(cfg, C)  # what MFU counted before

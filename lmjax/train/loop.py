@@ -76,6 +76,8 @@ class Trainable:
     frozen: Any = None  # the step's frozen argument: never donated, differentiated or updated
     model_params: Any = _identity  # trained params -> the tree forward / generate take
     meta: dict = dataclasses.field(default_factory=dict)  # added to every checkpoint's meta
+    # (model cfg, seq_len) -> FLOPs per trained token for MFU; None: metrics.flops_per_token
+    flops_per_token: Any = None
     files: dict = dataclasses.field(default_factory=dict)  # {name: text} beside config.yaml
 
 
@@ -254,7 +256,8 @@ class _Trainer:
         self.log = MetricsLog(run_dir / "metrics.jsonl")
         self.seq_len = cfg.seq_len
         self.tokens_per_step = cfg.train.batch_size * self.seq_len
-        self.flops = flops_per_token(self.model, self.seq_len) * self.tokens_per_step
+        count = trainable.flops_per_token or flops_per_token
+        self.flops = count(self.model, self.seq_len) * self.tokens_per_step
         peak = cfg.logging.peak_flops
         self.compile_s = None
         self.peak = peak or measured_peak_flops(str(self.model.compute_dtype))
