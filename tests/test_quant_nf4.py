@@ -342,3 +342,20 @@ def test_compute_dtype_cast_keeps_the_nf4_statistics_in_float32():
     tree = cast({"weight": qw, "bias": jnp.zeros(32)}, jnp.bfloat16)
     assert tree["bias"].dtype == jnp.bfloat16
     assert tree["weight"] is qw
+
+
+def test_finite_weights_whose_block_scales_overflow_are_rejected():
+    """offset = mean(absmax) is a float32 sum: two blocks at 3e38 overflow it to inf, and every
+    dequantized weight would be NaN. A finite weight that large is an error, not silent NaNs."""
+    w = np.full((2, 64), 3e38, np.float32)
+    with pytest.raises(NonFiniteError, match="weight.*3e\\+38.*float32"):
+        quantize(w)
+    assert np.isfinite(np.asarray(dequantize(quantize(w / 1e4)))).all()
+
+
+def test_non_finite_weight_under_jit_dequantizes_to_non_finite_everywhere():
+    """Under jit nothing can raise: a NaN or inf must not pass for a plausible weight."""
+    w = normal((2, 64), 15).astype(np.float32)
+    for bad in (np.nan, np.inf):
+        w[1, 3] = bad
+        assert not np.isfinite(np.asarray(dequantize(jax.jit(quantize)(w)))).any()

@@ -27,7 +27,13 @@ required of N beyond N >= 1.
 
 Edge cases: a block of zeros has absmax 0 and codes 7 (NF4 value 0.0), and the reciprocal is
 taken of max(absmax, smallest normal float32), so no block gives inf or NaN. The weight must be
-finite (checked when it is concrete, i.e. outside jit), float32, bfloat16 or float16.
+finite, float32, bfloat16 or float16, with block maxima whose float32 sum (the offset) does not
+overflow; both are checked when the weight is concrete (outside jit). Under jit a NaN or inf
+weight, or an overflowing offset, makes the offset and absmax2 NaN or inf, so the whole weight
+dequantizes to NaN (or inf): loud, never plausible garbage. One block with a huge outlier (1e4 among
+weights of 0.02) is legal but ruins the others, exactly as in bitsandbytes: the offset and
+absmax2 follow the outlier, and the 8-bit code of a small block's absmax is then a coarse step
+of absmax2 (its dequantized absmax can even come out negative, flipping that block's signs).
 
 The one place "nearest" needs a convention: 9 of the 15 NF4 midpoints are not float32 numbers.
 The comparison is with the float32-rounded midpoint (as bitsandbytes' `torch.bucketize` on its
@@ -181,9 +187,11 @@ def _check_weight(w: jax.Array) -> None:
             "at least one axis and at least one element",
             "quantize a non-empty weight array",
         )
-    finite = None if isinstance(w, jax.core.Tracer) else np.isfinite(np.asarray(w))
-    if finite is not None and not finite.all():
-        bad = int(finite.size - finite.sum())
+    if isinstance(w, jax.core.Tracer):
+        return
+    finite = jnp.isfinite(w)  # on w's device: one bool comes back, not a host copy of w
+    if not bool(finite.all()):
+        bad = int(jnp.sum(~finite))
         raise NonFiniteError.describe(
             "weight",
             f"{bad} NaN or infinite of {w.size} elements",
@@ -220,7 +228,21 @@ def quantize(w) -> QuantizedWeight:
     _check_weight(w)
     # The jitted part sees a flat float32 vector: one compile per size, whatever shape or dtype.
     packed, qabsmax, absmax2, offset = _quantize(w.reshape(-1).astype(jnp.float32))
+    if not isinstance(offset, jax.core.Tracer) and not np.isfinite(float(offset)):
+        _raise_scale_overflow(w)
     return QuantizedWeight(packed, qabsmax, absmax2, offset, shape=tuple(w.shape), dtype=w.dtype)
+
+
+def _raise_scale_overflow(w: jax.Array):
+    """offset = mean(absmax) is a float32 sum, as bitsandbytes': finite weights near the float32
+    limit overflow it to inf, and every dequantized weight would be NaN."""
+    raise NonFiniteError.describe(
+        "weight",
+        f"max |w| = {float(jnp.max(jnp.abs(w.astype(jnp.float32)))):.3g}",
+        "block maxima whose float32 sum (the double-quantization offset) stays finite, "
+        "below about 3.4e38 in total",
+        "rescale the weight (quantize w / s and multiply the layer's output by s)",
+    )
 
 
 @jax.jit
