@@ -9,7 +9,11 @@ import pytest
 from lmjax.config import RunConfig, load_run_config, parse_overrides
 from lmjax.errors import ConfigError, FileFormatError, LMJaxError
 
-CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
+ALL_CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
+# `lmjax finetune` configs name a base run and take their model from it; the rest are
+# `lmjax train` configs.
+FINETUNE_CONFIGS = [p for p in ALL_CONFIGS if p.name.startswith("finetune-")]
+CONFIGS = [p for p in ALL_CONFIGS if p not in FINETUNE_CONFIGS]
 BASE = {"model": {"preset": "gpt"}}
 
 
@@ -25,6 +29,28 @@ def test_shipped_configs_load_and_build_their_models():
         assert model.n_layers >= 1 and cfg.train.steps >= 1
         # The sample must fit in one context (a character is at most one token here), else
         # `lmjax train` refuses the config before starting.
+        prompt = len(cfg.logging.sample_prompt.encode())
+        assert prompt + cfg.logging.sample_tokens <= model.context_length, path.name
+
+
+def test_shipped_finetune_configs_load_over_a_base_run(tmp_path):
+    """Each finetune-*.yaml loads with its base swapped for a tiny char-level weights-only run."""
+    import jax
+
+    from lmjax import finetune, models
+    from lmjax.tokenizers.simple import CharTokenizer
+    from lmjax.train.runs import write_weights_run
+
+    assert {p.name for p in FINETUNE_CONFIGS} == {"finetune-lora.yaml", "finetune-qlora.yaml"}
+    tokenizer = CharTokenizer.train("abcdefgh ")
+    model = models.preset("llama-tiny", vocab_size=tokenizer.vocab_size)
+    base = tmp_path / "base"
+    write_weights_run(base, models.init(jax.random.key(0), model), model, tokenizer, "char")
+    for path in FINETUNE_CONFIGS:
+        cfg, spec, _ = finetune.load_config(path, {"finetune.base": str(base)})
+        assert spec.qlora == ("qlora" in path.name), path.name
+        assert spec.lora.r >= 1 and cfg.train.steps >= 1
+        assert cfg.model_config() == model, path.name
         prompt = len(cfg.logging.sample_prompt.encode())
         assert prompt + cfg.logging.sample_tokens <= model.context_length, path.name
 
