@@ -74,6 +74,9 @@ PARITY = [
     ("heavy-300x77-ragged", on_grid(heavy_tailed((300, 77), 3))),
     ("ties-16x64", with_ties((16, 64), 4)),
     ("tiny-5-odd", on_grid(normal((5,), 5))),
+    # One block past a double-quantization group (16384 weights) and one short of two groups.
+    ("groups-16385", on_grid(normal((16385,), 16))),
+    ("groups-32767", on_grid(normal((32767,), 17))),
     ("zero-blocks-4x128", on_grid(np.concatenate([np.zeros((2, 128)), normal((2, 128), 6)]))),
 ]
 
@@ -96,9 +99,24 @@ def bnb_quantize(w: np.ndarray):
     return packed.numpy().reshape(-1), state
 
 
+def assert_nested_codes_are_nearest(qw: QuantizedWeight, absmax: np.ndarray):
+    """SPEC's rule, checked by numpy alone: each nested code is the map value nearest to
+    s = (absmax - offset) * (1 / absmax2) computed in float32 (absmax2 = 0: s = 0), to within
+    one float32 ulp of s (the float32-rounded midpoints decide exact ties; module docstring of
+    lmjax.quant.nf4)."""
+    absmax2 = np.repeat(np.asarray(qw.absmax2), nf4.BLOCK2)[: absmax.size]
+    inv = np.float32(1) / np.maximum(absmax2, np.finfo(np.float32).tiny)
+    s = np.clip((absmax - np.float32(qw.offset)) * inv, -1, 1).astype(np.float64)
+    distance = np.abs(nf4.DYNAMIC.astype(np.float64)[None, :] - s[:, None])
+    ours = distance[np.arange(s.size), np.asarray(qw.qabsmax).astype(int)]
+    excess = ours - distance.min(axis=1)
+    assert np.all(excess <= np.spacing(np.abs(s).astype(np.float32))), np.max(excess)
+
+
 def accepted_nested_differences(qw: QuantizedWeight, absmax: np.ndarray, bnb_codes: np.ndarray):
     """How many of bitsandbytes' nested codes differ from ours in groups with absmax2 > 0;
     asserts each difference is acceptable (module docstring)."""
+    assert_nested_codes_are_nearest(qw, absmax)
     ours = np.asarray(qw.qabsmax).astype(int)
     differ = np.nonzero(ours != bnb_codes.astype(int))[0]
     absmax2 = np.repeat(np.asarray(qw.absmax2), nf4.BLOCK2)[: ours.size]
