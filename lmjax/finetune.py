@@ -50,26 +50,46 @@ MODEL_FIELDS = ("dropout", "dtype", "remat", "attention", "ops")  # what a fine-
 @dataclasses.dataclass(frozen=True)
 class FinetuneSpec:
     base: str  # the base run as given
-    base_path: str  # ... resolved to an absolute path when the fine-tune started
+    base_path: str  # ... resolved (absolute, symlinks followed) when the fine-tune started
     qlora: bool
     lora: LoraConfig
+    base_step: int | None = None  # the base checkpoint's step (None: a weights-only run)
+    base_sha256: str | None = None  # `fingerprint` of the base's parameters
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "finetune": {"base": self.base, "base_path": self.base_path, "qlora": self.qlora},
-            "lora": self.lora.to_dict(),
-        }
+        section = {"base": self.base, "base_path": self.base_path, "qlora": self.qlora}
+        section |= {"base_step": self.base_step, "base_sha256": self.base_sha256}
+        return {"finetune": section, "lora": self.lora.to_dict()}
 
     @classmethod
     def from_dict(cls, data: Any, where: str) -> FinetuneSpec:
         try:
             f = data["finetune"]
-            return cls(f["base"], f["base_path"], f["qlora"], LoraConfig.from_dict(data["lora"]))
-        except (KeyError, TypeError):
+            lcfg = LoraConfig.from_dict(data["lora"])
+            step, sha = f.get("base_step"), f.get("base_sha256")
+            return cls(f["base"], f["base_path"], f["qlora"], lcfg, step, sha)
+        except (KeyError, TypeError, AttributeError):
             raise CheckpointError.describe(
-                where, "incomplete", "finetune: {base, base_path, qlora} and lora: {...}",
+                where, "incomplete", "finetune: {base, base_path, qlora, ...} and lora: {...}",
                 "restore the file (lmjax finetune writes it) or start a new run",
             ) from None  # fmt: skip
+
+
+def fingerprint(params) -> str:
+    """sha256 over the parameters' names, dtypes, shapes and bytes: the base's identity, however
+    its path is spelled (relative, through a symlink, moved)."""
+    import hashlib
+
+    import numpy as np
+
+    from lmjax import params as P
+
+    digest = hashlib.sha256()
+    for name, leaf in P.flatten(params).items():
+        array = np.asarray(jax.device_get(leaf))
+        digest.update(f"{name}:{array.dtype.str}:{array.shape};".encode())
+        digest.update(np.ascontiguousarray(array).tobytes())
+    return digest.hexdigest()
 
 
 def load_config(
@@ -119,7 +139,10 @@ def load_config(
             "parallel.mesh", cfg.parallel.mesh, "null for a fine-tune (single device for now)",
             "remove the parallel section",
         )  # fmt: skip
-    spec = FinetuneSpec(base, str(Path(base).absolute()), use_qlora, lcfg)
+    resolved = str(Path(base).resolve())
+    spec = FinetuneSpec(
+        base, resolved, use_qlora, lcfg, base_run.step, fingerprint(base_run.params)
+    )
     lora.target_layers(base_run.model, lcfg)  # a target that selects nothing fails here
     return cfg, spec, base_run
 
@@ -240,7 +263,17 @@ def _check_same_spec(run_dir: Path, spec: FinetuneSpec) -> None:
             "check run.dir, or drop --resume to start a new fine-tune",
         )  # fmt: skip
     saved = FinetuneSpec.from_dict(yaml.safe_load(where.read_text(encoding="utf-8")), str(where))
-    for field in ("base_path", "qlora", "lora"):
+    # The base is compared by content: the same weights may be named by another path.
+    if saved.base_sha256 is not None and saved.base_sha256 != spec.base_sha256:
+        raise ConfigError.describe(
+            "base weights on resume", f"{spec.base_path} (sha256 {spec.base_sha256[:12]})",
+            f"the weights the run started from ({saved.base_path}, step {saved.base_step}, "
+            f"sha256 {saved.base_sha256[:12]})",
+            "point finetune.base at that base (e.g. RUN/checkpoints/STEP if it trained on), or "
+            "start a new run",
+        )  # fmt: skip
+    fields = ("qlora", "lora") if saved.base_sha256 is not None else ("base_path", "qlora", "lora")
+    for field in fields:
         if getattr(saved, field) != getattr(spec, field):
             raise ConfigError.describe(
                 f"{field} on resume", getattr(spec, field), f"the run's {getattr(saved, field)!r}",
@@ -265,12 +298,11 @@ def load_finetuned(run_dir: Path, cfg: RunConfig, step: int | None):
     """`(merged params, step)` of a fine-tune run's checkpoint (`lmjax.train.load_run`)."""
     from lmjax.train import optim
     from lmjax.train.checkpoint import Checkpoints, check_same_model
-    from lmjax.train.runs import load_run
     from lmjax.train.step import init_state
 
     where = run_dir / SPEC_FILE
     spec = FinetuneSpec.from_dict(yaml.safe_load(where.read_text(encoding="utf-8")), str(where))
-    base_run = load_run(spec.base_path)
+    base_run = _load_base(spec, where)
     frozen = frozen_params(base_run.params, spec.qlora)
     model = cfg.model_config()
     tx, _ = optim.from_config(cfg)
@@ -280,6 +312,33 @@ def load_finetuned(run_dir: Path, cfg: RunConfig, step: int | None):
     check_same_model(ckpt.read_meta(step), model, ckpt.directory)
     state = ckpt.restore(abstract, step)
     return lora.merge(frozen, state.params, spec.lora), int(state.step)
+
+
+def _load_base(spec: FinetuneSpec, where: Path):
+    """The base the fine-tune trained on: its path and step, checked by content."""
+    from lmjax.errors import LMJaxError
+    from lmjax.train.runs import load_run
+
+    merged = where.parent / MERGED_DIR
+    fix = (
+        f"restore it, or set finetune.base_path in {where} to where it is now; "
+        f"{merged} holds the merged model without the base"
+    )
+    try:
+        base_run = load_run(spec.base_path, spec.base_step)
+    except LMJaxError as err:
+        raise CheckpointError.describe(
+            "fine-tune base", f"{spec.base_path} (step {spec.base_step})",
+            f"the base run this fine-tune trained on ({type(err).__name__}: {err})", fix,
+        ) from None  # fmt: skip
+    if spec.base_sha256 is not None and fingerprint(base_run.params) != spec.base_sha256:
+        raise CheckpointError.describe(
+            "fine-tune base", f"{spec.base_path} (step {spec.base_step})",
+            f"the weights the adapters were trained on (sha256 {spec.base_sha256[:12]}); "
+            "that base has changed",
+            fix,
+        )  # fmt: skip
+    return base_run
 
 
 # ---- memory --------------------------------------------------------------------------------------

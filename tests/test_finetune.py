@@ -14,6 +14,7 @@ import pytest
 from lmjax import cli, lora, models
 from lmjax import params as P
 from lmjax.config import RunConfig
+from lmjax.errors import CheckpointError
 from lmjax.train import loop
 from lmjax.train.runs import load_run, write_weights_run
 
@@ -120,11 +121,17 @@ def test_run_directory_and_frozen_base(ws, straight, capsys):
     assert texts[0] == texts[1] and texts[0].startswith("So") and len(texts[0]) == 2 + 6 + 1
 
 
-def test_resume_equals_straight(ws, straight):
+def test_resume_equals_straight(ws, straight, monkeypatch):
+    """The resume names the same base another way (a relative path through a symlink, from
+    another working directory): the base is the same weights, so the run continues."""
     out = ws / "resumed"
     quiet = ("logging.sample_tokens=0", "logging.plot=false")  # no effect on the adapters
     assert run_cli("finetune", str(ws / "ft.yaml"), f"run.dir={out}", "train.steps=2", *quiet) == 0
-    assert run_cli("finetune", str(ws / "ft.yaml"), f"run.dir={out}", "--resume", *quiet) == 0
+    (ws / "elsewhere").mkdir()
+    (ws / "link").symlink_to(ws / "base")
+    monkeypatch.chdir(ws / "elsewhere")
+    again = ("finetune.base=../link", "--resume", *quiet)
+    assert run_cli("finetune", str(ws / "ft.yaml"), f"run.dir={out}", *again) == 0
     a, _ = lora.load_adapters(straight / "adapters.safetensors")
     b, _ = lora.load_adapters(out / "adapters.safetensors")
     for name, leaf in P.flatten(a).items():
@@ -155,6 +162,29 @@ def test_bad_input_is_one_line_exit_2_nothing_written(ws, capsys, args, message)
     assert err.startswith("lmjax finetune: error:") and "\n" not in err, err
     assert message in err, err
     assert not out.exists()
+
+
+def test_resume_onto_other_base_weights_is_refused(ws, straight, capsys):
+    """Same path, other weights (the base was retrained or replaced): refused, nothing written;
+    load_run of the fine-tune then says its base changed instead of merging onto it."""
+    other = ws / "other-base"
+    base = load_run(ws / "base")
+    params = models.init(jax.random.PRNGKey(7), base.model)
+    write_weights_run(other, params, base.model, base.tokenizer, "char")
+    before = {p: p.read_bytes() for p in straight.rglob("*") if p.is_file()}
+    args = (f"run.dir={straight}", f"finetune.base={other}", "train.steps=6", "--resume")
+    assert run_cli("finetune", str(ws / "ft.yaml"), *args) == 2
+    err = capsys.readouterr().err
+    assert "base weights on resume" in err and "\n" not in err.strip(), err
+    assert {p: p.read_bytes() for p in straight.rglob("*") if p.is_file()} == before
+    copy = ws / "moved-base-run"
+    import shutil
+
+    shutil.copytree(straight, copy, ignore=shutil.ignore_patterns("merged"))
+    spec = (copy / "finetune.yaml").read_text()
+    (copy / "finetune.yaml").write_text(spec.replace(str(ws / "base"), str(other)))
+    with pytest.raises(CheckpointError, match="base"):
+        load_run(copy)
 
 
 def test_existing_run_directory_is_refused(ws, straight, capsys):
