@@ -99,6 +99,10 @@ class LoraConfig:
                     "--lora item", item, "key=value (e.g. r=8,alpha=16)", "write key=value pairs"
                 )
             key = key.strip()
+            if key in fields:
+                raise ConfigError.describe(
+                    "--lora key", key, "each key once", f"keep one {key}=... in {text!r}"
+                )
             fields[key] = value.split("|") if key == "targets" else parse_value(value.strip())
         merged = {**(base or cls()).to_dict(), **fields}
         return cls.from_dict(merged, where="--lora")
@@ -288,13 +292,7 @@ def attach(params: dict, adapters: dict, lcfg: LoraConfig, dropout_key=None) -> 
                 "adapter layer", name, "a linear layer of the base model",
                 "load adapters made for this model",
             )  # fmt: skip
-        out_f, in_f = tuple(base[f"{name}.weight"].shape)
-        if a.shape[1] != in_f or b.shape[0] != out_f:
-            raise ShapeError.describe(
-                f"adapter {name}", (a.shape, b.shape),
-                f"lora_a [r, {in_f}] and lora_b [{out_f}, r] for weight [{out_f}, {in_f}]",
-                "load adapters made for this model",
-            )  # fmt: skip
+        _check_fits(name, a, b, tuple(base[f"{name}.weight"].shape))
         key = None
         if dropout_key is not None and lcfg.dropout > 0.0:
             key = jax.random.fold_in(dropout_key, i)
@@ -303,6 +301,16 @@ def attach(params: dict, adapters: dict, lcfg: LoraConfig, dropout_key=None) -> 
             node = node[part]
         node["lora"] = Adapter(a, b, key, lcfg.scale, lcfg.dropout)
     return out
+
+
+def _check_fits(name: str, a, b, weight_shape: tuple[int, ...]) -> None:
+    out_f, in_f = weight_shape
+    if a.shape[1] != in_f or b.shape[0] != out_f:
+        raise ShapeError.describe(
+            f"adapter {name}", (a.shape, b.shape),
+            f"lora_a [r, {in_f}] and lora_b [{out_f}, r] for weight [{out_f}, {in_f}]",
+            "load adapters made for this model",
+        )  # fmt: skip
 
 
 def objective(cfg, lcfg: LoraConfig):
@@ -352,6 +360,7 @@ def _apply_delta(params: dict, adapters: dict, lcfg: LoraConfig, sign: float) ->
                 "adapter layer", name, "a linear layer of the base model",
                 "load adapters made for this model",
             )  # fmt: skip
+        _check_fits(name, a, b, tuple(weight.shape))
         updated = weight.astype(jnp.float32) + sign * delta(a, b, lcfg.scale)
         flat[f"{name}.weight"] = updated.astype(weight.dtype)
     return P.unflatten(flat)

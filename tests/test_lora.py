@@ -169,7 +169,7 @@ def test_targets_scale_and_config_errors():
     )  # fmt: skip
     with pytest.raises(ConfigError, match="lora target"):
         lora.target_layers(cfg, lora.LoraConfig(targets="*.attention.qurey"))
-    for bad in ("r=0", "alpha=-1", "dropout=1.0", "init=xavier", "rank=4", "r"):
+    for bad in ("r=0", "alpha=-1", "dropout=1.0", "init=xavier", "rank=4", "r", "r=8,r=4"):
         with pytest.raises(ConfigError):
             lora.LoraConfig.parse(bad)
 
@@ -236,6 +236,13 @@ def test_adapters_file_round_trip_and_bad_files(tiny, tmp_path):
         lora.load_adapters(path, expected=wrong)
     with pytest.raises(ShapeError):
         lora.attach(tiny[1], wrong, lcfg)
+    # A base of other dimensions: merge names the layer (it was a raw broadcasting TypeError).
+    wider = models.preset("gpt", vocab_size=V, context_length=C, d_model=2 * D, n_heads=4,
+                          n_layers=N_LAYERS, d_ff=2 * D)  # fmt: skip
+    other = jax.eval_shape(models.init, jax.random.PRNGKey(0), wider)
+    for fold in (lora.merge, lora.unmerge):
+        with pytest.raises(ShapeError, match="blocks.0.attention.key"):
+            fold(other, adapters, lcfg)
 
 
 def test_training_moves_only_adapters(tiny):
