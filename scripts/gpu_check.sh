@@ -16,30 +16,34 @@
 #     environment.json             python, jax, jaxlib, devices
 #     junit_{smoke,fast,slow}.xml  pytest's per-test results (written on a timeout too)
 #     attention_gpu.json           the timings, rewritten after every point
-#     junit_nf4.xml, nf4_matmul_gpu.json   the NF4 matmul kernel's tests and timings (3c, 3d)
+#     junit_nf4.xml, nf4_matmul_gpu.json   the NF4 matmul kernel's tests and timings (2b, 3c)
 #
 # Steps, in this order; limits in seconds, each also cut to what is left of TOTAL_BUDGET_S:
-#   1 env    python, jax, devices (and nvidia-smi); no GPU ends the run     ENV_TIMEOUT_S=40
+#   1 env    python, jax, devices (and nvidia-smi); no GPU ends the run     ENV_TIMEOUT_S=30
 #   2 smoke  GPU_SMOKE of tests/test_flash_attention.py, compiled: causal, non-causal with
 #            ragged S and key padding, bf16, f16, rows with no key, block skipping
 #                                                                           SMOKE_TIMEOUT_S=60
-#   3 bench  benchmarks/attention_gpu.py; runs whatever step 2 gave        BENCH_TIMEOUT_S=210
+#   2b nf4   tests/test_nf4_matmul.py (fast ones), the NF4 matmul kernel compiled
+#                                                                           NF4_TEST_TIMEOUT_S=60
+#   3 bench  benchmarks/attention_gpu.py; runs whatever step 2 gave        BENCH_TIMEOUT_S=90
 #            (its --budget-s, after which no new point starts: the limit less min(60,
 #            limit/3), so never negative)
 #   3b train gpt2-124m bf16 train step, flash attention: `lmjax bench`     TRAIN_TIMEOUT_S=150
 #            configs/gpt2-124m.yaml, tokens/s and MFU on the bf16 data-sheet peak -> train_step_gpu.json
-#   3c nf4   tests/test_nf4_matmul.py (fast ones), the NF4 matmul kernel compiled
-#                                                                           NF4_TEST_TIMEOUT_S=60
-#   3d nf4bench  benchmarks/nf4_matmul_gpu.py: NF4 kernel vs bf16 matmul (and XLA dequantize +
+#   3c nf4bench  benchmarks/nf4_matmul_gpu.py: NF4 kernel vs bf16 matmul (and XLA dequantize +
 #            matmul) at GPT-2 124M's projections, 4096 and 16 tokens -> nf4_matmul_gpu.json
-#            (its --budget-s: the limit less min(40, limit/3))              NF4_BENCH_TIMEOUT_S=100
+#            (its --budget-s: the limit less min(40, limit/3))              NF4_BENCH_TIMEOUT_S=80
 #   4 fast   the other fast tests of the kernel and of ops.attention       FAST_TIMEOUT_S=120
 #            (all of them, smoke included, when step 2 did not pass)
 #   5 slow   the slow product, in the time left; skipped under 30 s        SLOW_TIMEOUT_S=120
+# Steps 4 and 5 are not in the default run: the device machine allows 600 s per command, so one
+# invocation does the compiled smoke tests and the timings (1-3c) in TOTAL_BUDGET_S=420, and a
+# second, GPU_CHECK_STEPS="fast slow", the rest (at most 30 + 120 + 120 s).
 # A step out of time gets SIGINT (pytest still writes its junit file, the benchmark its JSON)
-# and SIGKILL KILL_AFTER_S=10 later. TOTAL_BUDGET_S=720 ends every step by then, so the worst
-# case is 720 s plus the closing summaries (at most 20 s each): under 13 minutes. (Without the
-# NF4 steps: GPU_CHECK_STEPS="smoke bench train fast slow" TOTAL_BUDGET_S=560, under 9.7.)
+# and SIGKILL KILL_AFTER_S=10 later. TOTAL_BUDGET_S ends every step by then, so the worst case
+# is 420 s plus the closing summaries (at most 20 s each): 480 s, under the 600 s a command may
+# take. The limits of 1-3c add up to 470 s: a run whose early steps all use their whole limit
+# gives nf4bench only 20 s (it still runs and writes its JSON).
 # GPU_CHECK_STEPS picks steps for a shorter rerun, e.g. GPU_CHECK_STEPS="bench" or
 # "smoke fast" (env always runs); steps left out are recorded as not requested.
 #
@@ -58,17 +62,17 @@ cd "$ROOT"
 PYTHON="${PYTHON:-python3}"
 RESULTS_DIR="${RESULTS_DIR:-${OUT:-benchmarks/results}}"
 DRY_RUN="${GPU_CHECK_DRY_RUN:-0}"
-STEPS=" ${GPU_CHECK_STEPS:-smoke bench train nf4 nf4bench fast slow} "
-ENV_TIMEOUT_S="${ENV_TIMEOUT_S:-40}"
+STEPS=" ${GPU_CHECK_STEPS:-smoke nf4 bench train nf4bench} "
+ENV_TIMEOUT_S="${ENV_TIMEOUT_S:-30}"
 SMOKE_TIMEOUT_S="${SMOKE_TIMEOUT_S:-60}"
-BENCH_TIMEOUT_S="${BENCH_TIMEOUT_S:-210}"
+BENCH_TIMEOUT_S="${BENCH_TIMEOUT_S:-90}"
 FAST_TIMEOUT_S="${FAST_TIMEOUT_S:-120}"
 SLOW_TIMEOUT_S="${SLOW_TIMEOUT_S:-120}"
 TRAIN_TIMEOUT_S="${TRAIN_TIMEOUT_S:-150}" # issue 11: the gpt2-124m train-step benchmark (3b)
-NF4_TEST_TIMEOUT_S="${NF4_TEST_TIMEOUT_S:-60}"    # issue 8: NF4 matmul kernel tests (3c)
-NF4_BENCH_TIMEOUT_S="${NF4_BENCH_TIMEOUT_S:-100}" # issue 8: NF4 vs bf16 matmul timings (3d)
+NF4_TEST_TIMEOUT_S="${NF4_TEST_TIMEOUT_S:-60}"   # issue 8: NF4 matmul kernel tests (2b)
+NF4_BENCH_TIMEOUT_S="${NF4_BENCH_TIMEOUT_S:-80}" # issue 8: NF4 vs bf16 matmul timings (3c)
 KILL_AFTER_S="${KILL_AFTER_S:-10}"
-TOTAL_BUDGET_S="${TOTAL_BUDGET_S:-720}"
+TOTAL_BUDGET_S="${TOTAL_BUDGET_S:-420}"
 MIN_STEP_S=20 # a step with less time than this left is skipped, not started
 MIN_SLOW_S=30
 for knob in ENV_TIMEOUT_S SMOKE_TIMEOUT_S BENCH_TIMEOUT_S FAST_TIMEOUT_S SLOW_TIMEOUT_S \
@@ -265,6 +269,13 @@ elif begin_step smoke "$SMOKE_TIMEOUT_S" "$MIN_STEP_S" "${#SMOKE_IDS[@]} kernel 
     if [ "$STEP_OUTCOME" = ok ]; then smoke_passed=1; fi
 fi
 
+# ---- 2b: the NF4 matmul kernel's fast tests, compiled (issue 8) ---------------------------------
+# The GPU kernel compiled, the TPU kernel's tests skipped; before the timings, with the smoke tests.
+if begin_step nf4 "$NF4_TEST_TIMEOUT_S" "$MIN_STEP_S" "NF4 matmul kernel tests ($MODE)"; then
+    run_bounded "${PYTEST[@]}" --junitxml="$RESULTS_DIR/junit_nf4.xml" -m "not slow" \
+        tests/test_nf4_matmul.py
+fi
+
 # ---- 3: timings, whatever step 2 gave ----------------------------------------------------------
 if begin_step bench "$BENCH_TIMEOUT_S" "$MIN_STEP_S" "flash vs cuDNN vs XLA, bf16, causal"; then
     margin=$((STEP_LIMIT / 3 < 60 ? STEP_LIMIT / 3 : 60))
@@ -289,18 +300,12 @@ if begin_step train "$TRAIN_TIMEOUT_S" "$MIN_STEP_S" "gpt2-124m bf16 train step,
         --output "$RESULTS_DIR/train_step_gpu.json"
 fi
 
-# ---- 3c, 3d: the NF4 matmul kernel, compiled, and its timings (issue 8) -----------------------
-# The fast tests of tests/test_nf4_matmul.py (the GPU kernel compiled, the TPU kernel's skipped),
-# then NF4 vs bf16 matmul at GPT-2 124M's projections. The dry run interprets the kernel and
-# times one tiny shape, only to check these steps and their JSON.
+# ---- 3c: NF4 vs bf16 matmul timings at GPT-2 124M's projections (issue 8) -----------------------
+# The dry run interprets the kernel and times one tiny shape, only to check this step and its JSON.
 if [ "$DRY_RUN" = 1 ]; then
     NF4_BENCH_ARGS=(--allow-cpu --tokens 16 --shapes 64x128 --calls 1 --samples 1)
 else
     NF4_BENCH_ARGS=(--require-gpu)
-fi
-if begin_step nf4 "$NF4_TEST_TIMEOUT_S" "$MIN_STEP_S" "NF4 matmul kernel tests ($MODE)"; then
-    run_bounded "${PYTEST[@]}" --junitxml="$RESULTS_DIR/junit_nf4.xml" -m "not slow" \
-        tests/test_nf4_matmul.py
 fi
 if begin_step nf4bench "$NF4_BENCH_TIMEOUT_S" "$MIN_STEP_S" "NF4 vs bf16 matmul, GPT-2 124M shapes"; then
     margin=$((STEP_LIMIT / 3 < 40 ? STEP_LIMIT / 3 : 40))
@@ -362,7 +367,7 @@ print(f"train: {r['device_kind']}, {r['tokens_per_step']} tokens/step: {r['token
       f"({r['peak_flops_source']}), compile {r['compile_s']:.1f} s")
 EOF
 fi
-if [ -f "$RESULTS_DIR/nf4_matmul_gpu.json" ]; then # issue 8's NF4 matmul timings (3d)
+if [ -f "$RESULTS_DIR/nf4_matmul_gpu.json" ]; then # issue 8's NF4 matmul timings (3c)
     timeout 20 "$PYTHON" - "$RESULTS_DIR/nf4_matmul_gpu.json" <<'EOF' 2>&1 | tee -a "$LOG" || true
 import json, sys
 
