@@ -310,6 +310,7 @@ QUICK_SCALING_T = (16,)
 def scaling(args: argparse.Namespace) -> dict:
     """tokens/s and MFU of lmjax's step for T in SCALING_T x presets (gpt, llama)."""
     shapes = {k: (getattr(args, k) or v) for k, v in (QUICK if args.quick else REFERENCE).items()}
+    machine = machine_info(torch.get_num_threads())  # before the runs: loadavg_at_start
     steps = args.steps or (2 if args.quick else 5)
     tokens = args.scaling_tokens or (64 if args.quick else 2048)
     n_peak = 512 if args.quick else 2048
@@ -358,7 +359,7 @@ def scaling(args: argparse.Namespace) -> dict:
         "benchmark": "train_step_scaling",
         "quick": args.quick,
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "machine": machine_info(torch.get_num_threads()),
+        "machine": machine,
         "shapes": {k: v for k, v in shapes.items() if k not in ("seq", "batch")},
         "tokens_per_step_target": tokens,
         "steps": steps,
