@@ -377,3 +377,21 @@ def test_non_finite_weight_under_jit_dequantizes_to_non_finite_everywhere():
     for bad in (np.nan, np.inf):
         w[1, 3] = bad
         assert not np.isfinite(np.asarray(dequantize(jax.jit(quantize)(w)))).any()
+
+
+def test_a_quantized_weight_has_no_plain_array_form(tmp_path):
+    """np.asarray on a QuantizedWeight (e.g. saving quantized params to safetensors) used to make
+    an object array and fail with "dtype('O') ... cast it first", a fix that cannot work. It must
+    say what the value is and what to do instead."""
+    from lmjax.io import safetensors
+
+    qw = abstract_weight_like((8, 64))
+    with pytest.raises(ShapeError, match=r"QuantizedWeight.*\(8, 64\).*dequantize"):
+        np.asarray(qw)
+    with pytest.raises(ShapeError, match="QuantizedWeight.*re-quantize"):
+        safetensors.save({"layer": {"weight": qw}}, tmp_path / "q.safetensors")
+    assert not list(tmp_path.iterdir())
+
+
+def abstract_weight_like(shape):
+    return jax.eval_shape(quantize, jax.ShapeDtypeStruct(shape, jnp.float32))

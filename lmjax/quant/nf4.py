@@ -165,6 +165,17 @@ class QuantizedWeight:
     def _arrays(self):
         return (self.packed, self.qabsmax, self.absmax2, self.offset)
 
+    def __array__(self, dtype=None, copy=None):
+        # Without this numpy would wrap the object in a 0-d object array, and code that converts
+        # leaves (a safetensors writer, np.testing) would fail far away with a useless message.
+        raise ShapeError.describe(
+            f"an NF4 QuantizedWeight of shape {self.shape} converted to a numpy array",
+            "QuantizedWeight",
+            "a plain array (the NF4 weight is four arrays, not one)",
+            "call lmjax.quant.dequantize(qw) for the float weight; to save a quantized model, "
+            "save its float base and re-quantize it on load (quantize is deterministic)",
+        )
+
 
 def storage_bytes(n: int) -> int:
     """Bytes of an NF4 weight of n elements: `ceil(n/2) + ceil(n/64) + 4 ceil(n/16384) + 4`."""
