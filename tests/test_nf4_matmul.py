@@ -222,6 +222,8 @@ def test_compiled_kernels_lower_for_their_platform(kernel, platform):
         pytest.skip(f"this jax {jax.__version__} needs a GPU to lower Triton: {err}")
     target = "__gpu$xla.gpu.triton" if kernel == "gpu" else "tpu_custom_call"
     assert text.count(target) == 2  # forward, dx
+    # ... and they are the two kernels (not the forward twice): each by its pallas_call name.
+    assert f"nf4_matmul_fwd_{kernel}" in text and f"nf4_matmul_dx_{kernel}" in text
 
 
 # ---- plan and configuration ---------------------------------------------------------------------
