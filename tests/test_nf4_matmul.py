@@ -357,3 +357,27 @@ def test_gpu_benchmark_script_runs_interpreted_on_a_tiny_shape(tmp_path):
     assert all(row[f"t_{impl}_fwd_dx_ms"] > 0 for impl in bench.IMPLS)
     assert len(row["nf4_candidates"]) == len(bench.CANDIDATES)
     assert row["max_abs_diff_nf4_vs_nf4_xla"] <= 1e-2  # bf16 outputs below 1: a few bf16 ulps
+
+
+def test_gradients_over_a_tree_holding_a_quantized_weight():
+    """QLoRA code differentiates trees that hold QuantizedWeights: jax.vjp / grad(allow_int=True)
+    give float0 for the uint8 leaves and zeros for absmax2/offset; value_and_grad over another
+    argument works under jit; plain jax.grad over the tree is JAX's usual integer-input error."""
+    qw, x, bias, _ = inputs(Case((3,), 16, 64, True, "float32", "gpu", G16), seed=3)
+    params = {"weight": qw, "bias": bias}
+
+    def loss(p, x):
+        return jnp.sum(ops.linear(p, x) ** 2)
+
+    grads = jax.grad(loss, allow_int=True)(params, x)
+    assert grads["weight"].packed.dtype == grads["weight"].qabsmax.dtype == jax.dtypes.float0
+    assert not np.asarray(grads["weight"].absmax2).any() and float(grads["weight"].offset) == 0
+    y = ops.linear(params, x)
+    np.testing.assert_allclose(grads["bias"], 2 * np.asarray(y).sum(axis=0), rtol=1e-6)
+    value, dx = jax.jit(jax.value_and_grad(loss, argnums=1))(params, x)
+    assert float(value) == pytest.approx(float(loss(params, x)), rel=1e-6)
+    w = np.asarray(dequantize(qw), np.float64)
+    y64 = np.asarray(x, np.float64) @ w.T + np.asarray(bias, np.float64)
+    assert_close(dx, 2 * y64 @ w, F32_RTOL, "dx under jit")
+    with pytest.raises(TypeError, match="allow_int"):
+        jax.grad(loss)(params, x)
