@@ -318,3 +318,32 @@ def test_lora_flops_equal_the_compiled_steps_dot_flops(preset, targets):
     ours = lora_flops_per_token(cfg, C, lora.adapter_shapes(state.params))
     assert ours == per_token
     assert ours < 0.8 * flops_per_token(cfg, C)  # what MFU counted before
+
+
+def test_dropout_acts_on_the_adapter_input_only_and_only_with_a_key(tiny):
+    """In `ops.linear`: with B = 0 a dropout key changes nothing (the base projection sees the
+    whole input); with B != 0 it changes y; without a key (what evaluation and sampling attach)
+    y = x W^T + b + s (x A^T) B^T exactly. The objective attaches keys only when given one."""
+    cfg, params, _, adapters = tiny
+    from lmjax import ops
+
+    layer = params["blocks"]["0"]["attention"]["query"]
+    a, b = lora.adapter_layers(adapters)["blocks.0.attention.query"]
+    x = jax.random.normal(jax.random.PRNGKey(3), (2, 5, D))
+    key = jax.random.PRNGKey(9)
+    base = ops.linear(layer, x)
+    zero_b = lora.Adapter(a, jnp.zeros_like(b), key, 2.0, 0.5)
+    np.testing.assert_array_equal(ops.linear({**layer, "lora": zero_b}, x), base)
+    dropped = ops.linear({**layer, "lora": lora.Adapter(a, b, key, 2.0, 0.5)}, x)
+    plain = ops.linear({**layer, "lora": lora.Adapter(a, b, None, 2.0, 0.5)}, x)
+    by_hand = base + 2.0 * np.einsum("btr,or->bto", np.einsum("bti,ri->btr", x, a), b)
+    np.testing.assert_allclose(plain, by_hand, atol=1e-5, rtol=0)
+    assert float(jnp.abs(dropped - plain).max()) > 1e-2
+    drop = lora.LoraConfig(r=R, alpha=8, targets="all-linear", dropout=0.5)
+    keys = lambda tree: [  # noqa: E731
+        leaf.key for leaf in jax.tree.leaves(tree, is_leaf=lambda n: isinstance(n, lora.Adapter))
+        if isinstance(leaf, lora.Adapter)
+    ]  # fmt: skip
+    assert all(k is None for k in keys(lora.attach(params, adapters, drop)))
+    assert all(k is not None for k in keys(lora.attach(params, adapters, drop, key)))
+    assert lora.objective(cfg, drop).uses_key
