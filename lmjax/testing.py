@@ -187,6 +187,12 @@ def _linear_args(shape, bias):
     return make
 
 
+def _linear_ce_args(rng, dtype):
+    (params, x), targets = _linear_args((2, 3, 4), True)(rng, dtype), rng.integers(0, 5, (2, 3))
+    targets[..., 1] = -100  # ignored positions must get no gradient
+    return params, x, jnp.asarray(targets, jnp.int32)
+
+
 def _norm_args(shape, with_bias):
     def make(rng, dtype):
         x = _normal(rng, shape, dtype, 2.0) + 1.0
@@ -341,6 +347,14 @@ def _cases() -> list[OpCase]:
             o.softmax_cross_entropy,
             o.softmax_cross_entropy_reference,
             _binary((2, 3, 5), _prob_targets),
+            (0, 1),
+        ),
+        OpCase(
+            # chunk=4 over 6 rows: one full chunk and one ragged one.
+            "linear_cross_entropy",
+            partial(o.linear_cross_entropy, chunk=4),
+            o.linear_cross_entropy_reference,
+            _linear_ce_args,
             (0, 1),
         ),
         OpCase("mse", o.mse, o.mse_reference, _binary((2, 3, 4)), (0, 1)),
