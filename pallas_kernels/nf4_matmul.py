@@ -28,8 +28,10 @@ Input gradient (`jax.custom_vjp`): dx = g @ dequant(W), computed by a second ker
 the same tiles, again as even and odd column halves that the wrapper interleaves. The quantized
 weight is frozen: its cotangent is zero (the packed codes are integers; the float statistics
 absmax2/offset get zeros), so differentiate with respect to x, the bias, or adapters, not the
-QuantizedWeight (jax.grad over its uint8 leaves is an error, as for any integer array). The bias
-is added outside the kernel by XLA, so its gradient is the ordinary sum of g.
+QuantizedWeight: jax.grad over a tree holding one is JAX's integer-input error, as for any
+integer array, while jax.vjp and jax.grad(..., allow_int=True) give float0 for the codes and
+zeros for the statistics. The bias is added outside the kernel by XLA, so its gradient is the
+ordinary sum of g.
 
 Padding (the wrapper's, undone on the way out): the rows of x (all leading axes flattened) to a
 multiple of block_m, O to block_n, I to block_k; padded weight rows and columns have scale 0 and
