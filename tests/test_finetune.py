@@ -187,6 +187,17 @@ def test_resume_onto_other_base_weights_is_refused(ws, straight, capsys):
         load_run(copy)
 
 
+def test_lmjax_train_resume_of_a_fine_tune_is_refused_before_writing(ws, straight, capsys):
+    """`lmjax train --resume` on a fine-tune run would restore adapters as a whole model (and
+    rewrote config.yaml first): it is refused up front, pointing at lmjax finetune --resume."""
+    before = {p: p.read_bytes() for p in straight.rglob("*") if p.is_file()}
+    args = ("train", str(straight / "config.yaml"), f"run.dir={straight}", "train.steps=6")
+    assert run_cli(*args, "--resume") == 2
+    err = capsys.readouterr().err
+    assert "lmjax finetune" in err and "--resume" in err, err
+    assert {p: p.read_bytes() for p in straight.rglob("*") if p.is_file()} == before
+
+
 def test_existing_run_directory_is_refused(ws, straight, capsys):
     before = (straight / "adapters.safetensors").read_bytes()
     assert run_cli("finetune", str(ws / "ft.yaml"), f"run.dir={straight}") == 2

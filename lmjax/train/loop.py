@@ -112,6 +112,13 @@ def train(
     trainable = trainable or Trainable()
     run_dir = Path(cfg.run.dir) if cfg.run.dir else default_run_dir(config_path)
     _check_run_dir(run_dir, resume)
+    if resume and trainable.frozen is None and (run_dir / "finetune.yaml").is_file():
+        # Its checkpoints hold adapters, not a model: restoring would fail after config.yaml
+        # had been rewritten.
+        raise ConfigError.describe(
+            "run directory to resume", str(run_dir), "a run written by lmjax train",
+            "it is a fine-tune: continue it with lmjax finetune CONFIG --resume",
+        )  # fmt: skip
     prepared = prepare_data(cfg, cfg.logging.progress)
     cfg = resolve(cfg, prepared)
     cfg = _resumed_config(run_dir, cfg) if resume else _pin_schedule(cfg)
