@@ -395,3 +395,19 @@ def test_a_quantized_weight_has_no_plain_array_form(tmp_path):
 
 def abstract_weight_like(shape):
     return jax.eval_shape(quantize, jax.ShapeDtypeStruct(shape, jnp.float32))
+
+
+def test_quantize_params_keeps_embeddings_and_the_head_float():
+    """Explicit patterns could select the embedding tables (gathered by row, never a matmul) or
+    the head, and the model then failed far away on a QuantizedWeight; SPEC section 6 keeps them
+    float, so quantize_params refuses them by name, saying which."""
+    params = {
+        "token_embedding": {"weight": jnp.ones((8, 64))},
+        "language_model_head": {"weight": jnp.ones((8, 64))},
+        "blocks": {"0": {"attention": {"query": {"weight": jnp.ones((4, 64))}}}},
+    }
+    for name in ("token_embedding.weight", "language_model_head.weight"):
+        with pytest.raises(ShapeError, match=f"parameter '{name}'.*stay float"):
+            quantize_params(params, [name])
+    with pytest.raises(ShapeError, match="token_embedding.weight"):
+        quantize_params(params, ["*.weight"])

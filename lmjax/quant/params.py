@@ -39,7 +39,9 @@ def quantize_params(params: Mapping, patterns: str | Iterable[str] | None = None
     `patterns`: globs over `lmjax.params` names (default `LINEAR_WEIGHTS`, the block
     projections). Given explicitly, every pattern must match a leaf (a typo raises); with the
     default, at least one leaf must match. A matched leaf must be a 2-D float weight that is
-    not already quantized.
+    not already quantized, and one of `LINEAR_WEIGHTS` (the patterns only narrow the default):
+    embedding tables are gathered by row, never multiplied, and the head stays float (SPEC
+    section 6), so selecting them is an error rather than a model that fails later.
     """
     chosen = LINEAR_WEIGHTS if patterns is None else patterns
     selected = P.mask(params, chosen, require_match=patterns is not None)
@@ -60,6 +62,14 @@ def quantize_params(params: Mapping, patterns: str | Iterable[str] | None = None
                 type(leaf).__name__ if isinstance(leaf, QuantizedWeight) else np.shape(leaf),
                 "a 2-D [out, in] float weight that is not quantized yet",
                 "narrow the patterns to linear weights",
+            )
+        if not P.matches(name, LINEAR_WEIGHTS):
+            raise ShapeError.describe(
+                f"parameter {name!r}",
+                "not a block projection",
+                "a weight matching lmjax.quant.params.LINEAR_WEIGHTS: embeddings, norms and the "
+                "head stay float (SPEC section 6)",
+                "narrow the patterns to block projections, e.g. 'blocks.*.attention.*.weight'",
             )
         return quantize(leaf)
 
