@@ -411,3 +411,15 @@ def test_quantize_params_keeps_embeddings_and_the_head_float():
             quantize_params(params, [name])
     with pytest.raises(ShapeError, match="token_embedding.weight"):
         quantize_params(params, ["*.weight"])
+
+
+def test_any_rank_is_its_row_major_flattening():
+    """A 3-D weight is quantized as its row-major flattening (the layout bitsandbytes sees) and
+    dequantizes back to its own shape and dtype."""
+    w = jnp.asarray(on_grid(normal((2, 64, 256), 18)), jnp.bfloat16)  # the size of 128x256
+    q3, flat = quantize(w), quantize(w.reshape(-1))
+    for a, b in zip(jax.tree.leaves(q3), jax.tree.leaves(flat), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    back = dequantize(q3)
+    assert back.shape == (2, 64, 256) and back.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(back).reshape(-1), np.asarray(dequantize(flat)))
