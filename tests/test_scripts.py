@@ -76,13 +76,9 @@ def test_tpu_all_creates_installs_launches_streams_fetches_and_deletes():
     assert "tar -xzf lmjax.tar.gz" in setup and "pip install" in setup and "jax[tpu]" in setup
     run = _command(launch)
     words = shlex.split(run.split("&&")[-1])
-    assert words[:3] == ["LMJAX_DISTRIBUTED=auto", "nohup", ".venv/bin/lmjax"]
-    assert words[3:7] == [
-        "train",
-        "configs/tpu-gpt2-124m.yaml",
-        "train.steps=10",
-        "run.dir=runs/r1",
-    ]
+    assert words[:5] == ["{", "LMJAX_DISTRIBUTED=auto", "nohup", "bash", "-c"]
+    assert words[5].startswith(".venv/bin/lmjax train") and words[6] == "lmjax"  # $0
+    assert words[7:10] == ["configs/tpu-gpt2-124m.yaml", "train.steps=10", "run.dir=runs/r1"]
     assert "train.log" in run and "train.pid" in run
     assert "tail" in _command(logs) and "train.log" in _command(logs)
 
@@ -195,3 +191,51 @@ def test_tpu_all_deletes_the_vm_when_a_step_fails(tmp_path):
     done, verbs = run_with_fake_gcloud(tmp_path, fail_logs=0, fail_on="pip install")
     assert done.returncode == 7
     assert verbs == ["create", "scp", "ssh", "delete"]  # install failed: no launch, but deleted
+
+
+REMOTE_GCLOUD = """#!/usr/bin/env bash
+# A fake gcloud whose ssh runs --command=... in $FAKE_HOME with bash, as a worker's login
+# shell would; other calls are only recorded.
+echo "$*" >> "$GCLOUD_LOG"
+for arg in "$@"; do
+    if [[ "$arg" == --command=* ]]; then cd "$FAKE_HOME" && exec bash -c "${arg#--command=}"; fi
+done
+"""
+FAKE_LMJAX = """#!/usr/bin/env bash
+echo "fake lmjax: $*"
+sleep 1
+exit 3
+"""
+
+
+def test_tpu_launch_and_logs_follow_the_training_on_the_worker(tmp_path):
+    """launch and logs run their remote commands for real (in a fake worker home): logs finds
+    the pid launch wrote, streams train.log until the training exits, and reports its status.
+    (launch once wrote train.pid into ~ instead of ~/lmjax, so logs failed at once and `all`
+    deleted the TPU under a running training.)"""
+    home, bin_dir = tmp_path / "home", tmp_path / "bin"
+    (home / "lmjax" / ".venv" / "bin").mkdir(parents=True)
+    bin_dir.mkdir()
+    for path, text in ((bin_dir / "gcloud", REMOTE_GCLOUD),
+                       (home / "lmjax" / ".venv" / "bin" / "lmjax", FAKE_LMJAX)):  # fmt: skip
+        path.write_text(text)
+        path.chmod(0o755)
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "GCLOUD_LOG": str(tmp_path / "calls.log"),
+        "FAKE_HOME": str(home),
+        "DRY_RUN": "0",
+        "RUN_NAME": "r2",
+    }
+
+    def tpu(*args):
+        return subprocess.run(["bash", str(TPU), *args], env=env, capture_output=True, text=True)
+
+    assert tpu("launch", "c.yaml", "logging.sample_prompt=To be, or").returncode == 0
+    assert (home / "lmjax" / "train.pid").is_file() and not (home / "train.pid").exists()
+    logs = tpu("logs")
+    assert logs.returncode == 0, logs.stderr
+    assert "fake lmjax: train c.yaml logging.sample_prompt=To be, or run.dir=runs/r2" in logs.stdout
+    assert "lmjax train exited with status 3" in logs.stdout
+    assert (home / "lmjax" / "train.rc").read_text().strip() == "3"

@@ -88,14 +88,22 @@ launch() {
     for arg in "$@" "run.dir=runs/$RUN_NAME"; do
         args+=" $(printf '%q' "$arg")"
     done
-    local command="cd $REMOTE_DIR && LMJAX_DISTRIBUTED=auto nohup .venv/bin/lmjax train$args"
-    command+=" > train.log 2>&1 < /dev/null & echo \$! > train.pid"
+    # The braces keep train.pid beside train.log: in `cd D && X & echo $! > F` the cd happens in
+    # X's background subshell and F would land in ~. The training outlives the ssh session
+    # (nohup, no terminal); train.pid lets logs follow it, train.rc gets its exit status.
+    local runner='.venv/bin/lmjax train "$@"; echo $? > train.rc'
+    local command="cd $REMOTE_DIR && rm -f train.rc && { LMJAX_DISTRIBUTED=auto nohup"
+    command+=" bash -c '$runner' lmjax$args"
+    command+=' > train.log 2>&1 < /dev/null & echo $! > train.pid; }'
     gcloud_tpu ssh "$TPU_NAME" --worker=all --command="$command"
 }
 
 logs() {
     # From the start of the log until the training process on worker 0 exits.
-    local follow="cd $REMOTE_DIR && tail -n +1 --pid=\$(cat train.pid) -f train.log"
+    # shellcheck disable=SC2016 # $(...) is for the worker's shell
+    local follow="cd $REMOTE_DIR"' && tail -n +1 --pid="$(cat train.pid)" -f train.log'
+    # shellcheck disable=SC2016
+    follow+=' && if [ -f train.rc ]; then echo "lmjax train exited with status $(cat train.rc)"; fi'
     gcloud_tpu ssh "$TPU_NAME" --worker=0 --command="$follow"
 }
 
