@@ -26,7 +26,9 @@ low nibble holds the code of a padding 0.0 (code 7); dequantization drops it. No
 required of N beyond N >= 1.
 
 Edge cases: a block of zeros has absmax 0 and codes 7 (NF4 value 0.0), and the reciprocal is
-taken of max(absmax, smallest normal float32), so no block gives inf or NaN. The weight must be
+taken of max(absmax, smallest normal float32), so no block gives inf or NaN. Subnormal weights
+count as zeros (XLA flushes them; a block of them gets codes 7 and dequantizes to 0, where
+bitsandbytes' CPU kernel gives code 6 and a nonzero weight). The weight must be
 finite, float32, bfloat16 or float16, with block maxima whose float32 sum (the offset) does not
 overflow; both are checked when the weight is concrete (outside jit). Under jit a NaN or inf
 weight, or an overflowing offset, makes the offset and absmax2 NaN or inf, so the whole weight
