@@ -239,3 +239,51 @@ def test_tpu_launch_and_logs_follow_the_training_on_the_worker(tmp_path):
     assert "fake lmjax: train c.yaml logging.sample_prompt=To be, or run.dir=runs/r2" in logs.stdout
     assert "lmjax train exited with status 3" in logs.stdout
     assert (home / "lmjax" / "train.rc").read_text().strip() == "3"
+
+
+FAKE_UV = """#!/usr/bin/env bash
+echo "uv $*" >> "$HOME/uv.log"
+if [[ "$1 $2" == "pip install" ]]; then mkdir -p .venv/bin && touch .venv/bin/lmjax; fi
+"""
+SYSTEM_PYTHON = """#!/usr/bin/env bash
+echo "python3 $*" >> "$HOME/python3.log"
+exit 1  # Ubuntu 22.04's python3 is 3.10; lmjax needs >= 3.11
+"""
+
+
+def test_tpu_install_builds_the_venv_on_a_python_lmjax_supports(tmp_path):
+    """install runs for real: git archive, scp (recorded), and the worker's setup command in a
+    fake home whose python3 stands for the TPU images' 3.10 (the project requires >= 3.11;
+    install once made its venv with that python3, so pip install -e . could not succeed)."""
+    import tarfile
+
+    home, bin_dir = tmp_path / "home", tmp_path / "bin"
+    (home / ".local" / "bin").mkdir(parents=True)
+    bin_dir.mkdir()
+    with tarfile.open(home / "lmjax.tar.gz", "w:gz"):
+        pass
+    scripts = ((bin_dir / "gcloud", REMOTE_GCLOUD), (bin_dir / "python3", SYSTEM_PYTHON),
+               (home / ".local" / "bin" / "uv", FAKE_UV))  # fmt: skip
+    for path, text in scripts:
+        path.write_text(text)
+        path.chmod(0o755)
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "GCLOUD_LOG": str(tmp_path / "calls.log"),
+        "FAKE_HOME": str(home),
+        "HOME": str(home),
+        "TMPDIR": str(tmp_path),
+        "DRY_RUN": "0",
+    }
+    done = subprocess.run(["bash", str(TPU), "install"], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert not (home / "python3.log").exists()
+    uv = (home / "uv.log").read_text().splitlines()
+    venv = next(line.split() for line in uv if line.startswith("uv venv"))
+    version = venv[venv.index("--python") + 1]
+    assert tuple(map(int, version.split("."))) >= (3, 11), venv
+    install = next(line for line in uv if line.startswith("uv pip install"))
+    assert "jax[tpu]>=0.10.2,<0.12" in install and install.endswith("-e .")
+    assert (home / "lmjax" / ".venv" / "bin" / "lmjax").exists()
+    assert not list(tmp_path.glob("lmjax-src-*.tar.gz"))

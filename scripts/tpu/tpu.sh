@@ -7,8 +7,8 @@
 # Ctrl-C. Each step is also a subcommand of its own:
 #
 #     create                    gcloud compute tpus tpu-vm create (spot with SPOT=1)
-#     install                   copy this tree (git ls-files) to every worker; on each: a venv,
-#                               pip install "jax[tpu]" and the project
+#     install                   copy this tree (git archive HEAD) to every worker; on each: uv,
+#                               a venv on Python $PYTHON_VERSION, "jax[tpu]" and the project
 #     launch CONFIG [k=v ...]   lmjax train on all workers at once (--worker=all) with
 #                               LMJAX_DISTRIBUTED=auto (jax finds the slice's hosts itself);
 #                               each worker's console goes to ~/lmjax/train.log
@@ -18,6 +18,7 @@
 #
 # Settings (environment): TPU_NAME (lmjax-tpu), ZONE (us-central2-b), ACCELERATOR (v4-8),
 # RUNTIME (tpu-ubuntu2204-base), RUN_NAME (tpu-run), SPOT (0), PROJECT (gcloud's default),
+# PYTHON_VERSION (3.12: the workers' venv Python, provided by uv),
 # DRY_RUN=1 prints every command instead of running it.
 #
 # The project is installed from the committed tree (git archive HEAD): commit first.
@@ -33,6 +34,7 @@ ACCELERATOR="${ACCELERATOR:-v4-8}"
 RUNTIME="${RUNTIME:-tpu-ubuntu2204-base}"
 RUN_NAME="${RUN_NAME:-tpu-run}"
 SPOT="${SPOT:-0}"
+PYTHON_VERSION="${PYTHON_VERSION:-3.12}"
 PROJECT="${PROJECT:-}"
 DRY_RUN="${DRY_RUN:-0}"
 REMOTE_DIR="lmjax"
@@ -71,10 +73,14 @@ install() {
     run git -C "$ROOT" archive --format=tar.gz --output="$archive" HEAD
     # Remote paths without a leading ~ are relative to the home directory (scp's rule).
     gcloud_tpu scp "$archive" "$TPU_NAME:lmjax.tar.gz" --worker=all
-    local setup="mkdir -p $REMOTE_DIR && tar -xzf lmjax.tar.gz -C $REMOTE_DIR"
-    setup+=" && cd $REMOTE_DIR && python3 -m venv .venv"
-    setup+=" && .venv/bin/pip install -q -U pip"
-    setup+=" && .venv/bin/pip install -q 'jax[tpu]>=0.10.2,<0.12' -e ."
+    # The TPU images' python3 is Ubuntu 22.04's 3.10 and lmjax needs >= 3.11, so uv (installed
+    # into ~/.local/bin if missing) makes the venv on a Python of its own.
+    local setup="mkdir -p $REMOTE_DIR && tar -xzf lmjax.tar.gz -C $REMOTE_DIR && cd $REMOTE_DIR"
+    # shellcheck disable=SC2016 # expanded by the worker's shell
+    setup+=' && export PATH="$HOME/.local/bin:$PATH"'
+    setup+=" && { command -v uv > /dev/null || curl -LsSf https://astral.sh/uv/install.sh | sh; }"
+    setup+=" && rm -rf .venv && uv venv -q --python $PYTHON_VERSION .venv"
+    setup+=" && uv pip install -q --python .venv/bin/python 'jax[tpu]>=0.10.2,<0.12' -e ."
     gcloud_tpu ssh "$TPU_NAME" --worker=all --command="$setup"
     run rm -f "$archive"
 }
