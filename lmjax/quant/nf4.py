@@ -27,15 +27,16 @@ required of N beyond N >= 1.
 
 Edge cases: a block of zeros has absmax 0 and codes 7 (NF4 value 0.0), and the reciprocal is
 taken of max(absmax, smallest normal float32), so no block gives inf or NaN. Subnormal weights
-count as zeros (XLA flushes them; a block of them gets codes 7 and dequantizes to 0, where
-bitsandbytes' CPU kernel gives code 6 and a nonzero weight). The weight must be
-finite, float32, bfloat16 or float16, with block maxima whose float32 sum (the offset) does not
-overflow; both are checked when the weight is concrete (outside jit). Under jit a NaN or inf
-weight, or an overflowing offset, makes the offset and absmax2 NaN or inf, so the whole weight
-dequantizes to NaN (or inf): loud, never plausible garbage. One block with a huge outlier (1e4 among
-weights of 0.02) is legal but ruins the others, exactly as in bitsandbytes: the offset and
-absmax2 follow the outlier, and the 8-bit code of a small block's absmax is then a coarse step
-of absmax2 (its dequantized absmax can even come out negative, flipping that block's signs).
+count as zeros on CPU (XLA flushes them there; a block of them gets codes 7 and dequantizes to
+0, where bitsandbytes' CPU kernel gives code 6 and a nonzero weight; on GPU untested). The
+weight must be finite, float32, bfloat16 or float16, with block maxima whose float32 sum (the
+offset) does not overflow; both are checked when the weight is concrete (outside jit). Under jit
+a NaN or inf weight, or an overflowing offset, makes the offset and absmax2 NaN or inf, so the
+whole weight dequantizes to NaN (or inf): loud, never plausible garbage. One block with a huge
+outlier (1e4 among weights of 0.02) is legal but ruins the others, exactly as in bitsandbytes:
+the offset and absmax2 follow the outlier, and the 8-bit code of a small block's absmax is then
+a coarse step of absmax2 (its dequantized absmax can even come out negative, flipping that
+block's signs).
 
 The one place "nearest" needs a convention: 9 of the 15 NF4 midpoints are not float32 numbers.
 The comparison is with the float32-rounded midpoint (as bitsandbytes' `torch.bucketize` on its
