@@ -56,7 +56,7 @@ def test_tpu_all_creates_installs_launches_streams_fetches_and_deletes():
     cmds = dry(TPU, "all", "configs/tpu-gpt2-124m.yaml", "train.steps=10", **env)
     gcloud = [c for c in cmds if c[0] == "gcloud"]
     verbs = [c[4] for c in gcloud]
-    assert verbs == ["create", "scp", "ssh", "ssh", "ssh", "scp", "delete"], verbs
+    assert verbs == ["create", "scp", "ssh", "ssh", "ssh", "scp", "scp", "delete"], verbs
     assert all(c[:4] == ["gcloud", "compute", "tpus", "tpu-vm"] for c in gcloud)
     assert all("--zone=us-central2-b" in c and c[5] == "t1" or c[4] == "scp" for c in gcloud)
 
@@ -82,9 +82,10 @@ def test_tpu_all_creates_installs_launches_streams_fetches_and_deletes():
     assert "train.log" in run and "train.pid" in run
     assert "tail" in _command(logs) and "train.log" in _command(logs)
 
-    fetch = gcloud[5]
+    console, fetch = gcloud[5], gcloud[6]
+    assert console[5:8] == ["t1:lmjax/train.log", "t1:lmjax/train.rc", "runs/tpu/r1/"]
     assert "--recurse" in fetch and "t1:lmjax/runs/r1" in fetch and "--worker=0" in fetch
-    assert gcloud[6][4:6] == ["delete", "t1"] and "--quiet" in gcloud[6]
+    assert gcloud[7][4:6] == ["delete", "t1"] and "--quiet" in gcloud[7]
 
 
 def test_tpu_options_and_single_steps():
@@ -140,6 +141,11 @@ FAKE_GCLOUD = """#!/usr/bin/env bash
 # and any command containing $FAIL_ON fails.
 echo "$*" >> "$GCLOUD_LOG"
 if [[ -n "${FAIL_ON:-}" && "$*" == *"$FAIL_ON"* ]]; then exit 7; fi
+if [[ "$*" == *train.rc* ]]; then  # fetch: the training's exit status
+    for a in "$@"; do
+        if [[ "$a" == */ && "$a" != *:* ]]; then echo "$FAKE_RC" > "$a/train.rc"; fi
+    done
+fi
 if [[ "$*" == *"--worker=0"* && "$*" == *"tail"* ]]; then
     n=$(cat "$FAIL_LOGS_FILE")
     if [[ $n -gt 0 ]]; then echo $((n - 1)) > "$FAIL_LOGS_FILE"; exit 255; fi
@@ -147,7 +153,7 @@ fi
 """
 
 
-def run_with_fake_gcloud(tmp_path, fail_logs: int, fail_on: str = ""):
+def run_with_fake_gcloud(tmp_path, fail_logs: int, fail_on: str = "", rc: int = 0):
     """tpu.sh all for real (DRY_RUN=0) against a fake gcloud on PATH; its calls, in order."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -162,6 +168,7 @@ def run_with_fake_gcloud(tmp_path, fail_logs: int, fail_on: str = ""):
         "GCLOUD_LOG": str(tmp_path / "calls.log"),
         "FAIL_LOGS_FILE": str(tmp_path / "fails"),
         "FAIL_ON": fail_on,
+        "FAKE_RC": str(rc),
         "TMPDIR": str(tmp_path),
         "DRY_RUN": "0",
     }
@@ -176,7 +183,7 @@ def run_with_fake_gcloud(tmp_path, fail_logs: int, fail_on: str = ""):
 def test_tpu_all_reconnects_a_dropped_log_stream_then_fetches_and_deletes(tmp_path):
     done, verbs = run_with_fake_gcloud(tmp_path, fail_logs=2)
     assert done.returncode == 0, done.stderr
-    assert verbs == ["create", "scp", "ssh", "ssh"] + ["ssh logs"] * 3 + ["scp", "delete"]
+    assert verbs == ["create", "scp", "ssh", "ssh"] + ["ssh logs"] * 3 + ["scp", "scp", "delete"]
     assert done.stderr.count("reconnecting") == 2
     assert not list(tmp_path.glob("lmjax-src-*.tar.gz"))  # the source archive is removed
 
@@ -184,13 +191,20 @@ def test_tpu_all_reconnects_a_dropped_log_stream_then_fetches_and_deletes(tmp_pa
 def test_tpu_all_gives_up_streaming_after_five_drops_but_still_fetches(tmp_path):
     done, verbs = run_with_fake_gcloud(tmp_path, fail_logs=99)
     assert done.returncode == 0, done.stderr
-    assert verbs == ["create", "scp", "ssh", "ssh"] + ["ssh logs"] * 5 + ["scp", "delete"]
+    assert verbs == ["create", "scp", "ssh", "ssh"] + ["ssh logs"] * 5 + ["scp", "scp", "delete"]
 
 
 def test_tpu_all_deletes_the_vm_when_a_step_fails(tmp_path):
     done, verbs = run_with_fake_gcloud(tmp_path, fail_logs=0, fail_on="pip install")
     assert done.returncode == 7
     assert verbs == ["create", "scp", "ssh", "delete"]  # install failed: no launch, but deleted
+
+
+def test_tpu_all_fails_when_the_training_failed(tmp_path):
+    done, verbs = run_with_fake_gcloud(tmp_path, fail_logs=0, rc=2)
+    assert done.returncode == 1 and "ended with status 2" in done.stderr
+    assert verbs == ["create", "scp", "ssh", "ssh", "ssh logs", "scp", "scp", "delete"]
+    assert (tmp_path / "runs" / "tpu" / "tpu-run" / "train.rc").read_text().strip() == "2"
 
 
 REMOTE_GCLOUD = """#!/usr/bin/env bash
@@ -287,3 +301,23 @@ def test_tpu_install_builds_the_venv_on_a_python_lmjax_supports(tmp_path):
     assert "jax[tpu]>=0.10.2,<0.12" in install and install.endswith("-e .")
     assert (home / "lmjax" / ".venv" / "bin" / "lmjax").exists()
     assert not list(tmp_path.glob("lmjax-src-*.tar.gz"))
+
+
+def test_tpu_run_directory_is_one_setting_for_launch_and_fetch():
+    """A multi-host slice needs run.dir on a shared mount; launch used to append its own
+    run.dir=runs/RUN_NAME after the user's, overriding it, and fetch copied that path anyway.
+    RUN_DIR now sets both; a run.dir= argument is refused with that fix."""
+    launch = dry(TPU, "launch", "c.yaml", RUN_DIR="/mnt/shared/r3")[0]
+    words = shlex.split(_command(launch).split("&&")[-1])
+    assert [w for w in words if w.startswith("run.dir=")] == ["run.dir=/mnt/shared/r3"]
+    fetch = [c for c in dry(TPU, "fetch", TPU_NAME="t3", RUN_DIR="/mnt/shared/r3") if "scp" in c]
+    assert any("t3:/mnt/shared/r3" in c for c in fetch), fetch
+    fetch = [c for c in dry(TPU, "fetch", TPU_NAME="t3", RUN_NAME="r4") if "scp" in c]
+    assert any("t3:lmjax/runs/r4" in c for c in fetch), fetch
+    done = subprocess.run(
+        ["bash", str(TPU), "launch", "c.yaml", "run.dir=/mnt/x"],
+        env={**os.environ, "DRY_RUN": "1"},
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 2 and "RUN_DIR=/mnt/x" in done.stderr, done.stderr

@@ -13,19 +13,22 @@
 #                               LMJAX_DISTRIBUTED=auto (jax finds the slice's hosts itself);
 #                               each worker's console goes to ~/lmjax/train.log
 #     logs                      stream worker 0's train.log (process 0 writes the metrics)
-#     fetch                     copy the run directory from worker 0 to ./runs/tpu/RUN_NAME
+#     fetch                     copy RUN_DIR from worker 0 to ./runs/tpu/<its name>, with the
+#                               console log (train.log) and exit status (train.rc)
 #     delete                    delete the TPU VM
 #
 # Settings (environment): TPU_NAME (lmjax-tpu), ZONE (us-central2-b), ACCELERATOR (v4-8),
-# RUNTIME (tpu-ubuntu2204-base), RUN_NAME (tpu-run), SPOT (0), PROJECT (gcloud's default),
+# RUNTIME (tpu-ubuntu2204-base), RUN_NAME (tpu-run), RUN_DIR (runs/$RUN_NAME: the run.dir the
+# workers train into, relative to ~/lmjax or absolute), SPOT (0), PROJECT (gcloud's default),
 # PYTHON_VERSION (3.12: the workers' venv Python, provided by uv),
 # DRY_RUN=1 prints every command instead of running it.
 #
 # The project is installed from the committed tree (git archive HEAD): commit first.
 #
 # A slice of several hosts (v4-16 and up) must write checkpoints where all hosts see them:
-# orbax saves collectively and each host writes its own shards. Pass run.dir=<a shared mount>
-# (NFS or gcsfuse) there; on one host (v4-8, v5litepod-8) the default is fine.
+# orbax saves collectively and each host writes its own shards. Set RUN_DIR=<a shared mount>
+# (NFS or gcsfuse, mounted on every worker) there; on one host (v4-8, v5litepod-8) the default
+# is fine.
 set -euo pipefail
 
 TPU_NAME="${TPU_NAME:-lmjax-tpu}"
@@ -33,6 +36,7 @@ ZONE="${ZONE:-us-central2-b}"
 ACCELERATOR="${ACCELERATOR:-v4-8}"
 RUNTIME="${RUNTIME:-tpu-ubuntu2204-base}"
 RUN_NAME="${RUN_NAME:-tpu-run}"
+RUN_DIR="${RUN_DIR:-runs/$RUN_NAME}"
 SPOT="${SPOT:-0}"
 PYTHON_VERSION="${PYTHON_VERSION:-3.12}"
 PROJECT="${PROJECT:-}"
@@ -91,7 +95,13 @@ launch() {
         exit 2
     fi
     local args="" arg
-    for arg in "$@" "run.dir=runs/$RUN_NAME"; do
+    for arg in "$@"; do
+        if [[ "$arg" == run.dir=* ]]; then  # fetch must know it: one setting for both
+            echo "$0: set RUN_DIR=${arg#run.dir=} instead of passing $arg" >&2
+            exit 2
+        fi
+    done
+    for arg in "$@" "run.dir=$RUN_DIR"; do
         args+=" $(printf '%q' "$arg")"
     done
     # The braces keep train.pid beside train.log: in `cd D && X & echo $! > F` the cd happens in
@@ -114,8 +124,16 @@ logs() {
 }
 
 fetch() {
-    run mkdir -p "runs/tpu"
-    gcloud_tpu scp --recurse "$TPU_NAME:$REMOTE_DIR/runs/$RUN_NAME" "runs/tpu/" --worker=0
+    local remote="$RUN_DIR" here
+    if [[ "$remote" != /* ]]; then
+        remote="$REMOTE_DIR/$remote"
+    fi
+    here="runs/tpu/$(basename "$RUN_DIR")"
+    run mkdir -p "$here"
+    # The console log and exit status first: they exist even when the run directory does not.
+    gcloud_tpu scp "$TPU_NAME:$REMOTE_DIR/train.log" "$TPU_NAME:$REMOTE_DIR/train.rc" "$here/" \
+        --worker=0 || echo "$0: could not copy train.log/train.rc from worker 0" >&2
+    gcloud_tpu scp --recurse "$TPU_NAME:$remote" "runs/tpu/" --worker=0
 }
 
 delete() {
@@ -140,6 +158,14 @@ all() {
         sleep 10
     done
     fetch
+    if [[ "$DRY_RUN" != "1" ]]; then
+        local status
+        status="$(cat "runs/tpu/$(basename "$RUN_DIR")/train.rc" 2>/dev/null || echo unknown)"
+        if [[ "$status" != "0" ]]; then
+            echo "$0: lmjax train on worker 0 ended with status $status (see train.log)" >&2
+            exit 1
+        fi
+    fi
 }
 
 main() {
