@@ -192,8 +192,9 @@ def check_tokenizer(prepared, base_run) -> None:
         raise ConfigError.describe(
             "data tokenizer", f"{prepared.tokenizer.kind} of {prepared.directory}",
             f"the base run's tokenizer ({base_run.directory / 'tokenizer'})",
-            "fine-tune on data tokenized like the base (same data.tokenizer; a char vocabulary "
-            "comes from its corpus, so use a corpus with the same characters)",
+            "fine-tune on data the base's tokenizer makes: byte and gpt2 work on any corpus; "
+            "char and bpe vocabularies are built from the corpus, so only a corpus giving the "
+            "same characters (char) or the base's own corpus (bpe) matches",
         )  # fmt: skip
 
 
