@@ -176,3 +176,22 @@ def test_barrier_waits_only_with_several_processes(monkeypatch):
     monkeypatch.setattr(multihost.jax, "process_count", lambda: 2)
     multihost.barrier("two")
     assert calls == ["two"]
+
+
+@pytest.mark.parametrize(
+    ("env", "words"),
+    [
+        # Ranks without a coordinator used to mean "one process": every host then trained
+        # alone and wrote the run directory as process 0.
+        ({"LMJAX_NUM_PROCESSES": "4", "LMJAX_PROCESS_ID": "1"}, ["LMJAX_COORDINATOR"]),
+        ({"LMJAX_PROCESS_ID": "0"}, ["LMJAX_COORDINATOR"]),
+        ({"LMJAX_DISTRIBUTED": "1"}, ["LMJAX_DISTRIBUTED = '1'", "auto"]),
+        ({"LMJAX_DISTRIBUTED": "auto", "LMJAX_COORDINATOR": "h:1"}, ["not both"]),
+        ({"LMJAX_COORDINATOR": "h", "LMJAX_NUM_PROCESSES": "2", "LMJAX_PROCESS_ID": "0"},
+         ["LMJAX_COORDINATOR = 'h'", "host:port"]),
+    ],
+)  # fmt: skip
+def test_partial_or_unknown_distributed_variables_are_config_errors(env, words):
+    with pytest.raises(ConfigError) as err:
+        multihost.distributed_args(env)
+    assert all(w in str(err.value) for w in words), str(err.value)

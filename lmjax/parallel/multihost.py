@@ -8,8 +8,14 @@ environment variables:
     LMJAX_DISTRIBUTED=auto
         `jax.distributed.initialize()` with no arguments: jax detects Cloud TPU slices, SLURM
         and Open MPI itself (scripts/tpu/ sets this on every worker)
-    neither
+    none of them
         one process; nothing is initialized (the default)
+
+Anything else (ranks without a coordinator, both modes, another LMJAX_DISTRIBUTED value, an
+address without a port) is a `ConfigError`: a half-configured host would otherwise train alone
+as process 0 and write the shared run directory. If a process dies, the others block at their
+next collective until jax's coordination service declares it dead (no heartbeat for
+`heartbeat_timeout_seconds`, 100 s by default; not tested here: one machine, one process).
 
 Data: every host computes the same random crop starts (a pure function of seed and step) but
 reads only the rows its own devices hold (`host_batch`), then the global batch is assembled
@@ -37,11 +43,35 @@ ENV_AUTO = "LMJAX_DISTRIBUTED"
 def distributed_args(env: dict[str, str] | None = None) -> dict | None:
     """The `jax.distributed.initialize` keyword arguments the environment asks for, or None."""
     env = os.environ if env is None else env
-    if env.get(ENV_AUTO, "").lower() == "auto":
+    auto, address = env.get(ENV_AUTO), env.get(ENV_COORDINATOR)
+    ranks = [name for name in (ENV_NUM_PROCESSES, ENV_PROCESS_ID) if env.get(name)]
+    if auto:
+        if auto.lower() != "auto":
+            raise ConfigError.describe(
+                ENV_AUTO, auto, "auto (jax finds the hosts) or unset",
+                f"export {ENV_AUTO}=auto, or unset it and set {ENV_COORDINATOR} and the ranks",
+            )  # fmt: skip
+        others = [ENV_COORDINATOR] * bool(address) + ranks
+        if others:
+            raise ConfigError.describe(
+                ENV_AUTO, auto, f"not both it and {', '.join(others)}",
+                f"unset {ENV_AUTO} to name the coordinator yourself, or unset the others",
+            )  # fmt: skip
         return {}
-    address = env.get(ENV_COORDINATOR)
     if not address:
+        if ranks:  # a rank without a coordinator would silently train alone, as process 0
+            raise ConfigError.describe(
+                ENV_COORDINATOR, None, f"host:port of process 0 (since {' and '.join(ranks)} set)",
+                f"export {ENV_COORDINATOR}=<process 0's host>:<port>, or unset "
+                f"{' and '.join(ranks)} for one process",
+            )  # fmt: skip
         return None
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError.describe(
+            ENV_COORDINATOR, address, "host:port (e.g. 10.0.0.2:1234)",
+            "give process 0's address and a free port",
+        )  # fmt: skip
     values = {}
     for name in (ENV_NUM_PROCESSES, ENV_PROCESS_ID):
         text = env.get(name, "")
