@@ -195,3 +195,30 @@ def test_partial_or_unknown_distributed_variables_are_config_errors(env, words):
     with pytest.raises(ConfigError) as err:
         multihost.distributed_args(env)
     assert all(w in str(err.value) for w in words), str(err.value)
+
+
+START_UP = """
+import sys
+import jax
+from jax._src import xla_bridge
+
+def initialize(**kwargs):  # exit 10: before any device use, as jax.distributed requires
+    sys.exit(11 if xla_bridge.backends_are_initialized() else 10)
+
+jax.distributed.initialize = initialize
+from lmjax import cli
+sys.exit(cli.main(["train", sys.argv[1]]))
+"""
+
+
+def test_lmjax_train_initializes_jax_distributed_before_touching_a_device(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "c.yaml").write_text(CONFIG.format(corpus=tmp_path / "none.txt", run=tmp_path))
+    env = {**os.environ, "LMJAX_DISTRIBUTED": "auto", "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run(
+        [sys.executable, "-c", START_UP, str(tmp_path / "c.yaml")], env=env, capture_output=True
+    )
+    assert done.returncode == 10, done.stderr[-2000:]
