@@ -340,6 +340,8 @@ def _inspect_config(args: argparse.Namespace) -> int:
     from lmjax import models, train
     from lmjax.config import load_run_config
 
+    if _is_finetune_config(args.preset):
+        return _inspect_finetune_config(args)
     cfg = load_run_config(args.preset, args.overrides)
     if cfg.vocab_from_data:  # the tokenizer decides it; only a char vocabulary needs the data
         from lmjax.tokenizers import ByteTokenizer, gpt2
@@ -372,6 +374,35 @@ def _inspect_config(args: argparse.Namespace) -> int:
     lcfg = _inspect_lora_config(args)
     if lcfg is not None:
         _print_lora_memory(model, lcfg, args.qlora, tx, cfg.optimizer.name)
+    return 0
+
+
+def _is_finetune_config(path: str) -> bool:
+    from lmjax.config import read_yaml
+
+    data = read_yaml(path)
+    return isinstance(data, dict) and "finetune" in data
+
+
+def _inspect_finetune_config(args: argparse.Namespace) -> int:
+    """`lmjax inspect configs/finetune-*.yaml`: the base's model and the adapters' memory (the
+    config's LoRA and optimizer; --lora fields and --qlora override it). Reads the base's config
+    only, not its weights."""
+    from lmjax import finetune, models, train
+
+    qlora = True if args.qlora else None
+    cfg, spec, _ = finetune.load_config(
+        args.preset, args.overrides, args.lora, qlora, weights=False
+    )
+    model = cfg.model_config()
+    batch = args.batch_size or cfg.train.batch_size // cfg.train.grad_accum
+    print(
+        f"{args.preset} (base {spec.base}): "
+        + ", ".join(f"{k}={v}" for k, v in model.to_dict().items())
+    )
+    print(models.format_summary(model, batch, args.seq_len or cfg.seq_len))
+    tx, _ = train.optim.from_config(cfg)
+    _print_lora_memory(model, spec.lora, spec.qlora, tx, cfg.optimizer.name)
     return 0
 
 

@@ -93,9 +93,18 @@ def fingerprint(params) -> str:
 
 
 def load_config(
-    path, overrides=(), lora_text: str | None = None, qlora: bool | None = None
+    path,
+    overrides=(),
+    lora_text: str | None = None,
+    qlora: bool | None = None,
+    *,
+    weights: bool = True,
 ) -> tuple[RunConfig, FinetuneSpec, Any]:
-    """`(run config with the base's model, spec, the loaded base run)`; nothing is written."""
+    """`(run config with the base's model, spec, the loaded base run)`; nothing is written.
+
+    `weights=False` (`lmjax inspect`) reads only the base's config: the run's `params` are None
+    and the spec has no `base_sha256`.
+    """
     from lmjax.train.runs import load_run
 
     data = read_yaml(path)
@@ -129,7 +138,7 @@ def load_config(
             "finetune.base", base, "a run directory, RUN/checkpoints/STEP or an import-hf run",
             "set finetune.base in the config or pass finetune.base=PATH",
         )  # fmt: skip
-    base_run = load_run(base)
+    base_run = load_run(base) if weights else _base_config_only(base)
     model = _model_section(data.pop("model", None) or {}, run_overrides, base_run)
     data["model"] = model
     data["data"] = _data_section(data.get("data") or {}, base_run)
@@ -140,11 +149,18 @@ def load_config(
             "remove the parallel section",
         )  # fmt: skip
     resolved = str(Path(base).resolve())
-    spec = FinetuneSpec(
-        base, resolved, use_qlora, lcfg, base_run.step, fingerprint(base_run.params)
-    )
+    sha = fingerprint(base_run.params) if weights else None
+    spec = FinetuneSpec(base, resolved, use_qlora, lcfg, base_run.step, sha)
     lora.target_layers(base_run.model, lcfg)  # a target that selects nothing fails here
     return cfg, spec, base_run
+
+
+def _base_config_only(base: str):
+    from lmjax.train.runs import LoadedRun, read_config, split_run_path
+
+    run_dir, step = split_run_path(base)
+    cfg = read_config(run_dir)
+    return LoadedRun(run_dir, cfg, cfg.model_config(), None, None, step)
 
 
 def _model_section(model: Any, overrides: dict, base_run) -> dict:

@@ -231,6 +231,23 @@ def test_help_and_inspect(capsys):
     assert f"{8 * stored / n:.3f} bits each" in text
 
 
+def test_inspect_a_fine_tune_config(ws, capsys):
+    """`lmjax inspect configs/finetune-*.yaml` reports the base's model and the LoRA memory of
+    the config's adapters and optimizer (it refused the finetune section); nothing is loaded."""
+    assert run_cli("inspect", str(ws / "ft.yaml")) == 0
+    text = capsys.readouterr().out
+    base = load_run(ws / "base").model
+    lcfg = lora.LoraConfig(r=4, alpha=8, dropout=0.1)
+    n = lora.count(lora.init(jax.random.PRNGKey(0), base, lcfg))
+    assert f"d_model={base.d_model}" in text and "LoRA (float base): r=4, alpha=8" in text
+    assert f"adapters, trainable ({n:,} params)" in text and "adamw state (adapters only)" in text
+    assert run_cli("inspect", str(ws / "ft.yaml"), "--qlora", "--lora", "r=2") == 0
+    text = capsys.readouterr().out
+    assert "QLoRA (NF4 base): r=2, alpha=8" in text and "NF4:" in text
+    assert run_cli("inspect", str(ws / "ft.yaml"), "finetune.base=nowhere") == 2
+    assert "run path" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_qlora_run_merges_into_a_float_model(ws, capsys):
     """--qlora: the NF4 base trains its query/value adapters; merged/ is a float model in which
