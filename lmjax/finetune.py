@@ -7,9 +7,10 @@ A fine-tune config is a run config (`lmjax train`'s sections) without a model se
     lora: {r: 8, alpha: 16, targets: [...], dropout: 0.05, init: kaiming, rslora: false}
 
 The model is the base run's (only `model.dropout`, `dtype`, `remat`, `attention` and `ops` may be
-set); the data must use the base run's tokenizer (checked file for file before anything is
-written). With `qlora: true` the base's linear weights are quantized to NF4 (embeddings, norms
-and head stay float) before the adapters are attached.
+set); the corpus is encoded with the base run's own tokenizer (`with_base_tokenized_data`), so
+any text works with a byte or GPT-2 base, and text of the base's characters with a char base.
+With `qlora: true` the base's linear weights are quantized to NF4 (embeddings, norms and head
+stay float) before the adapters are attached.
 
 The run directory is `lmjax train`'s, written by the same loop (`lmjax.train.loop.train` with a
 `Trainable`): config.yaml, metrics.jsonl, loss.png, samples.txt, checkpoints/ (of the adapters
@@ -38,7 +39,7 @@ import yaml
 
 from lmjax import lora
 from lmjax.config import RunConfig, parse_overrides, read_yaml
-from lmjax.errors import CheckpointError, ConfigError
+from lmjax.errors import CheckpointError, ConfigError, TokenError
 from lmjax.lora import LoraConfig
 
 SPEC_FILE = "finetune.yaml"
@@ -189,6 +190,29 @@ def _data_section(data: Any, base_run) -> dict:
     return out
 
 
+def with_base_tokenized_data(cfg: RunConfig, base_run) -> RunConfig:
+    """`cfg` with `data.dir` set to the corpus encoded by the base's own tokenizer (prepared once
+    and cached like any data directory), so a char or BPE base fine-tunes on another corpus."""
+    from lmjax.train import data as D
+
+    if base_run.tokenizer is None:
+        raise ConfigError.describe(
+            "base run", str(base_run.directory), "a run with a tokenizer/ directory",
+            "fine-tune a run written by lmjax train or lmjax import-hf",
+        )  # fmt: skip
+    tok_dir = base_run.directory / "tokenizer"
+    try:
+        out = D.prepare_section(cfg.data, cfg.logging.progress, tokenizer_dir=tok_dir)
+    except TokenError as err:
+        raise ConfigError.describe(
+            "data.corpus", cfg.data.corpus,
+            f"text the base's {base_run.tokenizer.kind} tokenizer can encode ({err})",
+            "fine-tune on text of the base's characters, or use a base with a byte or gpt2 "
+            "tokenizer",
+        ) from None  # fmt: skip
+    return cfg.replace(data=dataclasses.replace(cfg.data, dir=str(out)))
+
+
 def check_tokenizer(prepared, base_run) -> None:
     """The data's tokenizer must be the base run's, file for file."""
     if base_run.tokenizer is None:
@@ -260,6 +284,7 @@ def finetune(
         _check_same_spec(run_dir, spec)
     elif (run_dir / SPEC_FILE).exists():
         pass  # the loop refuses the existing directory with its own message
+    cfg = with_base_tokenized_data(cfg, base_run)
     prepared = loop.prepare_data(cfg, cfg.logging.progress)
     check_tokenizer(prepared, base_run)
     frozen = frozen_params(base_run.params, spec.qlora)

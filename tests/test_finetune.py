@@ -149,7 +149,7 @@ def test_resume_equals_straight(ws, straight, monkeypatch):
         (["model.n_layers=3"], "model field"),
         (["finetune.color=red"], "finetune section"),
         (["train.steps=0"], "train.steps"),
-        (["data.corpus={other}"], "data tokenizer"),
+        (["data.corpus={other}"], "data.corpus"),  # characters the base's vocabulary lacks
         (["--resume"], "run directory to resume"),
     ],
 )
@@ -162,6 +162,19 @@ def test_bad_input_is_one_line_exit_2_nothing_written(ws, capsys, args, message)
     assert err.startswith("lmjax finetune: error:") and "\n" not in err, err
     assert message in err, err
     assert not out.exists()
+
+
+def test_fine_tune_on_another_corpus_uses_the_base_tokenizer(ws, capsys):
+    """A char base fine-tunes on another text made of its characters: the text is encoded with
+    the base's vocabulary (a vocabulary built from that text was refused as a mismatch)."""
+    (ws / "verse.txt").write_text("shall I compare thee to a summer's day?\n" * 200)
+    out = ws / "verse"
+    quiet = ("train.steps=1", "logging.sample_tokens=0", "logging.plot=false")
+    args = (f"run.dir={out}", f"data.corpus={ws / 'verse.txt'}", *quiet)
+    assert run_cli("finetune", str(ws / "ft.yaml"), *args) == 0, capsys.readouterr().err
+    base = load_run(ws / "base").tokenizer
+    assert load_run(out).tokenizer.encode("summer") == base.encode("summer")
+    assert base.vocab_size > len(set("shall I compare thee to a summer's day?\n"))
 
 
 def test_resume_onto_other_base_weights_is_refused(ws, straight, capsys):

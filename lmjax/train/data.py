@@ -95,11 +95,14 @@ def prepare(
     vocab_size: int | None = None,
     val_fraction: float = 0.1,
     progress: bool = True,
+    tokenizer_dir: str | os.PathLike | None = None,
 ) -> Path:
     """Build the data directory for `corpus` (or reuse an identical one) and return its path.
 
     An existing `out` made from the same corpus with the same settings is reused; any other
-    existing path is an error (nothing is overwritten).
+    existing path is an error (nothing is overwritten). `tokenizer_dir`: encode with that saved
+    tokenizer (a fine-tune's base's) instead of building one from the corpus; its files' sha256
+    joins the settings and the default directory name.
     """
     validate_data(DataConfig(corpus, None, tokenizer, vocab_size, val_fraction))
     path = corpus_path(corpus)
@@ -107,7 +110,12 @@ def prepare(
     digest = hashlib.sha256(raw).hexdigest()
     settings = {"corpus_sha256": digest, "tokenizer": tokenizer, "val_fraction": val_fraction}
     settings["bpe_vocab_size"] = vocab_size
-    out = Path(out) if out else default_dir(digest, tokenizer, vocab_size, val_fraction)
+    given = None
+    if tokenizer_dir is not None:
+        given = tokenizers.load(tokenizer_dir)
+        settings["tokenizer_sha256"] = _files_sha256(Path(tokenizer_dir))
+    kind = tokenizer if given is None else f"{tokenizer}-{settings['tokenizer_sha256'][:12]}"
+    out = Path(out) if out else default_dir(digest, kind, vocab_size, val_fraction)
     if out.exists():
         _check_reusable(out, settings)
         return out
@@ -120,7 +128,7 @@ def prepare(
             f"enough text for both splits at val_fraction = {val_fraction}",
             "use a longer corpus",
         )
-    tok = _build_tokenizer(tokenizer, text[:split], text, vocab_size)
+    tok = given or _build_tokenizer(tokenizer, text[:split], text, vocab_size)
     with atomic_dir(out) as tmp:  # the directory appears complete or not at all
         dtype = "uint16" if tok.vocab_size <= 1 << 16 else "uint32"
         bar = _progress(len(text), f"tokenizing {path.name}", progress)
@@ -140,6 +148,13 @@ def prepare(
         }
         atomic_write_text(tmp / "meta.json", json.dumps(meta, indent=1))
     return out
+
+
+def _files_sha256(directory: Path) -> str:
+    digest = hashlib.sha256()
+    for file in sorted(p for p in directory.rglob("*") if p.is_file()):
+        digest.update(f"{file.relative_to(directory)}\0".encode() + file.read_bytes())
+    return digest.hexdigest()
 
 
 def gpt2_tokenizer():
@@ -198,7 +213,7 @@ def _chunks(text: str):
     yield text[start:]
 
 
-def prepare_section(d: DataConfig, progress: bool = True) -> Path:
+def prepare_section(d: DataConfig, progress: bool = True, tokenizer_dir=None) -> Path:
     """`prepare` for a config's `data` section."""
     return prepare(
         d.corpus,
@@ -207,6 +222,7 @@ def prepare_section(d: DataConfig, progress: bool = True) -> Path:
         vocab_size=d.vocab_size,
         val_fraction=d.val_fraction,
         progress=progress,
+        tokenizer_dir=tokenizer_dir,
     )
 
 
