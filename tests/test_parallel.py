@@ -222,3 +222,18 @@ def test_lmjax_train_initializes_jax_distributed_before_touching_a_device(tmp_pa
         [sys.executable, "-c", START_UP, str(tmp_path / "c.yaml")], env=env, capture_output=True
     )
     assert done.returncode == 10, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+    ("mesh", "words"),
+    [
+        ("fsdp=0", "--mesh.fsdp = 0"),
+        ("dat=2", "--mesh axis = 'dat'"),
+        ("fsdp", "--mesh item = 'fsdp'"),
+        ("fsdp=4,model=x", "--mesh item = 'model=x'"),
+    ],
+)
+def test_inspect_bad_mesh_is_one_line_and_exit_2_before_any_output(mesh, words, capsys):
+    assert cli.main(["inspect", "llama", "--mesh", mesh]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1 and words in err, err
