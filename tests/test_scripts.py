@@ -321,3 +321,21 @@ def test_tpu_run_directory_is_one_setting_for_launch_and_fetch():
         text=True,
     )
     assert done.returncode == 2 and "RUN_DIR=/mnt/x" in done.stderr, done.stderr
+
+
+def test_gpu_refuses_a_python_older_than_the_project_needs(tmp_path):
+    """train.sh made its venv with whatever python3 was first on PATH; lmjax needs >= 3.11, so
+    an older one failed later inside pip. It now says so first, and PYTHON picks another."""
+    (tmp_path / "python3").write_text("#!/usr/bin/env bash\nexit 1\n")  # an old Python
+    (tmp_path / "python3").chmod(0o755)
+    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "GPUS": "1", "DRY_RUN": "0"}
+    done = subprocess.run(
+        ["bash", str(GPU), "c.yaml"],
+        env={**env, "VENV": str(tmp_path / "v")},
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 2 and "3.11" in done.stderr and "PYTHON=" in done.stderr
+    assert not (tmp_path / "v").exists()
+    cmds = dry(GPU, "c.yaml", GPUS="1", VENV=str(tmp_path / "v"), PYTHON="python3.12")
+    assert cmds[0] == ["python3.12", "-m", "venv", str(tmp_path / "v")]

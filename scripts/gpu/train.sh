@@ -4,20 +4,20 @@
 #     scripts/gpu/train.sh CONFIG [section.key=value ...]
 #
 # Run from a copy of this tree on the GPU host. Steps:
-#   1 install   with INSTALL=1 (or when .venv is missing): a venv with jax[cuda12] and the
-#               project (pip install -e .)
+#   1 install   with INSTALL=1 (or when .venv is missing): a venv on $PYTHON (>= 3.11) with
+#               jax[cuda12] and the project (pip install -e .)
 #   2 inspect   lmjax inspect CONFIG --mesh MESH: the per-GPU memory of this mesh
-#   3 train     lmjax train CONFIG parallel.mesh=MESH [overrides], console tee'd to
-#               RUN_DIR/../<run name>.log
+#   3 train     lmjax train CONFIG parallel.mesh=MESH [overrides], console tee'd to $LOG
 #
 # Settings (environment): GPUS (default: nvidia-smi -L | wc -l), MESH (default fsdp=$GPUS;
-# e.g. data=2,fsdp=4 or fsdp=4,model=2), INSTALL (0), VENV (.venv), LOG (train-gpu.log),
-# DRY_RUN=1 prints every command instead of running it.
+# e.g. data=2,fsdp=4 or fsdp=4,model=2), INSTALL (0), VENV (.venv), PYTHON (python3),
+# LOG (train-gpu.log, in the tree's root), DRY_RUN=1 prints every command instead of running it.
 set -euo pipefail
 
 DRY_RUN="${DRY_RUN:-0}"
 INSTALL="${INSTALL:-0}"
 VENV="${VENV:-.venv}"
+PYTHON="${PYTHON:-python3}"
 LOG="${LOG:-train-gpu.log}"
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 
@@ -49,7 +49,11 @@ MESH="${MESH:-fsdp=$GPUS}"
 
 cd "$ROOT"
 if [[ "$INSTALL" == "1" || ! -x "$VENV/bin/lmjax" ]]; then
-    run python3 -m venv "$VENV"
+    if [[ "$DRY_RUN" != "1" ]] && ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+        echo "$0: lmjax needs Python >= 3.11 ($PYTHON is older); set PYTHON=python3.12 or so" >&2
+        exit 2
+    fi
+    run "$PYTHON" -m venv "$VENV"
     run "$VENV/bin/pip" install -q -U pip
     run "$VENV/bin/pip" install -q 'jax[cuda12]>=0.10.2,<0.12' -e .
 fi
