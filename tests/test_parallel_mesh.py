@@ -189,6 +189,19 @@ def _worker(workdir: Path) -> dict:
     # lmjax train with and without a parallel section: the same losses.
     (workdir / "corpus.txt").write_text(TEXT)
     runs, meshes, make_mesh = {}, [], parallel.make_mesh
+    eval_inputs, make_eval_step = [], train.loop.make_eval_step
+
+    def recording_eval_step(model):  # records how each run lays out its eval batches
+        step = make_eval_step(model)
+
+        def run(params, inputs, targets):
+            spec = inputs.sharding.spec if isinstance(inputs, jax.Array) else "host"
+            eval_inputs.append(list(map(_entry, spec)) if spec != "host" else spec)
+            return step(params, inputs, targets)
+
+        return run
+
+    train.loop.make_eval_step = recording_eval_step
     parallel.make_mesh = lambda shape, devices=None: (
         meshes.append(dict(shape)) or make_mesh(shape, devices)
     )  # records the meshes the runs build (lmjax.train.loop calls parallel.make_mesh)
@@ -208,6 +221,8 @@ def _worker(workdir: Path) -> dict:
             assert cli.main(["train", path, "--resume", "parallel.mesh=fsdp=8"]) == 0
         records = train.metrics.MetricsLog(workdir / name / "metrics.jsonl").read()
         runs[name] = [[r["step"], r.get("loss"), r.get("val_loss")] for r in records]
+        out.setdefault("eval_inputs", {})[name] = eval_inputs[:]
+        eval_inputs.clear()
     out["runs"], out["run_meshes"] = runs, meshes
     return out
 
@@ -357,6 +372,11 @@ def test_sharded_lmjax_train_has_the_unsharded_losses(report):
     resumed from step 2 onto another mesh. rtol 1e-5: four steps of the reduction-order
     differences above (eps 1e-4 keeps Adam from amplifying them)."""
     assert report["run_meshes"] == [{"data": 2, "fsdp": 2, "model": 2}, {"fsdp": 8}]
+    # Evaluation batches are split over data x fsdp too (they were replicated host arrays).
+    evals = report["eval_inputs"]
+    assert evals["plain"] and set(map(str, evals["plain"])) == {"host"}, evals
+    sharded = evals["sharded"]
+    assert sharded and all(e[0] == ["data", "fsdp"] and not any(e[1:]) for e in sharded), evals
     plain, sharded = report["runs"]["plain"], report["runs"]["sharded"]
     assert [r[0] for r in plain] == [r[0] for r in sharded] and len(plain) >= 4
     for a, b in zip(plain, sharded, strict=True):

@@ -418,7 +418,12 @@ class _Trainer:
 
     def evaluate_params(self, params) -> float:
         params = self.trainable.model_params(params)
-        return evaluate(self.eval_step, params, self.data.val, self.cfg.train, self.seq_len)
+        # On a mesh the eval batch is split like a training batch: left as host arrays it was
+        # replicated, every device running the whole micro-batch.
+        sharding = None if self.mesh is None else parallel.batch_sharding(self.mesh, 2)
+        return evaluate(
+            self.eval_step, params, self.data.val, self.cfg.train, self.seq_len, sharding
+        )
 
     def _evaluate(self, state: TrainState, step: int) -> tuple[float, str | None]:
         val_loss = self.evaluate_params(state.params)
@@ -472,13 +477,21 @@ def _mesh_and_shardings(cfg: RunConfig, model, tx):
     return mesh, parallel.shardings(specs, mesh)
 
 
-def evaluate(eval_step, params, val_tokens, t, seq_len: int) -> float:
-    """Mean loss over the `t.eval_batches` fixed validation batches (micro-batch sized)."""
+def evaluate(eval_step, params, val_tokens, t, seq_len: int, sharding=None) -> float:
+    """Mean loss over the `t.eval_batches` fixed validation batches (micro-batch sized).
+
+    `sharding`: lay each `[B, T]` batch out by it (every host computes the same batch and
+    hands over only its devices' rows); None: host arrays.
+    """
     micro = t.batch_size // t.grad_accum
-    losses = [
-        eval_step(params, *D.eval_batch(val_tokens, t.seed, i, micro, seq_len))
-        for i in range(t.eval_batches)
-    ]
+
+    def batch(i: int):
+        arrays = D.eval_batch(val_tokens, t.seed, i, micro, seq_len)
+        if sharding is None:
+            return arrays
+        return [jax.make_array_from_callback(a.shape, sharding, a.__getitem__) for a in arrays]
+
+    losses = [eval_step(params, *batch(i)) for i in range(t.eval_batches)]
     return float(np.mean(jax.device_get(losses)))
 
 
