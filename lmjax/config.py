@@ -406,7 +406,8 @@ def _validate_run(cfg: RunConfig) -> None:
         "schedule.decay_steps",
         s.decay_steps,
         f"null or > warmup_steps = {s.warmup_steps}",
-        "lengthen it or leave it null (= train.steps)",
+        "lengthen it (null means train.steps) or lower schedule.warmup_steps, e.g. "
+        "schedule.warmup_steps=0 for a short run",
     )
     ratio = s.final_lr_ratio
     _check(0 <= ratio <= 1, "schedule.final_lr_ratio", ratio, "a float in [0, 1]", "e.g. 0.1")

@@ -105,6 +105,7 @@ def test_round_trip_through_to_dict():
         (BASE, {"optimizer.b2": 1.0}, "optimizer.b2 = 1.0"),
         (BASE, {"schedule.decay": "step"}, "schedule.decay = 'step'"),
         (BASE, {"schedule.warmup_steps": 10, "schedule.decay_steps": 5}, "decay_steps = 5"),
+        (BASE, {"schedule.warmup_steps": 10, "schedule.decay_steps": 5}, "lower schedule.warmup"),
         (BASE, {"data.tokenizer": "word"}, "data.tokenizer = 'word'"),
         (BASE, {"data.vocab_size": 300}, "data.vocab_size = 300"),
         (BASE, {"data.val_fraction": 1.0}, "data.val_fraction = 1.0"),
