@@ -129,7 +129,11 @@ def _eval(args: argparse.Namespace) -> int:
             "lower it",
         )  # fmt: skip
     cfg = run.cfg.replace(train=dataclasses.replace(t, **changes))
-    prepared = train.prepare_data(cfg, progress=False)
+    # A fine-tune's corpus was encoded with its base's tokenizer (which the run keeps in
+    # tokenizer/): score with those ids even when the cached data directory is gone.
+    fine_tune = (run.directory / "finetune.yaml").is_file()
+    tokenizer_dir = run.directory / "tokenizer" if fine_tune else None
+    prepared = train.prepare_data(cfg, progress=False, tokenizer_dir=tokenizer_dir)
     train.loop.resolve(cfg, prepared)
     eval_step = train.make_eval_step(run.model)
     loss = train.evaluate(eval_step, run.params, prepared.val, cfg.train, cfg.seq_len)

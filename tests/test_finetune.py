@@ -5,11 +5,13 @@ written). QLoRA's own checks (NF4 bytes, loss on real text) are in tests/test_ql
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
+import yaml
 
 from lmjax import cli, lora, models
 from lmjax import params as P
@@ -175,6 +177,14 @@ def test_fine_tune_on_another_corpus_uses_the_base_tokenizer(ws, capsys):
     base = load_run(ws / "base").tokenizer
     assert load_run(out).tokenizer.encode("summer") == base.encode("summer")
     assert base.vocab_size > len(set("shall I compare thee to a summer's day?\n"))
+    # lmjax eval scores with the base's ids too, even after the cached data directory is gone
+    # (a vocabulary rebuilt from verse.txt would be smaller and give other ids).
+    capsys.readouterr()
+    assert run_cli("eval", str(out)) == 0, capsys.readouterr().err
+    first = capsys.readouterr().out
+    shutil.rmtree(yaml.safe_load((out / "config.yaml").read_text())["data"]["dir"])
+    assert run_cli("eval", str(out)) == 0, capsys.readouterr().err
+    assert capsys.readouterr().out == first
 
 
 def test_resume_onto_other_base_weights_is_refused(ws, straight, capsys):

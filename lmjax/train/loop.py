@@ -86,9 +86,10 @@ def default_run_dir(config_path: str | None) -> Path:
     return Path("runs") / stem
 
 
-def prepare_data(cfg: RunConfig, progress: bool = True) -> D.Prepared:
-    """Prepare (or reuse) the config's data and open it."""
-    return D.open_prepared(D.prepare_section(cfg.data, progress))
+def prepare_data(cfg: RunConfig, progress: bool = True, tokenizer_dir=None) -> D.Prepared:
+    """Prepare (or reuse) the config's data and open it; `tokenizer_dir`: encode with that saved
+    tokenizer instead of building one from the corpus (a fine-tune encodes with its base's)."""
+    return D.open_prepared(D.prepare_section(cfg.data, progress, tokenizer_dir=tokenizer_dir))
 
 
 def resolve(cfg: RunConfig, prepared: D.Prepared) -> RunConfig:
