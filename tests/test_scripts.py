@@ -173,7 +173,11 @@ def run_with_fake_gcloud(tmp_path, fail_logs: int, fail_on: str = "", rc: int = 
         "DRY_RUN": "0",
     }
     done = subprocess.run(
-        ["bash", str(TPU), "all", "c.yaml"], env=env, cwd=tmp_path, capture_output=True, text=True
+        ["bash", str(TPU), "all", "configs/tpu-gpt2-124m.yaml"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
     )
     calls = (tmp_path / "calls.log").read_text().splitlines()
     verbs = [c.split()[3] + (" logs" if "tail" in c else "") for c in calls]
@@ -339,3 +343,21 @@ def test_gpu_refuses_a_python_older_than_the_project_needs(tmp_path):
     assert not (tmp_path / "v").exists()
     cmds = dry(GPU, "c.yaml", GPUS="1", VENV=str(tmp_path / "v"), PYTHON="python3.12")
     assert cmds[0] == ["python3.12", "-m", "venv", str(tmp_path / "v")]
+
+
+def test_tpu_all_refuses_a_config_the_workers_will_not_have_before_creating_anything(tmp_path):
+    """The workers get `git archive HEAD`: a config missing from HEAD (a typo, or not committed)
+    used to fail only after the TPU was created and installed (billed minutes)."""
+    done = subprocess.run(
+        ["bash", str(TPU), "all", "configs/no-such.yaml"],
+        env={**os.environ, "DRY_RUN": "1"},
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert done.returncode == 2 and "configs/no-such.yaml" in done.stderr, done.stderr
+    assert "HEAD" in done.stderr and "gcloud" not in done.stdout
+    done = subprocess.run(
+        ["bash", str(TPU), "all"], env={**os.environ, "DRY_RUN": "1"}, capture_output=True
+    )
+    assert done.returncode == 2 and b"usage" in done.stderr and b"gcloud" not in done.stdout

@@ -141,6 +141,16 @@ delete() {
 }
 
 all() {
+    # Checked before anything is billed: the workers get the last commit (install).
+    if [[ $# -lt 1 ]]; then
+        echo "usage: $0 all CONFIG [section.key=value ...]" >&2
+        exit 2
+    fi
+    if ! git -C "$ROOT" cat-file -e "HEAD:$1" 2> /dev/null; then
+        echo "$0: $1 is not in the last commit (HEAD), which is what the workers get;" \
+            "commit it, with its path relative to the repository root" >&2
+        exit 2
+    fi
     create
     trap delete EXIT # the TPU bills until deleted: delete it however this ends
     install
