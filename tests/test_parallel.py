@@ -237,3 +237,17 @@ def test_inspect_bad_mesh_is_one_line_and_exit_2_before_any_output(mesh, words, 
     assert cli.main(["inspect", "llama", "--mesh", mesh]) == 2
     out, err = capsys.readouterr()
     assert out == "" and len(err.strip().splitlines()) == 1 and words in err, err
+
+
+def test_a_mesh_the_devices_do_not_fit_is_refused_before_the_run_directory_is_written(
+    tmp_path, monkeypatch, capsys
+):
+    """It was found when the mesh was built, after config.yaml and the tokenizer were written,
+    so the corrected command then refused the run directory as an existing run."""
+    (tmp_path / "corpus.txt").write_text("a quick brown fox jumps over the lazy dog\n" * 40)
+    run = tmp_path / "run"
+    (tmp_path / "c.yaml").write_text(CONFIG.format(corpus=tmp_path / "corpus.txt", run=run))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert cli.main(["train", str(tmp_path / "c.yaml"), "parallel.mesh=data=2"]) == 2
+    assert "product equals the 1 devices" in capsys.readouterr().err
+    assert not run.exists() or not any(run.iterdir())

@@ -129,6 +129,8 @@ def train(
             "parallel.mesh", cfg.parallel.mesh, "no mesh for a fine-tune (not supported yet)",
             "remove the parallel section: fine-tunes run on one device",
         )  # fmt: skip
+    if cfg.parallel.mesh is not None:  # the device count, before anything is written
+        parallel.check_mesh_shape(cfg.parallel.mesh, jax.device_count())
     # Every host checks the (shared) run directory before process 0 writes into it.
     parallel.barrier("lmjax train: run directory checked")
     run_dir.mkdir(parents=True, exist_ok=True)
