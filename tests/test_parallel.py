@@ -231,6 +231,7 @@ def test_lmjax_train_initializes_jax_distributed_before_touching_a_device(tmp_pa
         ("dat=2", "--mesh axis = 'dat'"),
         ("fsdp", "--mesh item = 'fsdp'"),
         ("fsdp=4,model=x", "--mesh item = 'model=x'"),
+        ("data=2,data=4", "--mesh axis = 'data'"),  # given twice: was the last one, silently
     ],
 )
 def test_inspect_bad_mesh_is_one_line_and_exit_2_before_any_output(mesh, words, capsys):

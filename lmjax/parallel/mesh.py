@@ -74,6 +74,10 @@ def parse_mesh_text(text: str, where: str = "--mesh") -> dict[str, int]:
             raise ConfigError.describe(
                 f"{where} item", item, "axis=size (e.g. data=2,fsdp=4)", "write name=int pairs"
             )
+        if name.strip() in out:
+            raise ConfigError.describe(
+                f"{where} axis", name.strip(), "each axis at most once", "give each size once"
+            )
         out[name.strip()] = int(value)
     return out
 
