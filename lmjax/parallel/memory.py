@@ -9,37 +9,25 @@ leaves out, so the activation figure is an upper bound when model > 1.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 
 from lmjax.models import ModelConfig, abstract_params, residual_bytes
-from lmjax.models.summary import _human
+from lmjax.models.summary import MemoryEstimate, _human
 from lmjax.parallel.mesh import check_batch
 from lmjax.parallel.rules import per_device_bytes, state_specs
 
 
-@dataclasses.dataclass(frozen=True)
-class DeviceMemory:
-    params: int
-    gradients: int
-    optimizer: int
-    activations: int
-
-    @property
-    def total(self) -> int:
-        return self.params + self.gradients + self.optimizer + self.activations
-
-
 def device_memory(
     cfg: ModelConfig, opt_state, batch: int, seq_len: int, mesh_shape: Mapping[str, int]
-) -> DeviceMemory:
-    """Bytes on one device; `opt_state` is the (abstract) optimizer state of `cfg`'s params."""
+) -> MemoryEstimate:
+    """Bytes on one device (the single-device estimate's fields, each for one shard);
+    `opt_state` is the (abstract) optimizer state of `cfg`'s params."""
     check_batch(batch, mesh_shape, where="batch (sequences per micro-batch)")
     params = abstract_params(cfg)
     param_bytes = per_device_bytes(params, state_specs(params, cfg, mesh_shape), mesh_shape)
     opt_bytes = per_device_bytes(opt_state, state_specs(opt_state, cfg, mesh_shape), mesh_shape)
     rows = batch // (mesh_shape["data"] * mesh_shape["fsdp"])
-    return DeviceMemory(param_bytes, param_bytes, opt_bytes, residual_bytes(cfg, rows, seq_len))
+    return MemoryEstimate(param_bytes, param_bytes, opt_bytes, residual_bytes(cfg, rows, seq_len))
 
 
 def format_device_memory(
