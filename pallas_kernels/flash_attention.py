@@ -63,12 +63,19 @@ from jax.experimental.pallas import triton as pltriton
 
 from lmjax.errors import ConfigError, ShapeError
 from lmjax.ops.attention import attention_reference as _ops_attention_reference
+from pallas_kernels import _backend
+from pallas_kernels._backend import (  # re-exported: KERNELS, CPU_KERNEL are in __all__
+    CPU_KERNEL,
+    GPU_MIN_TILE,
+    KERNELS,
+    TPU_LANES,
+    TPU_SUBLANES,
+)
+from pallas_kernels._backend import dot as _dot
+from pallas_kernels._backend import require_platform as _require_platform
+from pallas_kernels._backend import require_positive_int as _require_positive_int
+from pallas_kernels._backend import round_up as _round_up
 
-KERNELS = ("gpu", "tpu")
-# On a CPU host nothing compiles; the GPU-style kernel is the one interpreted by default.
-CPU_KERNEL = "gpu"
-GPU_MIN_TILE = 16  # Triton's tl.dot needs every matmul dimension >= 16
-TPU_SUBLANES, TPU_LANES = 8, 128
 INPUT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 # Masked scores before the max: finite, so `m - m_new` never forms inf - inf.
 _MASKED = -1e30
@@ -107,11 +114,6 @@ class BlockSizes:
     @property
     def blocks(self) -> dict[str, int]:
         return {n: getattr(self, n) for n in ("block_q", "block_k", "block_q_bwd", "block_k_bwd")}
-
-
-def _require_positive_int(value, what: str) -> None:
-    if not isinstance(value, int | np.integer) or isinstance(value, bool) or value <= 0:
-        raise ConfigError.describe(what, value, "a positive int", f"set {what} to e.g. 64")
 
 
 def _check_blocks(sizes: BlockSizes, kernel: str, interpret: bool) -> None:
@@ -182,10 +184,6 @@ def _fit(a: int, b: int, n: int, kernel: str) -> tuple[int, int]:
     small = min(a, b, _round_up(n, TPU_SUBLANES))
     big = min(max(a, b), _round_up(n, small))
     return (small, big) if a <= b else (big, small)
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
 
 
 def _pad_head_dim(d: int, kernel: str) -> int:
@@ -293,12 +291,6 @@ def _keep(plan: _Plan, rows_Q1, cols_1K, kmask_1K):
 
 def _iota(start, shape, axis):
     return start + lax.broadcasted_iota(jnp.int32, shape, axis)
-
-
-def _dot(a, b, contract: tuple[int, int]):
-    """2-D matmul contracting a's axis contract[0] with b's contract[1], accumulated in f32."""
-    dims = (((contract[0],), (contract[1],)), ((), ()))
-    return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
 
 
 def _online_softmax_step(carry, s_QK, keep, v_KD):
@@ -741,29 +733,12 @@ def resolve_backend(backend: str | None, interpret: bool | None) -> tuple[str, b
     None follows `jax.default_backend()`: "gpu" and "tpu" compile their own kernel; "cpu" runs
     `CPU_KERNEL` interpreted. Any other name, or a platform with no kernel, is a ConfigError.
     """
-    platform = jax.default_backend()
-    kernel = (CPU_KERNEL if platform == "cpu" else platform) if backend is None else backend
-    if kernel not in KERNELS:
-        raise ConfigError.describe(
-            "flash attention backend",
-            kernel,
-            f"one of {KERNELS} (None follows jax.default_backend(); on CPU the "
-            f"{CPU_KERNEL!r} kernel runs interpreted)",
-            "pass backend='gpu' or backend='tpu', or use lmjax.ops.attention(impl='xla')",
-        )
-    return kernel, platform == "cpu" if interpret is None else bool(interpret)
-
-
-def _require_platform(kernel: str, interpret: bool) -> None:
-    """A compiled kernel needs its own device; only interpret mode runs anywhere."""
-    platform = jax.default_backend()
-    if not interpret and kernel != platform:
-        raise ConfigError.describe(
-            f"backend={kernel!r} compiled (interpret=False) on platform",
-            platform,
-            f"JAX running on {kernel!r}, or interpret=True",
-            "pass interpret=True to run the kernel interpreted (slow, for tests)",
-        )
+    return _backend.resolve_backend(
+        backend,
+        interpret,
+        what="flash attention backend",
+        fix="pass backend='gpu' or backend='tpu', or use lmjax.ops.attention(impl='xla')",
+    )
 
 
 def _check_inputs(q, k, v, mask, offset) -> None:

@@ -58,11 +58,18 @@ from jax.experimental.pallas import triton as pltriton
 
 from lmjax.errors import ConfigError, ShapeError
 from lmjax.quant.nf4 import BLOCK, NF4, QuantizedWeight, block_absmax, dequantize
+from pallas_kernels import _backend
+from pallas_kernels._backend import (  # re-exported: KERNELS, CPU_KERNEL are in __all__
+    CPU_KERNEL,
+    GPU_MIN_TILE,
+    KERNELS,
+    TPU_LANES,
+    TPU_SUBLANES,
+)
+from pallas_kernels._backend import dot as _dot
+from pallas_kernels._backend import require_platform as _require_platform
+from pallas_kernels._backend import round_up as _round_up
 
-KERNELS = ("gpu", "tpu")
-CPU_KERNEL = "gpu"  # interpreted on a CPU host
-GPU_MIN_TILE = 16  # tl.dot needs every dimension >= 16
-TPU_SUBLANES, TPU_LANES = 8, 128
 INPUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _HALF_BLOCK = BLOCK // 2  # packed bytes per quantization block
 
@@ -91,10 +98,7 @@ class BlockSizes:
             value = getattr(self, name)
             if value is None and name.startswith("num_"):
                 continue
-            if not isinstance(value, int | np.integer) or isinstance(value, bool) or value <= 0:
-                raise ConfigError.describe(
-                    f"BlockSizes.{name}", value, "a positive int", f"set {name} to e.g. 64"
-                )
+            _backend.require_positive_int(value, f"BlockSizes.{name}", f"set {name} to e.g. 64")
         if self.block_k % BLOCK:
             raise ConfigError.describe(
                 "BlockSizes.block_k",
@@ -160,10 +164,6 @@ class _Plan:
     @property
     def nk(self) -> int:
         return self.i_pad // self.bk
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
 
 
 def _fit(block: int, n: int, kernel: str, floor: int) -> int:
@@ -232,11 +232,6 @@ def _decode(packed, scale_of_column, dtype):
     even = (_nf4_lookup(p >> 4) * scale).astype(dtype)
     odd = (_nf4_lookup(p & 15) * scale).astype(dtype)
     return even, odd
-
-
-def _dot(a, b, contract: tuple[int, int]):
-    dims = (((contract[0],), (contract[1],)), ((), ()))
-    return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
 
 
 # ---- GPU (Triton) kernels ----------------------------------------------------------------------
@@ -447,29 +442,12 @@ def _nf4_padded(plan: _Plan, x_MI, packed_OH, scales_OQ):
 
 def resolve_backend(backend: str | None, interpret: bool | None) -> tuple[str, bool]:
     """(kernel, interpret): None follows jax.default_backend(); CPU interprets `CPU_KERNEL`."""
-    platform = jax.default_backend()
-    kernel = (CPU_KERNEL if platform == "cpu" else platform) if backend is None else backend
-    if kernel not in KERNELS:
-        raise ConfigError.describe(
-            "nf4_matmul backend",
-            kernel,
-            f"one of {KERNELS} (None follows jax.default_backend(); on CPU the "
-            f"{CPU_KERNEL!r} kernel runs interpreted)",
-            "pass backend='gpu' or backend='tpu', or use nf4_matmul_reference",
-        )
-    return kernel, platform == "cpu" if interpret is None else bool(interpret)
-
-
-def _require_platform(kernel: str, interpret: bool) -> None:
-    """A compiled kernel needs its own device; only interpret mode runs anywhere."""
-    platform = jax.default_backend()
-    if not interpret and kernel != platform:
-        raise ConfigError.describe(
-            f"backend={kernel!r} compiled (interpret=False) on platform",
-            platform,
-            f"JAX running on {kernel!r}, or interpret=True",
-            "pass interpret=True to run the kernel interpreted (slow, for tests)",
-        )
+    return _backend.resolve_backend(
+        backend,
+        interpret,
+        what="nf4_matmul backend",
+        fix="pass backend='gpu' or backend='tpu', or use nf4_matmul_reference",
+    )
 
 
 def _check_inputs(x, qw, bias, *, kernel: bool) -> None:
