@@ -16,7 +16,7 @@ import pytest
 ROOT = Path(__file__).parent.parent
 TPU = ROOT / "scripts" / "tpu" / "tpu.sh"
 GPU = ROOT / "scripts" / "gpu" / "train.sh"
-OURS = sorted([*(ROOT / "scripts" / "tpu").glob("*.sh"), *(ROOT / "scripts" / "gpu").glob("*.sh")])
+OURS = sorted(p for d in ("tpu", "gpu", "lib") for p in (ROOT / "scripts" / d).glob("*.sh"))
 
 
 def dry(script: Path, *args: str, **env: str) -> list[list[str]]:

@@ -21,15 +21,9 @@ PYTHON="${PYTHON:-python3}"
 LOG="${LOG:-train-gpu.log}"
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 
-run() {
-    if [[ "$DRY_RUN" == "1" ]]; then
-        printf '+'
-        printf ' %q' "$@"
-        printf '\n'
-    else
-        "$@"
-    fi
-}
+# run CMD...: run it, or print it (shell-quoted, one line) under DRY_RUN=1.
+# shellcheck source-path=SCRIPTDIR source=../lib/run.sh
+source "$ROOT/scripts/lib/run.sh"
 
 if [[ $# -lt 1 ]]; then
     echo "usage: $0 CONFIG [section.key=value ...]" >&2

@@ -44,16 +44,9 @@ DRY_RUN="${DRY_RUN:-0}"
 REMOTE_DIR="lmjax"
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 
-# Run a command, or print it (shell-quoted, one line) under DRY_RUN=1.
-run() {
-    if [[ "$DRY_RUN" == "1" ]]; then
-        printf '+'
-        printf ' %q' "$@"
-        printf '\n'
-    else
-        "$@"
-    fi
-}
+# run CMD...: run it, or print it (shell-quoted, one line) under DRY_RUN=1.
+# shellcheck source-path=SCRIPTDIR source=../lib/run.sh
+source "$ROOT/scripts/lib/run.sh"
 
 gcloud_tpu() {
     local extra=()
