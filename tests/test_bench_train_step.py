@@ -2,26 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+from _benchmarks import load_benchmark
 
 pytest.importorskip("torch")
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "train_step.py"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("bench_train_step", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
 
 def test_quick_run_writes_json_with_agreeing_witness(tmp_path):
-    bench = load_script()
+    bench = load_benchmark("train_step")
     result = bench.main(
         [
             "--quick",
@@ -147,7 +138,7 @@ def test_gpu_check_dry_run_of_the_train_step_benchmark(tmp_path):
 
 @pytest.mark.slow
 def test_scaling_mode_writes_rows_per_preset_and_length(tmp_path):
-    bench = load_script()
+    bench = load_benchmark("train_step")
     args = ["--scaling", "--quick", "--steps", "1", "--threads", "1"]
     result = bench.main([*args, "--results-dir", str(tmp_path)])
     data = json.loads(Path(result["path"]).read_text())

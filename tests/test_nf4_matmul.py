@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _benchmarks import load_benchmark
 
 from lmjax import ops
 from lmjax.errors import ConfigError, ShapeError
@@ -319,19 +320,8 @@ def test_rejects_bad_inputs():
 # ---- the GPU benchmark script runs its argument handling here -------------------------------
 
 
-def load_benchmark():
-    import importlib.util
-    import pathlib
-
-    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "nf4_matmul_gpu.py"
-    spec = importlib.util.spec_from_file_location("nf4_matmul_gpu", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
-
-
 def test_gpu_benchmark_script_parses_and_skips_without_a_gpu(capsys):
-    bench = load_benchmark()
+    bench = load_benchmark("nf4_matmul_gpu")
     assert bench.parse_shape("768x3072") == (768, 3072)
     for bad in ("768", "768x100", "0x64"):
         with pytest.raises(Exception, match="OUTxIN|multiple of 64"):
@@ -348,7 +338,7 @@ def test_gpu_benchmark_script_runs_interpreted_on_a_tiny_shape(tmp_path):
     the three impls measured, and the kernel's output equal to the XLA path's."""
     import json
 
-    bench = load_benchmark()
+    bench = load_benchmark("nf4_matmul_gpu")
     args = ["--allow-cpu", "--tokens", "16", "--shapes", "64x128", "--calls", "1"]
     assert bench.main([*args, "--samples", "1", "--results-dir", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "nf4_matmul_gpu.json").read_text())

@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import pydoc_data.topics
@@ -22,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _benchmarks import load_benchmark
 
 from lmjax import finetune, lora, models
 from lmjax import params as P
@@ -125,10 +125,7 @@ def test_qlora_training_lowers_loss_on_real_text_and_keeps_nf4_bytes(quantized):
 
 @pytest.mark.slow
 def test_benchmark_quick_writes_json(tmp_path):
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "qlora.py"
-    spec = importlib.util.spec_from_file_location("bench_qlora", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_benchmark("qlora")
     result = bench.main(["--quick", "--steps", "2", "--results-dir", str(tmp_path)])
     data = json.loads(Path(result["path"]).read_text())
     mem = data["memory"]["bytes"]
