@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import json
 import platform
 import sys
 import time
@@ -47,6 +46,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
 
+from benchmarks import _gpu  # noqa: E402
+from benchmarks._gpu import error_text, write_json  # noqa: E402
 from pallas_kernels.flash_attention import BlockSizes, flash_attention  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -106,16 +107,8 @@ def jitted(impl: str, sizes: BlockSizes | None, interpret: bool):
 
 
 def seconds_per_call(fn, args, setup: Setup):
-    """(best mean seconds per call, the last output). The first call compiles and warms up."""
-    out = jax.block_until_ready(fn(*args))
-    best = float("inf")
-    for _ in range(setup.samples):
-        start = time.perf_counter()
-        for _ in range(setup.calls):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        best = min(best, (time.perf_counter() - start) / setup.calls)
-    return best, out
+    """(best mean seconds per call, the last output), with the setup's calls and samples."""
+    return _gpu.seconds_per_call(fn, args, setup.calls, setup.samples)
 
 
 def causal_flops(t: int, d: int, setup: Setup) -> float:
@@ -136,10 +129,6 @@ def time_impl(impl: str, t: int, d: int, args, setup: Setup, sizes=None):
         "fwd_bwd_tflops": 3.5 * flops / fwd_bwd_s / 1e12,  # backward = 2.5x forward
     }
     return timings, out
-
-
-def error_text(e: BaseException) -> str:
-    return f"{type(e).__name__}: {str(e)[:300]}"
 
 
 def search_block_sizes(result, head_dims, setup: Setup, search_t: int, deadline: float, save):
@@ -312,10 +301,7 @@ def main(argv=None) -> int:
 
     def save():
         result["elapsed_s"] = round(time.perf_counter() - started, 1)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(result, indent=2) + "\n")
-        tmp.replace(path)  # atomic: a kill mid-write never leaves half a file
+        write_json(path, result)  # atomic: a kill mid-write never leaves half a file
 
     save()
     print(

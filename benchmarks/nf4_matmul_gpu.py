@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import json
 import platform
 import sys
 import time
@@ -39,6 +38,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
 
+from benchmarks._gpu import error_text, seconds_per_call, write_json  # noqa: E402
 from lmjax.quant import quantize, storage_bytes  # noqa: E402
 from pallas_kernels.nf4_matmul import BlockSizes, nf4_matmul, nf4_matmul_reference  # noqa: E402
 
@@ -67,18 +67,6 @@ def parse_shape(text: str) -> tuple[int, int]:
     return out, inp
 
 
-def seconds_per_call(fn, args, calls: int, samples: int):
-    out = jax.block_until_ready(fn(*args))  # compiles and warms up
-    best = float("inf")
-    for _ in range(samples):
-        start = time.perf_counter()
-        for _ in range(calls):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        best = min(best, (time.perf_counter() - start) / calls)
-    return best, out
-
-
 @functools.cache
 def jitted(impl: str, sizes: BlockSizes | None, interpret: bool):
     """(forward, forward + dx) of one impl; x, the weight (QuantizedWeight or bf16) are args."""
@@ -97,10 +85,6 @@ def jitted(impl: str, sizes: BlockSizes | None, interpret: bool):
     forward = jax.jit(mm)
     fwd_dx = jax.jit(lambda x, w, g: jax.vjp(lambda x: mm(x, w), x)[1](g)[0])
     return forward, fwd_dx
-
-
-def error_text(e: BaseException) -> str:
-    return f"{type(e).__name__}: {str(e)[:300]}"
 
 
 def measure_point(m: int, o: int, i: int, args, deadline: float) -> dict:
@@ -228,10 +212,7 @@ def main(argv=None) -> int:
 
     def save():
         result["elapsed_s"] = round(time.perf_counter() - started, 1)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(result, indent=2) + "\n")
-        tmp.replace(path)
+        write_json(path, result)
 
     save()
     print(f"device {result['device']}, jax {result['jax']}, budget {args.budget_s:.0f}s")

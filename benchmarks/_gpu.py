@@ -1,0 +1,40 @@
+"""What the GPU kernel benchmarks (attention_gpu.py, nf4_matmul_gpu.py) share: timing, errors,
+and the results file they rewrite after every point."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import jax
+
+
+def seconds_per_call(fn, args, calls: int, samples: int):
+    """(best mean seconds per call, the last output). The first call compiles and warms up.
+
+    Each of `samples` samples times `calls` back-to-back calls and waits once for the last
+    result, so the launch queue stays full; the best sample is the least disturbed one.
+    """
+    out = jax.block_until_ready(fn(*args))
+    best = float("inf")
+    for _ in range(samples):
+        start = time.perf_counter()
+        for _ in range(calls):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        best = min(best, (time.perf_counter() - start) / calls)
+    return best, out
+
+
+def error_text(e: BaseException) -> str:
+    """One line for a JSON field: the exception's type and the start of its message."""
+    return f"{type(e).__name__}: {str(e)[:300]}"
+
+
+def write_json(path: Path, result: dict) -> None:
+    """Write `result` to `path` atomically: a kill mid-write never leaves half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(result, indent=2) + "\n")
+    tmp.replace(path)
