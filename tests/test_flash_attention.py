@@ -11,12 +11,19 @@ backward kernels are all checked, including the path through the logsumexp.
 
 import dataclasses
 import itertools
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _pallas import (
+    CUSTOM_CALL,
+    INTERPRET,
+    PLATFORM,
+    kernel_param,
+    lowered_text,
+    skip_unless_runnable,
+)
 
 from lmjax.errors import ConfigError, ShapeError
 from pallas_kernels import flash_attention as fa
@@ -26,9 +33,6 @@ from pallas_kernels.flash_attention import (
     flash_attention,
     flash_attention_with_lse,
 )
-
-INTERPRET = os.environ.get("LMJAX_PALLAS_INTERPRET", "1") != "0"
-PLATFORM = jax.default_backend()
 
 # float32: the kernel sums the same products as the reference in a different order (blocked,
 # online rescaling, exp2 with log2(e) folded into the scale), so results differ by a few f32
@@ -46,13 +50,6 @@ RTOL = {"float32": F32_RTOL, "bfloat16": BF16_RTOL, "float16": F16_RTOL}
 
 GPU_BLOCKS = [BlockSizes(16, 16, 16, 16), BlockSizes(32, 16, 16, 32)]
 TPU_BLOCKS = [BlockSizes(8, 16, 16, 8), BlockSizes(16, 8, 8, 24)]
-
-
-def kernel_param(kernel: str):
-    """A kernel runs interpreted anywhere, compiled only on its own platform."""
-    runnable = INTERPRET or kernel == PLATFORM
-    reason = f"compiled run on {PLATFORM}: the {kernel} kernel needs its own device"
-    return pytest.param(kernel, marks=pytest.mark.skipif(not runnable, reason=reason), id=kernel)
 
 
 KERNEL_PARAMS = [kernel_param("gpu"), kernel_param("tpu")]
@@ -232,8 +229,7 @@ def _slow_cases():
 @pytest.mark.slow
 @pytest.mark.parametrize("case, kernel, sizes", list(_slow_cases()))
 def test_matches_reference_product(case, kernel, sizes):
-    if not INTERPRET and kernel != PLATFORM:
-        pytest.skip(f"compiled run on {PLATFORM}: the {kernel} kernel needs its own device")
+    skip_unless_runnable(kernel)
     assert_matches_reference(case, kernel, sizes)
 
 
@@ -346,16 +342,8 @@ def test_compiled_kernels_lower_for_their_platform(kernel, platform, causal, s, 
         return out.astype(jnp.float32).sum() + jnp.where(jnp.isfinite(lse), lse, 0.0).sum()
 
     lowered = jax.jit(jax.grad(loss, (0, 1, 2))).trace(q, k, k, mask)
-    try:
-        text = lowered.lower(lowering_platforms=(platform,)).as_text()
-    except RuntimeError as err:
-        # jax >= 0.11 asks a local GPU for its compute capability before emitting Triton IR;
-        # without one this check cannot run here (scripts/gpu_check.sh runs it compiled).
-        if "No supported GPU devices" not in str(err):
-            raise
-        pytest.skip(f"this jax {jax.__version__} needs a GPU to lower Triton: {err}")
-    target = "__gpu$xla.gpu.triton" if kernel == "gpu" else "tpu_custom_call"
-    assert text.count(target) == 3  # forward, dq, dk/dv
+    text = lowered_text(lowered, platform)
+    assert text.count(CUSTOM_CALL[kernel]) == 3  # forward, dq, dk/dv
 
 
 # ---- the GPU smoke subset is addressable -------------------------------------------------------

@@ -10,22 +10,25 @@ tests/test_quant_nf4.py), so the kernels are tied to an outside witness through 
 """
 
 import dataclasses
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from _benchmarks import load_benchmark
+from _pallas import (
+    CUSTOM_CALL,
+    INTERPRET,
+    PLATFORM,
+    lowered_text,
+    skip_unless_runnable,
+)
 
 from lmjax import ops
 from lmjax.errors import ConfigError, ShapeError
 from lmjax.quant import dequantize, quantize
 from pallas_kernels import nf4_matmul as nm
 from pallas_kernels.nf4_matmul import BlockSizes, nf4_matmul, nf4_matmul_reference
-
-INTERPRET = os.environ.get("LMJAX_PALLAS_INTERPRET", "1") != "0"
-PLATFORM = jax.default_backend()
 
 # float32: the kernel sums the same products as the reference in another order (tiles of
 # block_k, even and odd columns apart), so results differ by a few float32 ulps of the largest
@@ -36,12 +39,6 @@ F32_RTOL = 1e-5
 # largest entry, plus the f32 order effects: 1e-2 of the scale.
 BF16_RTOL = 1e-2
 RTOL = {"float32": F32_RTOL, "bfloat16": BF16_RTOL}
-
-
-def kernel_param(kernel: str):
-    runnable = INTERPRET or kernel == PLATFORM
-    reason = f"compiled run on {PLATFORM}: the {kernel} kernel needs its own device"
-    return pytest.param(kernel, marks=pytest.mark.skipif(not runnable, reason=reason), id=kernel)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,8 +141,7 @@ FAST_CASES = [
 
 @pytest.mark.parametrize("case", FAST_CASES, ids=str)
 def test_matches_reference_and_dequantized_matmul(case):
-    if not INTERPRET and case.kernel != PLATFORM:
-        pytest.skip(f"compiled run on {PLATFORM}: the {case.kernel} kernel needs its own device")
+    skip_unless_runnable(case.kernel)
     assert_matches(case)
 
 
@@ -162,8 +158,7 @@ def _slow_cases():
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(_slow_cases()), ids=str)
 def test_matches_reference_product(case):
-    if not INTERPRET and case.kernel != PLATFORM:
-        pytest.skip(f"compiled run on {PLATFORM}: the {case.kernel} kernel needs its own device")
+    skip_unless_runnable(case.kernel)
     assert_matches(case)
 
 
@@ -214,15 +209,8 @@ def test_compiled_kernels_lower_for_their_platform(kernel, platform):
         jax.ShapeDtypeStruct((300, 12), jnp.float32),
     )
     lowered = jax.jit(jax.grad(loss)).trace(*args)
-    try:
-        text = lowered.lower(lowering_platforms=(platform,)).as_text()
-    except RuntimeError as err:
-        # jax >= 0.11 asks a local GPU for its compute capability before emitting Triton IR.
-        if "No supported GPU devices" not in str(err):
-            raise
-        pytest.skip(f"this jax {jax.__version__} needs a GPU to lower Triton: {err}")
-    target = "__gpu$xla.gpu.triton" if kernel == "gpu" else "tpu_custom_call"
-    assert text.count(target) == 2  # forward, dx
+    text = lowered_text(lowered, platform)
+    assert text.count(CUSTOM_CALL[kernel]) == 2  # forward, dx
     # ... and they are the two kernels (not the forward twice): each by its pallas_call name.
     assert f"nf4_matmul_fwd_{kernel}" in text and f"nf4_matmul_dx_{kernel}" in text
 
