@@ -307,6 +307,21 @@ SCALING_T = (128, 256, 512, 1024)
 QUICK_SCALING_T = (16,)
 
 
+def float32_preset(name: str, shapes: dict, context_length: int) -> ModelConfig:
+    """The `name` preset at the benchmark's shapes (QUICK/REFERENCE keys), all in float32."""
+    return preset(
+        name,
+        vocab_size=shapes["vocab"],
+        context_length=context_length,
+        d_model=shapes["d_model"],
+        n_heads=shapes["heads"],
+        n_layers=shapes["layers"],
+        d_ff=shapes["d_ff"],
+        dtype="float32",
+        param_dtype="float32",
+    )
+
+
 def scaling(args: argparse.Namespace) -> dict:
     """tokens/s and MFU of lmjax's step for T in SCALING_T x presets (gpt, llama)."""
     shapes = {k: (getattr(args, k) or v) for k, v in (QUICK if args.quick else REFERENCE).items()}
@@ -322,17 +337,7 @@ def scaling(args: argparse.Namespace) -> dict:
     rows = []
     for name in ("gpt", "llama"):
         for t in QUICK_SCALING_T if args.quick else SCALING_T:
-            cfg = preset(
-                name,
-                vocab_size=shapes["vocab"],
-                context_length=t,
-                d_model=shapes["d_model"],
-                n_heads=shapes["heads"],
-                n_layers=shapes["layers"],
-                d_ff=shapes["d_ff"],
-                dtype="float32",
-                param_dtype="float32",
-            )
+            cfg = float32_preset(name, shapes, context_length=t)
             r = bench.time_train_step(
                 cfg,
                 batch_size=max(1, tokens // t),
@@ -390,17 +395,7 @@ def main(argv=None) -> dict:
     torch.manual_seed(args.seed)
     machine = machine_info(threads)
 
-    cfg = preset(
-        "gpt",
-        vocab_size=shapes["vocab"],
-        context_length=shapes["seq"],
-        d_model=shapes["d_model"],
-        n_heads=shapes["heads"],
-        n_layers=shapes["layers"],
-        d_ff=shapes["d_ff"],
-        dtype="float32",
-        param_dtype="float32",
-    )
+    cfg = float32_preset("gpt", shapes, context_length=shapes["seq"])
     b, t = shapes["batch"], shapes["seq"]
     tokens_per_step = b * t
     opt = OptimizerConfig(name="adamw", lr=args.lr)
