@@ -10,6 +10,19 @@ from pathlib import Path
 import jax
 
 
+def no_gpu_exit(script: str, require_gpu: bool, allow_cpu: bool) -> int | None:
+    """The exit status when there is no GPU to time (None: go on).
+
+    Without a GPU the script prints that it skipped and exits 0, or 1 under --require-gpu;
+    --allow-cpu runs it anyway, the kernel interpreted (a check of the script itself).
+    """
+    backend = jax.default_backend()
+    if backend == "gpu" or allow_cpu:
+        return None
+    print(f"{script}: no GPU (jax.default_backend() = {backend!r}); skipped")
+    return 1 if require_gpu else 0
+
+
 def seconds_per_call(fn, args, calls: int, samples: int):
     """(best mean seconds per call, the last output). The first call compiles and warms up.
 

@@ -274,10 +274,10 @@ def main(argv=None) -> int:
     parser.add_argument("--samples", type=int, default=5, help="samples; the best is kept")
     args = parser.parse_args(argv)
 
+    status = _gpu.no_gpu_exit("attention_gpu", args.require_gpu, args.allow_cpu)
+    if status is not None:
+        return status
     backend = jax.default_backend()
-    if backend != "gpu" and not args.allow_cpu:
-        print(f"attention_gpu: no GPU (jax.default_backend() = {backend!r}); skipped")
-        return 1 if args.require_gpu else 0
 
     started = time.perf_counter()
     path = args.results_dir / FILENAME

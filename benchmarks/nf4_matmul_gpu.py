@@ -38,7 +38,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
 
-from benchmarks._gpu import error_text, seconds_per_call, write_json  # noqa: E402
+from benchmarks._gpu import error_text, no_gpu_exit, seconds_per_call, write_json  # noqa: E402
 from lmjax.quant import quantize, storage_bytes  # noqa: E402
 from pallas_kernels.nf4_matmul import BlockSizes, nf4_matmul, nf4_matmul_reference  # noqa: E402
 
@@ -189,11 +189,10 @@ def main(argv=None) -> int:
     parser.add_argument("--samples", type=int, default=5, help="samples; the best is kept")
     args = parser.parse_args(argv)
 
-    backend = jax.default_backend()
-    if backend != "gpu" and not args.allow_cpu:
-        print(f"nf4_matmul_gpu: no GPU (jax.default_backend() = {backend!r}); skipped")
-        return 1 if args.require_gpu else 0
-    args.interpret = backend != "gpu"
+    status = no_gpu_exit("nf4_matmul_gpu", args.require_gpu, args.allow_cpu)
+    if status is not None:
+        return status
+    args.interpret = jax.default_backend() != "gpu"
 
     started = time.perf_counter()
     deadline = started + args.budget_s
