@@ -45,6 +45,14 @@ def resolve_backend(
     return kernel, platform == "cpu" if interpret is None else bool(interpret)
 
 
+def block_sizes_or_default(block_sizes, cls: type, kernel: str):
+    """`block_sizes`, or `cls.default(kernel)` when None; anything but a `cls` is a ConfigError."""
+    sizes = cls.default(kernel) if block_sizes is None else block_sizes
+    if not isinstance(sizes, cls):
+        raise ConfigError.describe("block_sizes", sizes, "a BlockSizes", "pass BlockSizes(...)")
+    return sizes
+
+
 def require_platform(kernel: str, interpret: bool) -> None:
     """A compiled kernel needs its own device; only interpret mode runs anywhere."""
     platform = jax.default_backend()

@@ -798,9 +798,7 @@ def flash_attention_with_lse(
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     _check_inputs(q, k, v, mask, offset)
     kernel, interpret = resolve_backend(backend, interpret)
-    sizes = BlockSizes.default(kernel) if block_sizes is None else block_sizes
-    if not isinstance(sizes, BlockSizes):
-        raise ConfigError.describe("block_sizes", sizes, "a BlockSizes", "pass BlockSizes(...)")
+    sizes = _backend.block_sizes_or_default(block_sizes, BlockSizes, kernel)
     _check_blocks(sizes, kernel, interpret)
     _require_platform(kernel, interpret)
     plan = _make_plan(

@@ -498,9 +498,7 @@ def nf4_matmul(
     x = jnp.asarray(x)
     _check_inputs(x, qw, bias, kernel=True)
     kernel, interpret = resolve_backend(backend, interpret)
-    sizes = BlockSizes.default(kernel) if block_sizes is None else block_sizes
-    if not isinstance(sizes, BlockSizes):
-        raise ConfigError.describe("block_sizes", sizes, "a BlockSizes", "pass BlockSizes(...)")
+    sizes = _backend.block_sizes_or_default(block_sizes, BlockSizes, kernel)
     _check_blocks(sizes, kernel, interpret)
     _require_platform(kernel, interpret)
     out_features, in_features = qw.shape
