@@ -24,16 +24,18 @@ DEFAULT_CHUNK = 512  # rows per chunk: a [512, 8192] float32 logits tile is 16 M
 
 
 def _chunk_stats(w_VD, b_V, x_cD, y_c, acc_dtype):
-    """Logits of one chunk and their row statistics: (z, m, log-sum, picked z_y - m, valid)."""
+    """One chunk's row statistics: (e = exp(z - max z), sum e, log sum e, onehot(y) mask,
+    picked z_y - max z, valid target)."""
     z = jnp.einsum("cd,vd->cv", x_cD, w_VD, preferred_element_type=acc_dtype)
     if b_V is not None:
         z = z + b_V.astype(acc_dtype)[None, :]
     m = jnp.max(z, axis=-1, keepdims=True)
-    log_sum = jnp.log(jnp.sum(jnp.exp(z - m), axis=-1, keepdims=True))
-    hit = jnp.arange(z.shape[-1])[None, :] == y_c[:, None]
-    picked = jnp.sum(jnp.where(hit, z - m, 0.0), axis=-1)
+    e = jnp.exp(z - m)  # once: the backward's softmax is e / sum(e)
+    sum_e = jnp.sum(e, axis=-1, keepdims=True)
     valid = (y_c >= 0) & (y_c < z.shape[-1])
-    return z, m, log_sum, hit, picked, valid
+    y_safe = jnp.where(valid, y_c, 0)
+    picked = jnp.take_along_axis(z, y_safe[:, None], axis=-1)[:, 0] - m[:, 0]
+    return e, sum_e, jnp.log(sum_e), y_safe, picked, valid
 
 
 def _chunk_nll(stats):
@@ -86,11 +88,12 @@ def _loss_and_grads(w_VD, b_V, x_ND, y_N, c_N, chunk):
         total, dw_VD, db_V = carry
         x_cD, y_c, c_c = xyc
         stats = _chunk_stats(w_VD, b_V, x_cD, y_c, acc)
-        z, m, log_sum, hit, _, valid = stats
+        e, sum_e, _, y_safe, _, valid = stats
         nll = _chunk_nll(stats)
         total = total + jnp.sum(jnp.where(c_c, nll, 0.0))
         scale = jnp.where(c_c, jnp.where(valid, 1.0 / n, jnp.nan), 0.0)
-        dz = (jnp.exp(z - m - log_sum) - hit) * scale[:, None]
+        dz = e * (scale[:, None] / sum_e)
+        dz = dz.at[jnp.arange(dz.shape[0]), y_safe].add(-scale)
         dz_w = dz.astype(w_VD.dtype)
         dx_cD = jnp.einsum("cv,vd->cd", dz_w, w_VD, preferred_element_type=acc)
         dw_VD = dw_VD + jnp.einsum("cv,cd->vd", dz_w, x_cD, preferred_element_type=acc)
