@@ -54,6 +54,13 @@ def test_readme_links_to_its_own_sections_resolve():
     links = set(re.findall(r"\]\(#([^)]+)\)", text))
     assert links, "the README links to its sections"
     assert links <= anchors, sorted(links - anchors)
+    # Links into docs/ name files that exist, and their #anchors headings of those files.
+    for path, anchor in re.findall(r"\]\((docs/[^)#]+)#?([^)]*)\)", text):
+        target = README.parent / path
+        assert target.is_file(), path
+        headings = re.findall(r"^#+ (.*)$", target.read_text(), re.M)
+        spelled = {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+        assert not anchor or anchor in spelled, (path, anchor)
 
 
 def test_readme_lmjax_commands_parse():
