@@ -351,6 +351,17 @@ def test_import_and_export_commands_round_trip(hf_dir, hf_model, imported, tmp_p
     for name, value in P.flatten(run.params).items():
         np.testing.assert_array_equal(value, P.flatten(imported[0])[name])
     assert run.tokenizer.encode("hé") == list("hé".encode())
+    # The README's `lmjax generate --checkpoint RUN` on an imported run (greedy, so it must
+    # print the prompt followed by transformers' greedy continuation).
+    capsys.readouterr()
+    prompt = list(b"The ")
+    argv = ["generate", "--checkpoint", str(tmp_path / "run"), "--prompt", "The "]
+    assert cli.main([*argv, "--temperature", "0", "--max-new-tokens", "6"]) == 0
+    greedy = hf_model.generate(
+        torch.tensor([prompt]), max_new_tokens=6, do_sample=False, pad_token_id=0
+    )[0].tolist()
+    assert len(greedy) == len(prompt) + 6
+    assert capsys.readouterr().out.rstrip("\n") == bytes(greedy).decode("utf-8", "replace")
 
     assert cli.main(["export-hf", str(tmp_path / "run"), "--out", str(tmp_path / "back")]) == 0
     back = GPT2LMHeadModel.from_pretrained(tmp_path / "back").eval()
