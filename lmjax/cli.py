@@ -281,9 +281,11 @@ def _inspect(args: argparse.Namespace) -> int:
         if value is not None and value < 1:
             raise LMJaxError(f"{name} = {value}; expected an int >= 1. Fix: pass e.g. {name} 8.")
     if args.mesh:  # checked before anything is printed
-        from lmjax.parallel import parse_mesh_arg
+        from lmjax.parallel import check_batch, parse_mesh_arg
 
-        parse_mesh_arg(args.mesh)
+        shape = parse_mesh_arg(args.mesh)
+        if args.batch_size is not None:
+            check_batch(args.batch_size, shape, where="--batch-size")
     lcfg = _inspect_lora_config(args)  # checked before anything is printed
     if args.preset.endswith((".yaml", ".yml")):
         return _inspect_config(args)
@@ -367,12 +369,16 @@ def _inspect_config(args: argparse.Namespace) -> int:
     nbytes = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(state))
     batch = args.batch_size or cfg.train.batch_size // cfg.train.grad_accum
     seq_len = args.seq_len or cfg.seq_len
-    print(f"{args.preset}: " + ", ".join(f"{k}={v}" for k, v in model.to_dict().items()))
-    label = f"{cfg.optimizer.name} state"
-    print(models.format_summary(model, batch, seq_len, optimizer=(label, nbytes)))
     mesh = args.mesh or (
         ",".join(f"{k}={v}" for k, v in cfg.parallel.mesh.items()) if cfg.parallel.mesh else None
     )
+    if mesh:  # a batch the mesh can't split is refused before anything is printed
+        from lmjax.parallel import check_batch, parse_mesh_arg
+
+        check_batch(batch, parse_mesh_arg(mesh), where="batch (sequences per micro-batch)")
+    print(f"{args.preset}: " + ", ".join(f"{k}={v}" for k, v in model.to_dict().items()))
+    label = f"{cfg.optimizer.name} state"
+    print(models.format_summary(model, batch, seq_len, optimizer=(label, nbytes)))
     if mesh:
         _print_mesh_memory(mesh, model, state, batch, seq_len, label)
     lcfg = _inspect_lora_config(args)

@@ -4,6 +4,8 @@ multi-host start-up from the environment, and a non-zero process writing nothing
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from jax.sharding import PartitionSpec as PS
 
@@ -236,6 +238,23 @@ def test_lmjax_train_initializes_jax_distributed_before_touching_a_device(tmp_pa
 )
 def test_inspect_bad_mesh_is_one_line_and_exit_2_before_any_output(mesh, words, capsys):
     assert cli.main(["inspect", "llama", "--mesh", mesh]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1 and words in err, err
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["llama", "--mesh", "data=2,fsdp=4", "--batch-size", "3"], "--batch-size = 3"),
+        # the config's batch of 32 sequences does not split over data=3
+        (["configs/tiny-shakespeare.yaml", "--mesh", "data=3"], "micro-batch) = 32"),
+    ],
+)
+def test_inspect_a_batch_the_mesh_cannot_split_is_refused_before_any_output(args, words, capsys):
+    """It used to print the whole summary first and fail at the per-device table."""
+    config_dir = Path(__file__).parent.parent
+    args = [str(config_dir / a) if a.endswith(".yaml") else a for a in args]
+    assert cli.main(["inspect", *args]) == 2
     out, err = capsys.readouterr()
     assert out == "" and len(err.strip().splitlines()) == 1 and words in err, err
 
