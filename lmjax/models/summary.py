@@ -30,6 +30,20 @@ class MemoryEstimate:
         return self.params + self.gradients + self.optimizer + self.activations
 
 
+def memory_rows(
+    cfg: ModelConfig, mem: MemoryEstimate, optimizer_label: str, activations_label: str
+):
+    """`[(label, bytes)]` of a memory table: parameters, gradients, optimizer, activations, total
+    (shared by `lmjax inspect`'s single-device estimate and its per-device `--mesh` table)."""
+    return [
+        (f"parameters ({cfg.param_dtype})", mem.params),
+        (f"gradients ({cfg.param_dtype})", mem.gradients),
+        (optimizer_label, mem.optimizer),
+        (activations_label, mem.activations),
+        ("total", mem.total),
+    ]
+
+
 def param_table(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], int]]:
     """`[(name, shape, count)]` in natural name order."""
     return [(name, spec.shape, spec.size) for name, spec in declare(cfg).items()]
@@ -109,13 +123,7 @@ def format_summary(
     seq_len = cfg.context_length if seq_len is None else seq_len
     label, nbytes = optimizer or (f"AdamW state (2 x {cfg.param_dtype})", None)
     mem = memory_estimate(cfg, batch, seq_len, nbytes)
-    rows = [
-        (f"parameters ({cfg.param_dtype})", mem.params),
-        (f"gradients ({cfg.param_dtype})", mem.gradients),
-        (label, mem.optimizer),
-        (f"activations kept for grad ({cfg.dtype})", mem.activations),
-        ("total", mem.total),
-    ]
+    rows = memory_rows(cfg, mem, label, f"activations kept for grad ({cfg.dtype})")
     label = max(len(text) for text, _ in rows)
     lines += [
         "",

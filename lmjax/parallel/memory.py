@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from lmjax.models import ModelConfig, abstract_params, residual_bytes
-from lmjax.models.summary import MemoryEstimate, _human
+from lmjax.models.summary import MemoryEstimate, _human, memory_rows
 from lmjax.parallel.mesh import check_batch
 from lmjax.parallel.rules import per_device_bytes, state_specs
 
@@ -41,13 +41,9 @@ def format_device_memory(
     """The per-device table `lmjax inspect --mesh` prints (exact bytes and a readable size)."""
     mem = device_memory(cfg, opt_state, batch, seq_len, mesh_shape)
     ways = mesh_shape["data"] * mesh_shape["fsdp"]
-    rows = [
-        (f"parameters ({cfg.param_dtype})", mem.params),
-        (f"gradients ({cfg.param_dtype})", mem.gradients),
-        (optimizer_label, mem.optimizer),
-        (f"activations ({batch // ways} of {batch} sequences)", mem.activations),
-        ("total", mem.total),
-    ]
+    rows = memory_rows(
+        cfg, mem, optimizer_label, f"activations ({batch // ways} of {batch} sequences)"
+    )
     width = max(len(text) for text, _ in rows)
     n = mesh_shape["data"] * mesh_shape["fsdp"] * mesh_shape["model"]
     mesh = ",".join(f"{k}={v}" for k, v in mesh_shape.items())
