@@ -153,25 +153,30 @@ fi
 """
 
 
+def fake_env(tmp_path, scripts: dict, **env: str) -> dict:
+    """Write each fake executable (path -> text) and return an environment that puts
+    `tmp_path/bin` first on PATH, logs gcloud calls to `tmp_path/calls.log` and runs for real."""
+    for path, text in scripts.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        path.chmod(0o755)
+    return {
+        **os.environ,
+        "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}",
+        "GCLOUD_LOG": str(tmp_path / "calls.log"),
+        "DRY_RUN": "0",
+        **env,
+    }
+
+
 def run_with_fake_gcloud(tmp_path, fail_logs: int, fail_on: str = "", rc: int = 0):
     """tpu.sh all for real (DRY_RUN=0) against a fake gcloud on PATH; its calls, in order."""
     bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "gcloud").write_text(FAKE_GCLOUD)
-    (bin_dir / "gcloud").chmod(0o755)
-    (bin_dir / "sleep").write_text("#!/usr/bin/env bash\n")  # no real waits between retries
-    (bin_dir / "sleep").chmod(0o755)
     (tmp_path / "fails").write_text(str(fail_logs))
-    env = {
-        **os.environ,
-        "PATH": f"{bin_dir}:{os.environ['PATH']}",
-        "GCLOUD_LOG": str(tmp_path / "calls.log"),
-        "FAIL_LOGS_FILE": str(tmp_path / "fails"),
-        "FAIL_ON": fail_on,
-        "FAKE_RC": str(rc),
-        "TMPDIR": str(tmp_path),
-        "DRY_RUN": "0",
-    }
+    # A no-op sleep: no real waits between log retries.
+    fakes = {bin_dir / "gcloud": FAKE_GCLOUD, bin_dir / "sleep": "#!/usr/bin/env bash\n"}
+    env = fake_env(tmp_path, fakes, FAIL_LOGS_FILE=str(tmp_path / "fails"), FAIL_ON=fail_on,
+                   FAKE_RC=str(rc), TMPDIR=str(tmp_path))  # fmt: skip
     done = subprocess.run(
         ["bash", str(TPU), "all", "configs/tpu-gpt2-124m.yaml"],
         env=env,
@@ -232,20 +237,9 @@ def test_tpu_launch_and_logs_follow_the_training_on_the_worker(tmp_path):
     (launch once wrote train.pid into ~ instead of ~/lmjax, so logs failed at once and `all`
     deleted the TPU under a running training.)"""
     home, bin_dir = tmp_path / "home", tmp_path / "bin"
-    (home / "lmjax" / ".venv" / "bin").mkdir(parents=True)
-    bin_dir.mkdir()
-    for path, text in ((bin_dir / "gcloud", REMOTE_GCLOUD),
-                       (home / "lmjax" / ".venv" / "bin" / "lmjax", FAKE_LMJAX)):  # fmt: skip
-        path.write_text(text)
-        path.chmod(0o755)
-    env = {
-        **os.environ,
-        "PATH": f"{bin_dir}:{os.environ['PATH']}",
-        "GCLOUD_LOG": str(tmp_path / "calls.log"),
-        "FAKE_HOME": str(home),
-        "DRY_RUN": "0",
-        "RUN_NAME": "r2",
-    }
+    fakes = {bin_dir / "gcloud": REMOTE_GCLOUD,
+             home / "lmjax" / ".venv" / "bin" / "lmjax": FAKE_LMJAX}  # fmt: skip
+    env = fake_env(tmp_path, fakes, FAKE_HOME=str(home), RUN_NAME="r2")
 
     def tpu(*args):
         return subprocess.run(["bash", str(TPU), *args], env=env, capture_output=True, text=True)
@@ -276,24 +270,11 @@ def test_tpu_install_builds_the_venv_on_a_python_lmjax_supports(tmp_path):
     import tarfile
 
     home, bin_dir = tmp_path / "home", tmp_path / "bin"
-    (home / ".local" / "bin").mkdir(parents=True)
-    bin_dir.mkdir()
+    fakes = {bin_dir / "gcloud": REMOTE_GCLOUD, bin_dir / "python3": SYSTEM_PYTHON,
+             home / ".local" / "bin" / "uv": FAKE_UV}  # fmt: skip
+    env = fake_env(tmp_path, fakes, FAKE_HOME=str(home), HOME=str(home), TMPDIR=str(tmp_path))
     with tarfile.open(home / "lmjax.tar.gz", "w:gz"):
         pass
-    scripts = ((bin_dir / "gcloud", REMOTE_GCLOUD), (bin_dir / "python3", SYSTEM_PYTHON),
-               (home / ".local" / "bin" / "uv", FAKE_UV))  # fmt: skip
-    for path, text in scripts:
-        path.write_text(text)
-        path.chmod(0o755)
-    env = {
-        **os.environ,
-        "PATH": f"{bin_dir}:{os.environ['PATH']}",
-        "GCLOUD_LOG": str(tmp_path / "calls.log"),
-        "FAKE_HOME": str(home),
-        "HOME": str(home),
-        "TMPDIR": str(tmp_path),
-        "DRY_RUN": "0",
-    }
     done = subprocess.run(["bash", str(TPU), "install"], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert not (home / "python3.log").exists()
