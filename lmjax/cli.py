@@ -162,7 +162,9 @@ def _import_hf(args: argparse.Namespace) -> int:
 
     params, model = hf_gpt2.load(args.source, dtype=args.dtype)
     tokenizer, note = _hf_tokenizer(args.source), ""
-    if tokenizer is None:
+    if tokenizer is not None:
+        hf_gpt2.check_tokenizer(tokenizer, model, args.source)
+    else:
         from lmjax.train.data import gpt2_tokenizer
 
         tokenizer = gpt2_tokenizer()

@@ -258,12 +258,21 @@ def _weight_files(path: Path) -> tuple[list[Path], Path | None]:
     return files, config if config.exists() else None
 
 
+def _read_json(path: Path):
+    """The JSON in `path`; unreadable, non-UTF-8 or non-JSON content raises FileFormatError."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, RecursionError) as err:  # UnicodeDecodeError is a ValueError
+        raise FileFormatError.describe(str(path), str(err), "JSON", _FIX_CKPT) from None
+    except OSError as err:  # a directory, no permission...
+        raise FileFormatError.describe(
+            str(path), err.strerror or str(err), "a readable JSON file", _FIX_CKPT
+        ) from None
+
+
 def _shard_names(index: Path) -> list[str]:
     """The shard file names of `model.safetensors.index.json`: plain names in its directory."""
-    try:
-        index_json = json.loads(index.read_text(encoding="utf-8"))
-    except (ValueError, RecursionError) as err:
-        raise FileFormatError.describe(str(index), str(err), "JSON", _FIX_CKPT) from None
+    index_json = _read_json(index)
     weight_map = index_json.get("weight_map") if isinstance(index_json, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
         raise FileFormatError.describe(
@@ -324,15 +333,35 @@ def _infer_config(shapes: dict[str, tuple], n_heads: int | None, where: Path) ->
     bad = {k: shapes[k] for k in need if len(shapes[k]) != 2}
     if bad:
         raise CheckpointError.describe(f"{where}: shapes", bad, "2-d matrices", _FIX_CKPT)
-    layers = {int(k.split(".")[1]) for k in shapes if re.fullmatch(r"h\.\d+\..*", k)}
+    # Counted, not max(index) + 1: a name like h.99999999999.x must not set the size of anything
+    # (`_check_layers` then requires exactly h.0 .. h.{n-1}).
+    layers = {k.split(".", 2)[1] for k in shapes if re.fullmatch(r"h\.\d+\..*", k)}
     return {
         "vocab_size": shapes["wte.weight"][0],
         "n_embd": shapes["wte.weight"][1],
         "n_positions": shapes["wpe.weight"][0],
         "n_inner": shapes["h.0.mlp.c_fc.weight"][1],
-        "n_layer": max(layers) + 1,
+        "n_layer": len(layers),
         "n_head": n_heads,
     }
+
+
+def _check_layers(shapes: dict[str, tuple], cfg: ModelConfig, where: Path) -> None:
+    """The weights hold blocks h.0 .. h.{n_layer-1}, no more, no fewer.
+
+    Checked from the names alone before `hf_shapes` lists 12 names per configured layer: a
+    config.json claiming 10**8 layers would otherwise cost minutes and gigabytes to report.
+    """
+    found = {k.split(".", 2)[1] for k in shapes if re.fullmatch(r"h\.\d+\..*", k)}
+    if len(found) != cfg.n_layers or found != {str(i) for i in range(cfg.n_layers)}:
+        blocks = sorted(found, key=lambda i: (len(i), i))
+        shown = ", ".join(f"h.{i}" for i in blocks[:4]) + (", ..." if len(blocks) > 4 else "")
+        shown = shown or "no h.N.* names"
+        raise CheckpointError.describe(
+            f"{where}: blocks in the weights", f"{len(found)} ({shown})",
+            f"h.0 .. h.{cfg.n_layers - 1} ({cfg.n_layers} layers, n_layer in the config)",
+            "point at the config.json saved with these weights",
+        )  # fmt: skip
 
 
 def _check_shapes(shapes: dict[str, tuple], cfg: ModelConfig, where: Path) -> None:
@@ -355,6 +384,16 @@ def _check_tied(state: dict, where: Path) -> None:
         )  # fmt: skip
 
 
+def check_tokenizer(tokenizer, cfg: ModelConfig, where: str | os.PathLike) -> None:
+    """Refuse a tokenizer (found beside a checkpoint) that can produce ids the model lacks."""
+    if tokenizer.vocab_size > cfg.vocab_size:
+        raise FileFormatError.describe(
+            f"{where}: tokenizer vocabulary", f"{tokenizer.vocab_size} tokens",
+            f"at most the model's vocab_size ({cfg.vocab_size}): every id it encodes must exist",
+            "put the vocab.json/merges.txt saved with this checkpoint beside it",
+        )  # fmt: skip
+
+
 def load(
     path: str | os.PathLike, dtype: str = "float32", n_heads: int | None = None
 ) -> tuple[dict, ModelConfig]:
@@ -364,13 +403,10 @@ def load(
     entries = _read_headers(files)
     shapes = {name: shape for name, (_, _, _, shape) in entries.items()}
     if config_path is not None:
-        try:
-            hf = json.loads(config_path.read_text(encoding="utf-8"))
-        except (ValueError, RecursionError) as err:
-            raise FileFormatError.describe(str(config_path), str(err), "JSON", _FIX_CKPT) from None
-        cfg = config_from_hf(hf, dtype, where=str(config_path))
+        cfg = config_from_hf(_read_json(config_path), dtype, where=str(config_path))
     else:
         cfg = config_from_hf(_infer_config(shapes, n_heads, path), dtype, where=str(path))
+    _check_layers(shapes, cfg, path)  # before the expected names are listed (n_layer of them)
     _check_shapes(shapes, cfg, path)  # before any tensor is read
     state = _read_state(entries)
     _check_tied(state, path)
@@ -401,4 +437,13 @@ def save(params: dict, cfg: ModelConfig, out_dir: str | os.PathLike) -> None:
     atomic_write_text(out_dir / "config.json", json.dumps(hf, indent=2) + "\n")
 
 
-__all__ = ["config_from_hf", "config_to_hf", "hf_shapes", "load", "save", "to_hf", "to_lmjax"]
+__all__ = [
+    "check_tokenizer",
+    "config_from_hf",
+    "config_to_hf",
+    "hf_shapes",
+    "load",
+    "save",
+    "to_hf",
+    "to_lmjax",
+]

@@ -96,6 +96,11 @@ def _read_raw_header(path: Path) -> tuple[dict, int]:
         raise FileFormatError.describe(
             "safetensors file", str(path), "a file, not a directory", "check the path"
         ) from None
+    except OSError as err:  # no permission, a parent that is a file, an I/O error...
+        raise FileFormatError.describe(
+            "safetensors file", str(path), f"a readable file ({err.strerror or err})",
+            "check the path and its permissions",
+        ) from None  # fmt: skip
     try:
         header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
     except (UnicodeDecodeError, ValueError) as err:
@@ -271,6 +276,10 @@ def load(path: str | os.PathLike, expected=None) -> dict:
     found, _ = read_header(path)
     if expected is not None:
         check_against(path, found, expected)
+    try:  # names that no nested dict can hold ("a" and "a.b", "", "a..b"), before any read
+        P.unflatten(dict.fromkeys(found))
+    except ShapeError as err:
+        raise _bad(path, "tensor names", str(err), "names that form a parameter tree") from None
     try:
         with safetensors.safe_open(str(path), framework="numpy") as handle:
             flat = {name: _as_array(handle.get_tensor(name)) for name in handle.keys()}
