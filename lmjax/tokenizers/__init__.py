@@ -38,7 +38,7 @@ def load(directory: str | os.PathLike) -> Tokenizer:
     directory = Path(directory)
     manifest = read_manifest(directory)
     kind = manifest.get("kind")
-    if kind not in _LOADERS:
+    if not isinstance(kind, str) or kind not in _LOADERS:  # a list would not even hash
         from lmjax.errors import FileFormatError
 
         raise FileFormatError.describe(

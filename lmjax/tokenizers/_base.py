@@ -44,15 +44,35 @@ def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:
         raise FileFormatError.describe(
             "tokenizer file", str(path), "an existing tokenizer.json", "run `lmjax prepare` first"
         ) from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+    # ValueError: bad JSON, bad UTF-8, an integer over 4,300 digits; RecursionError: `[[[[...`
+    except (ValueError, RecursionError) as err:
         raise FileFormatError.describe(
             str(path), f"invalid JSON ({err})", "a tokenizer.json written by lmjax", "prepare again"
+        ) from None
+    except OSError as err:  # a directory, no permission...
+        raise FileFormatError.describe(
+            "tokenizer file", str(path), f"a readable file ({err.strerror or err})", "prepare again"
         ) from None
     if not isinstance(manifest, dict):
         raise FileFormatError.describe(
             str(path), type(manifest).__name__, "a JSON object", "prepare again"
         )
     return manifest
+
+
+def check_text(text) -> bytes:
+    """The UTF-8 bytes of `text`; a non-str or a lone surrogate raises `TokenError` naming it."""
+    if not isinstance(text, str):
+        raise TokenError.describe("text", type(text).__name__, "a str", "pass a Python string")
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise TokenError.describe(
+            f"text[{err.start}]",
+            text[err.start],
+            "a character UTF-8 can encode (a lone surrogate cannot)",
+            "repair the text, e.g. s.encode('utf-16', 'surrogatepass').decode('utf-16', 'replace')",
+        ) from None
 
 
 def check_ids(ids, vocab_size: int) -> list[int]:

@@ -32,7 +32,7 @@ from pathlib import Path
 import regex
 
 from lmjax.errors import ConfigError, TokenError
-from lmjax.tokenizers._base import check_ids
+from lmjax.tokenizers._base import check_ids, check_text
 
 # The GPT-2 pre-tokenization pattern in tiktoken's equivalent, faster spelling (possessive
 # quantifiers). Original: 's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
@@ -127,11 +127,13 @@ def bpe_merge(
 def _policy(value, special: Mapping[str, int], what: str) -> frozenset[str] | str:
     if value == "all":
         return "all"
+    expected = "'all' or a collection of special-token strings"
     if isinstance(value, str) or not isinstance(value, Iterable):
-        raise ConfigError.describe(
-            what, value, "'all' or a collection of special-token strings", "pass e.g. {'<|x|>'}"
-        )
-    value = frozenset(value)
+        raise ConfigError.describe(what, value, expected, "pass e.g. {'<|x|>'}")
+    try:
+        value = frozenset(value)
+    except TypeError:  # unhashable members, e.g. [[1]] from a hand-edited tokenizer.json
+        raise ConfigError.describe(what, value, expected, "pass e.g. {'<|x|>'}") from None
     unknown = sorted(value - special.keys())
     if unknown:
         raise ConfigError.describe(
@@ -140,18 +142,15 @@ def _policy(value, special: Mapping[str, int], what: str) -> frozenset[str] | st
     return value
 
 
-def _utf8(text: str) -> bytes:
-    if not isinstance(text, str):
-        raise TokenError.describe("text", type(text).__name__, "a str", "pass a Python string")
+_utf8 = check_text
+
+
+def _encodable(text: str) -> bool:
     try:
-        return text.encode("utf-8")
-    except UnicodeEncodeError as err:
-        raise TokenError.describe(
-            f"text[{err.start}]",
-            text[err.start],
-            "a character UTF-8 can encode (a lone surrogate cannot)",
-            "repair the text, e.g. s.encode('utf-16', 'surrogatepass').decode('utf-16', 'replace')",
-        ) from None
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class BPETokenizer:
@@ -201,6 +200,12 @@ class BPETokenizer:
             raise ConfigError.describe(
                 "single-byte tokens missing", missing[:8], "all 256 byte values", fix
             )
+        for text in self.special_tokens:
+            # "" would match at every offset of every text; a lone surrogate has no UTF-8 bytes.
+            if not isinstance(text, str) or not text or not _encodable(text):
+                raise ConfigError.describe(
+                    "special token", text, "a non-empty str that UTF-8 can encode", fix
+                )
         ids = sorted([*self.ranks.values(), *self.special_tokens.values()])
         if ids != list(range(len(ids))):
             raise ConfigError.describe(

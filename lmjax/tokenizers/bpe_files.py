@@ -44,18 +44,32 @@ def _read_text(path: Path) -> str:
         ) from None
     except UnicodeDecodeError as err:
         raise _bad(path, "encoding", str(err), "UTF-8 text") from None
+    except OSError as err:  # a directory, no permission...
+        raise FileFormatError.describe(
+            "BPE file", str(path), f"a readable file ({err.strerror or err})", "check the path"
+        ) from None
 
 
 def read_vocab(path: Path) -> dict[str, int]:
+    text = _read_text(path)
     try:
-        vocab = json.loads(_read_text(path))
-    except json.JSONDecodeError as err:
+        vocab = json.loads(text)
+    # ValueError: bad JSON or an integer over 4,300 digits; RecursionError: `[[[[...`
+    except (ValueError, RecursionError) as err:
         raise _bad(path, "JSON", str(err), "a JSON object {token: id}") from None
     if not isinstance(vocab, dict):
         raise _bad(path, "top level", type(vocab).__name__, "a JSON object {token: id}")
     for token, i in vocab.items():
         if isinstance(i, bool) or not isinstance(i, int) or i < 0:
             raise _bad(path, f"id of {token!r}", i, "a non-negative integer")
+        if not token:  # as a special token it would match at every offset of every text
+            raise _bad(path, "token", repr(token), "a non-empty string")
+        try:
+            token.encode("utf-8")
+        except UnicodeEncodeError:  # a JSON escape like "\ud800": no UTF-8 bytes to decode to
+            raise _bad(
+                path, "token", token, "a string UTF-8 can encode (no lone surrogate)"
+            ) from None
     return vocab
 
 

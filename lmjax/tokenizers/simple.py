@@ -7,7 +7,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from lmjax.errors import FileFormatError, TokenError
-from lmjax.tokenizers._base import check_ids, write_manifest
+from lmjax.tokenizers._base import check_ids, check_text, write_manifest
 
 
 class ByteTokenizer:
@@ -17,7 +17,7 @@ class ByteTokenizer:
     vocab_size = 256
 
     def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
+        return list(check_text(text))
 
     def decode(self, ids) -> str:
         return bytes(check_ids(ids, 256)).decode("utf-8", errors="replace")
@@ -38,6 +38,11 @@ class CharTokenizer:
             raise TokenError.describe(
                 "character vocabulary", "''", "at least one character", "train on non-empty text"
             )
+        if not isinstance(self.chars, str):
+            raise TokenError.describe(
+                "character vocabulary", self.chars, "a str", "build it with CharTokenizer.train"
+            )
+        check_text(self.chars)  # a lone surrogate could never be saved (UTF-8) or encoded
         if len(set(self.chars)) != len(self.chars):
             raise FileFormatError.describe(
                 "character vocabulary", "repeated characters", "distinct characters", "retrain"
@@ -69,6 +74,7 @@ class CharTokenizer:
         return {c: i for i, c in enumerate(self.chars)}
 
     def encode(self, text: str) -> list[int]:
+        check_text(text)
         index = self._index
         try:
             return [index[c] for c in text]
