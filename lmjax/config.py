@@ -8,8 +8,10 @@ else the string itself.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
+from collections.abc import Hashable
 from typing import Any
 
 from lmjax.errors import ConfigError
@@ -36,6 +38,10 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
     """`["a.b=1", "c=x"]` -> `{"a.b": 1, "c": "x"}`; a later key overrides an earlier one."""
     out: dict[str, Any] = {}
     for item in items:
+        if not isinstance(item, str):
+            raise ConfigError.describe(
+                "override", item, "a 'key=value' string", "pass overrides as strings"
+            )
         key, sep, text = item.partition("=")
         if not sep or not key.strip():
             raise ConfigError.describe(
@@ -180,6 +186,10 @@ class RunConfig:
                 "model.vocab_size", None, "an int", "set it, or let `lmjax train` take it from data"
             )
         name = fields.pop("preset", None)
+        if name is not None and not isinstance(name, str):
+            raise ConfigError.describe(
+                "model.preset", name, "a preset name (a string)", "e.g. model.preset=gpt"
+            )
         return preset(name, **fields) if name else ModelConfig.from_dict(fields)
 
     @property
@@ -250,24 +260,41 @@ def read_yaml(path) -> Any:
         raise ConfigError.describe(
             "config file", str(path), "a YAML file, not a directory", "pass configs/<name>.yaml"
         ) from None
-    except (yaml.YAMLError, UnicodeDecodeError) as err:
+    except ConfigError:
+        raise  # a repeated or unhashable key (the loader's own check)
+    except (yaml.YAMLError, UnicodeDecodeError, ValueError) as err:
+        # ValueError: an int literal over Python's 4,300-digit limit for int(str).
         first = " ".join(str(err).split())
         raise FileFormatError.describe(
             f"config file {path}", f"unparseable YAML ({first})", "valid YAML", "fix the syntax"
         ) from None
+    except RecursionError:
+        raise FileFormatError.describe(
+            f"config file {path}", "nested deeper than the YAML reader's recursion limit",
+            "a config: sections of key: value, a few levels deep", "flatten the nesting",
+        ) from None  # fmt: skip
     return {} if data is None else data
 
 
 def _unique_key_loader():
     import yaml
 
-    class Loader(yaml.SafeLoader):
+    # libyaml's parser (when PyYAML has it) refuses nesting past 1,000 levels at once; the pure
+    # Python one takes seconds to reach its recursion limit on such a file.
+    class Loader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
         """SafeLoader that refuses a key given twice in one mapping (YAML keeps the last)."""
 
     def construct_mapping(loader, node, deep=False):
         seen = set()
         for key_node, _ in node.value:
-            key = loader.construct_object(key_node, deep=deep)
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<: *base`: merged entries may be overridden (construct_mapping)
+            key = loader.construct_object(key_node, deep=True)  # a list key, filled in
+            if not isinstance(key, Hashable):
+                raise ConfigError.describe(
+                    "config key", key, f"a string (line {key_node.start_mark.line + 1})",
+                    "write a plain key: a list or mapping can't name a field",
+                )  # fmt: skip
             if key in seen:
                 line = key_node.start_mark.line + 1
                 raise ConfigError.describe(
@@ -335,11 +362,14 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
         if option is bool and isinstance(value, bool):
             return value
         if option is int and isinstance(value, int) and not isinstance(value, bool):
+            # Steps, sizes and counts become int32 arrays (optax's step count, shapes).
+            _check(-(2**31) <= value < 2**31, where, value, "an int in [-2**31, 2**31)", "lower it")
             return value
         if option is float and isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
+            return _finite(float(value), where, value)
         if option is float and isinstance(value, str) and isinstance(parse_value(value), float):
-            return parse_value(value)  # YAML 1.1 reads `1e-2` (no dot) as a string
+            # YAML 1.1 reads `1e-2` (no dot) as a string
+            return _finite(parse_value(value), where, value)
         if option is str and isinstance(value, str):
             return value
         if option is str and isinstance(value, int) and not isinstance(value, bool):
@@ -350,6 +380,12 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
             if all(isinstance(v, str) for v in value):
                 return tuple(value)
     raise ConfigError.describe(where, value, _type_name(hint), "write a value of that type")
+
+
+def _finite(number: float, where: str, value: Any) -> float:
+    """No field means anything by inf or NaN (`1e999` reads as inf): null switches options off."""
+    _check(math.isfinite(number), where, value, "a finite number", "write a finite value")
+    return number
 
 
 def _type_name(hint: Any) -> str:

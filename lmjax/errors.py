@@ -12,6 +12,7 @@ TypeError, OSError), so `except ValueError` keeps working around lmjax calls.
 
 from __future__ import annotations
 
+import reprlib
 from typing import Any
 
 
@@ -54,8 +55,23 @@ class NonFiniteError(LMJaxError, FloatingPointError):
 
 def _short(value: Any, limit: int = 120) -> str:
     # One line whatever the value: an array's repr spans several, so whitespace is collapsed.
-    text = " ".join(repr(value).split())
+    text = " ".join(_bounded_repr(value, limit).split())
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _bounded_repr(value: Any, limit: int) -> str:
+    """repr, in time and memory bounded by `limit` for containers: a YAML alias bomb (a list of
+    ten lists of ten lists ..., shared, so cheap to build) has a repr of 10**8 characters.
+    Scalars keep their plain repr (then cut to `limit`)."""
+    if isinstance(value, (list, tuple, dict, set, frozenset)):
+        shorten = reprlib.Repr()
+        shorten.maxlevel, shorten.maxstring, shorten.maxother = 3, limit, limit
+        shorten.maxlist = shorten.maxtuple = shorten.maxdict = shorten.maxset = 12
+        return shorten.repr(value)
+    if isinstance(value, int) and value.bit_length() > 4000:
+        # str() of an int over 4,300 digits raises ValueError; its size is what matters here.
+        return f"{'a negative' if value < 0 else 'an'} int of {value.bit_length()} bits"
+    return repr(value)
 
 
 __all__ = [

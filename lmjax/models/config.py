@@ -123,7 +123,7 @@ def _dtype_name(value):
         return value
     try:
         return jnp.dtype(value).name
-    except TypeError:
+    except (TypeError, ValueError):  # ValueError: a mapping numpy reads as a record spec
         return value  # not a dtype: _validate names it
 
 
