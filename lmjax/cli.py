@@ -115,7 +115,7 @@ def _eval(args: argparse.Namespace) -> int:
             "--step", args.step, f"the step of the checkpoint path {args.run_path}",
             "pass a run directory with --step, or a checkpoint path alone",
         )  # fmt: skip
-    run = train.load_run(args.run_path, args.step)
+    run = _load_run(args.run_path, args.step)
     t = run.cfg.train
     changes = {
         "eval_batches": _positive("--batches", args.batches, t.eval_batches),
@@ -145,6 +145,24 @@ def _eval(args: argparse.Namespace) -> int:
         "tokenizer)"
     )
     return 0
+
+
+def _load_run(path, step: int | None):
+    """`train.load_run`, refusing a step it can't honour: a weights-only run (import-hf,
+    merged/) has no checkpoints, and its weights would have been used whatever --step said."""
+    from lmjax import train
+    from lmjax.train.runs import split_run_path
+
+    run = train.load_run(path, step)
+    wanted = split_run_path(path)[1] if step is None else step
+    if wanted is not None and run.step != wanted:
+        raise ConfigError.describe(
+            "--step" if step is not None else "checkpoints/<step> in the path", wanted,
+            f"a checkpoint step of {run.directory}"
+            + (" (it holds weights only, no checkpoints)" if run.step is None else ""),
+            "drop --step to use the run's weights, or pass a step under checkpoints/",
+        )  # fmt: skip
+    return run
 
 
 def _positive(flag: str, value, default: int) -> int:
@@ -190,11 +208,10 @@ def _hf_tokenizer(source: str):
 def _export_hf(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from lmjax import train
     from lmjax.files import atomic_dir
     from lmjax.io import hf_gpt2
 
-    run = train.load_run(args.run_path, args.step)
+    run = _load_run(args.run_path, args.step)
     out = Path(args.out)
     if out.exists():
         raise ConfigError.describe(
@@ -211,9 +228,9 @@ def _export_hf(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from lmjax import generate, train
+    from lmjax import generate
 
-    run = train.load_run(args.run_dir or args.checkpoint, args.step)
+    run = _load_run(args.run_dir or args.checkpoint, args.step)
     if run.tokenizer is None:
         raise FileFormatError.describe(
             "run", str(run.directory), "a tokenizer/ directory (saved by train or import-hf)",
@@ -418,8 +435,17 @@ def _inspect_finetune_config(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (SPEC section 10) and exits 2, as library errors
+    do; subcommand parsers are made with the same class."""
+
+    def error(self, message: str):
+        usage = " ".join(self.format_usage().split())
+        self.exit(2, f"{self.prog}: error: {message}. Fix: see `{self.prog} --help` ({usage}).\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="lmjax",
         description="lmjax: decoder-only transformer LMs in JAX, from the command line.",
     )
@@ -657,8 +683,10 @@ def _bench(args: argparse.Namespace) -> int:
 
     if args.steps < 1:
         raise ConfigError.describe("--steps", args.steps, ">= 1", "time at least one step")
-    if args.peak_tflops is not None and not args.peak_tflops > 0:
+    if args.peak_tflops is not None and not 0 < args.peak_tflops < float("inf"):
         raise ConfigError.describe("--peak-tflops", args.peak_tflops, "> 0", "pass a peak")
+    if args.output:  # checked before the minutes of timing, not after
+        _check_output_file(args.output)
     run = load_run_config(args.config, args.overrides)
     cfg = bench.run_config_model(run)
     peak = None if args.peak_tflops is None else args.peak_tflops * 1e12
@@ -688,6 +716,21 @@ def _bench(args: argparse.Namespace) -> int:
         Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {args.output}")
     return 0
+
+
+def _check_output_file(path: str) -> None:
+    """A file path bench can write: not a directory, under a directory (or a path to make one)."""
+    from pathlib import Path
+
+    out = Path(path)
+    ancestors = [p for p in out.parents if p.exists()]
+    if out.is_dir() or (ancestors and not ancestors[0].is_dir()):
+        blocker = out if out.is_dir() else ancestors[0]
+        raise ConfigError.describe(
+            "--output", path,
+            f"a file path (but {blocker} is {'a directory' if blocker == out else 'a file'})",
+            "pass a file name such as results/bench.json",
+        )  # fmt: skip
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
