@@ -141,7 +141,8 @@ def read_header(path: str | os.PathLike) -> tuple[dict[str, tuple[np.dtype, tupl
     """`({name: (dtype, shape)}, metadata)` of a validated file (see the module docstring)."""
     path = Path(path)
     header, data_size = _read_raw_header(path)
-    metadata = header.pop("__metadata__", {})
+    metadata = header.pop("__metadata__", None)
+    metadata = {} if metadata is None else metadata  # null is valid: the format's Option<...>
     if not isinstance(metadata, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
     ):
@@ -200,8 +201,14 @@ def save(params: Mapping, path: str | os.PathLike, metadata: Mapping[str, str] |
     metadata = _check_metadata(metadata)
     tensors = {name: _to_numpy(name, leaf) for name, leaf in P.flatten(params).items()}
     data = safetensors.numpy.save(tensors, metadata=metadata or None)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(path, data)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(path, data)  # on failure: the old file (or none), no temporary left
+    except OSError as err:  # CheckpointError is an OSError too: `except OSError` still works
+        raise CheckpointError.describe(
+            f"writing {path}", err.strerror or str(err), "a writable directory with free space",
+            "check the path, its permissions and the free disk space (nothing was replaced)",
+        ) from err  # fmt: skip
 
 
 def _expected_specs(expected) -> dict[str, tuple[np.dtype, tuple]]:
