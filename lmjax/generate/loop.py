@@ -228,7 +228,10 @@ def _check_prompts(prompts, cfg: ModelConfig) -> list[np.ndarray]:
             raise TokenError.describe(
                 f"prompts[{i}]", prompt, "a list of token ids", "wrap a single prompt in a list"
             )
-        row = np.asarray(prompt)
+        try:
+            row = np.asarray(prompt)
+        except (ValueError, TypeError):  # ragged nesting numpy can't make an array of
+            row = np.empty((0, 0))
         if row.ndim != 1 or row.size == 0:
             raise TokenError.describe(
                 f"prompts[{i}]", prompt, "a non-empty 1-D list of token ids", fix_batch
@@ -306,8 +309,13 @@ def _check_stop_tokens(stop_tokens, cfg: ModelConfig) -> np.ndarray:
         raise TokenError.describe(
             "stop_tokens", stop_tokens, "a list of int token ids", "pass ids, not strings"
         )
+    for i, stop in enumerate(stop_tokens):  # before int64 conversion, which overflows
+        if not 0 <= stop < cfg.vocab_size:
+            raise TokenError.describe(
+                f"stop_tokens[{i}]", stop, f"an id in [0, {cfg.vocab_size})",
+                "pass ids of the model's vocabulary",
+            )  # fmt: skip
     stops = np.asarray(stop_tokens, dtype=np.int64).reshape(-1)
-    check_token_ids(stops, cfg.vocab_size, "stop_tokens")
     return stops
 
 
