@@ -1,0 +1,337 @@
+"""Bad Hugging Face GPT-2 checkpoints: `hf_gpt2.load` and `lmjax import-hf` (SPEC section 11).
+
+tests/test_hf_gpt2.py checks the good path against transformers and a few bad configs; here
+each case breaks one thing in an otherwise importable directory (a tiny GPT2LMHeadModel saved
+offline with `save_pretrained`, plus a byte-level BPE tokenizer that fits its vocabulary):
+missing files, config.json that is not JSON / not GPT-2 / inconsistent with the weights,
+missing, extra or mis-shaped tensors, truncated weights, foreign tokenizer files. Each must give
+one `lmjax.errors` error; the command must exit 2 with one stderr line, create no output
+directory and leave every file under the test's directory byte for byte as it was.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import shutil
+import time
+
+import numpy as np
+import pytest
+import safetensors.numpy
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from lmjax import cli
+from lmjax.errors import CheckpointError, ConfigError, FileFormatError, LMJaxError
+from lmjax.io import hf_gpt2
+from lmjax.tokenizers import BPETokenizer
+
+VOCAB = 260  # 256 byte tokens, 3 merges, <|endoftext|>
+HF_CONFIG = dict(
+    vocab_size=VOCAB, n_positions=16, n_embd=8, n_layer=2, n_head=2, bos_token_id=None,
+    eos_token_id=None,
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    out = tmp_path_factory.mktemp("hf_source")
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(**HF_CONFIG)).save_pretrained(out)
+    tok = BPETokenizer.train(["the cat sat on the mat; the end"], VOCAB)
+    assert tok.vocab_size == VOCAB
+    tok.save(out)
+    (out / "tokenizer.json").unlink()  # lmjax's manifest: a Hugging Face directory lacks it
+    return out
+
+
+def _snapshot(root):
+    return {
+        str(p.relative_to(root)): (p.read_bytes() if p.is_file() else "dir")
+        for p in sorted(root.rglob("*"))
+    }
+
+
+def _state(path):
+    return dict(safetensors.numpy.load_file(str(path)))
+
+
+def _save_state(path, state):
+    safetensors.numpy.save_file(state, str(path), metadata={"format": "pt"})
+
+
+def _edit_config(**changes):
+    def edit(d):
+        config = json.loads((d / "config.json").read_text())
+        (d / "config.json").write_text(json.dumps(config | changes))
+
+    return edit
+
+
+def _edit_state(change):
+    def edit(d):
+        state = _state(d / "model.safetensors")
+        change(state)
+        _save_state(d / "model.safetensors", state)
+
+    return edit
+
+
+def _write(name, content: bytes | str):
+    def edit(d):
+        path = d / name
+        if isinstance(content, bytes):
+            path.write_bytes(content)
+        else:
+            path.write_text(content)
+
+    return edit
+
+
+def _remove(*names):
+    def edit(d):
+        for name in names:
+            (d / name).unlink()
+
+    return edit
+
+
+def _replace_with_dir(name):
+    def edit(d):
+        (d / name).unlink()
+        (d / name).mkdir()
+
+    return edit
+
+
+def _truncate(name, keep):
+    def edit(d):
+        raw = (d / name).read_bytes()
+        (d / name).write_bytes(raw[: keep(len(raw))])
+
+    return edit
+
+
+def _foreign_tokenizer(vocab: dict, merges: str):
+    def edit(d):
+        (d / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False))
+        (d / "merges.txt").write_text(merges)
+
+    return edit
+
+
+def _bigger_tokenizer(d):
+    BPETokenizer.train(["the cat sat on the mat; the end, and then some"], VOCAB + 4).save(d)
+    (d / "tokenizer.json").unlink()
+
+
+def _sharded_missing(d):
+    (d / "model.safetensors").unlink()
+    (d / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"transformer.wte.weight": "model-00001-of-00002.safetensors"}})
+    )
+
+
+H = "transformer.h"
+CASES = {
+    # files
+    "empty directory": (
+        lambda d: [p.unlink() for p in list(d.iterdir())],
+        CheckpointError,
+        "model.safetensors",
+    ),
+    "no model.safetensors": (_remove("model.safetensors"), CheckpointError, "model.safetensors"),
+    "no config.json": (_remove("config.json"), ConfigError, "n_heads"),
+    "model.safetensors is a directory": (
+        _replace_with_dir("model.safetensors"),
+        FileFormatError,
+        "not a directory",
+    ),
+    "a shard named by the index is missing": (_sharded_missing, FileFormatError, "existing file"),
+    # config.json
+    "config.json not JSON": (_write("config.json", "{'n_embd': 8"), FileFormatError, "JSON"),
+    "config.json empty": (_write("config.json", ""), FileFormatError, "JSON"),
+    "config.json not UTF-8": (
+        _write("config.json", b'{"n_embd": "\xff"}'),
+        FileFormatError,
+        "utf-8",
+    ),
+    "config.json nested 100,000 deep": (
+        _write("config.json", "[" * 100_000),
+        FileFormatError,
+        "JSON",
+    ),
+    "config.json a directory": (
+        _replace_with_dir("config.json"),
+        FileFormatError,
+        "a readable JSON file",
+    ),
+    "config.json a list": (_write("config.json", "[1, 2]"), FileFormatError, "JSON object"),
+    "config.json of a llama": (_edit_config(model_type="llama"), ConfigError, "model_type"),
+    "config.json n_embd null": (
+        lambda d: _write("config.json", json.dumps(HF_CONFIG | {"n_embd": None}))(d),
+        ConfigError,
+        "n_embd = None",
+    ),
+    "config.json n_head not dividing n_embd": (_edit_config(n_head=3), ConfigError, "n_heads"),
+    "config.json claims 10**8 layers": (
+        _edit_config(n_layer=10**8),
+        CheckpointError,
+        "blocks in the weights = '2 (h.0, h.1)'; expected h.0 .. h.99999999 (100000000 layers",
+    ),
+    "config.json claims one layer more": (
+        _edit_config(n_layer=3),
+        CheckpointError,
+        "blocks in the weights = '2 (h.0, h.1)'; expected h.0 .. h.2",
+    ),
+    "config.json n_embd disagrees with the weights": (
+        _edit_config(n_embd=16),
+        CheckpointError,
+        "wte.weight shape (260, 8) (expected (260, 16))",
+    ),
+    "config.json vocab_size disagrees with the weights": (
+        _edit_config(vocab_size=300),
+        CheckpointError,
+        "wte.weight shape (260, 8) (expected (300, 8))",
+    ),
+    "config.json vocab_size past int32": (_edit_config(vocab_size=2**40), ConfigError, "vocab"),
+    # weights
+    "a tensor missing": (
+        _edit_state(lambda s: s.pop("transformer.ln_f.bias")),
+        CheckpointError,
+        "missing ln_f.bias (8,)",
+    ),
+    "an extra tensor": (
+        _edit_state(lambda s: s.update({f"{H}.0.attn.rotary": np.zeros(4, np.float32)})),
+        CheckpointError,
+        "not a GPT-2 key: h.0.attn.rotary",
+    ),
+    "a mis-shaped tensor": (
+        _edit_state(lambda s: s.update({f"{H}.1.mlp.c_fc.bias": np.zeros(31, np.float32)})),
+        CheckpointError,
+        "h.1.mlp.c_fc.bias shape (31,) (expected (32,))",
+    ),
+    "a block past n_layer": (
+        _edit_state(lambda s: s.update({f"{H}.7.ln_1.weight": np.zeros(8, np.float32)})),
+        CheckpointError,
+        "blocks in the weights = '3 (h.0, h.1, h.7)'; expected h.0 .. h.1 (2 layers",
+    ),
+    "a block index of 5,000 digits": (
+        _edit_state(lambda s: s.update({f"{H}.{'9' * 5000}.ln_1.weight": np.zeros(1, np.float32)})),
+        CheckpointError,
+        "blocks in the weights = '3 (h.0, h.1, h.9999",
+    ),
+    "the same tensor with and without the prefix": (
+        _edit_state(lambda s: s.update({"wte.weight": s["transformer.wte.weight"]})),
+        CheckpointError,
+        "each parameter once",
+    ),
+    "model.safetensors truncated to 7 bytes": (
+        _truncate("model.safetensors", lambda n: 7),
+        FileFormatError,
+        "at least 8",
+    ),
+    "model.safetensors truncated in its header": (
+        _truncate("model.safetensors", lambda n: 100),
+        FileFormatError,
+        "header length",
+    ),
+    "model.safetensors truncated in its data": (
+        _truncate("model.safetensors", lambda n: n // 2 + 3),
+        FileFormatError,
+        "data size",
+    ),
+    "model.safetensors missing its last byte": (
+        _truncate("model.safetensors", lambda n: n - 1),
+        FileFormatError,
+        "data size",
+    ),
+    "model.safetensors of random bytes": (
+        _write(
+            "model.safetensors", bytes(np.random.default_rng(0).integers(0, 256, 4096, np.uint8))
+        ),
+        FileFormatError,
+        "header length",
+    ),
+    # tokenizer files beside the checkpoint (read by `lmjax import-hf` only)
+    "a WordPiece vocab.json": (
+        _foreign_tokenizer({"[PAD]": 0, "[UNK]": 1, "the": 2, "##s": 3}, ""),
+        FileFormatError,
+        "vocab.json: byte token",
+    ),
+    "merges.txt with three tokens a line": (
+        lambda d: (d / "merges.txt").write_text("#version: 0.2\nt h e\n"),
+        FileFormatError,
+        "merges.txt: line 2",
+    ),
+    "vocab.json truncated": (_truncate("vocab.json", lambda n: n // 2), FileFormatError, "JSON"),
+    "vocab.json not UTF-8": (_write("vocab.json", b"\xff\xfe{}"), FileFormatError, "UTF-8"),
+    "a tokenizer larger than the model": (
+        _bigger_tokenizer,
+        FileFormatError,
+        "tokenizer vocabulary = '264 tokens'; expected at most the model's vocab_size (260)",
+    ),
+}
+TOKENIZER_CASES = {name for name in CASES if "vocab.json" in name or "merges" in name}
+TOKENIZER_CASES |= {"a tokenizer larger than the model"}
+
+
+def _broken(source, tmp_path, case):
+    src = tmp_path / "src"
+    shutil.copytree(source, src)
+    CASES[case][0](src)
+    return src
+
+
+def test_the_unbroken_source_imports(source, tmp_path, capsys):
+    # Every case below is this directory with one thing broken.
+    src = tmp_path / "src"
+    shutil.copytree(source, src)
+    params, cfg = hf_gpt2.load(src)
+    assert cfg.vocab_size == VOCAB and cfg.n_layers == 2
+    assert cli.main(["import-hf", str(src), "--out", str(tmp_path / "run")]) == 0
+    assert (tmp_path / "run" / "model.safetensors").is_file()
+    assert "imported" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("case", sorted(set(CASES) - TOKENIZER_CASES))  # load reads no tokenizer
+def test_broken_checkpoints_give_one_lmjax_error(source, tmp_path, case):
+    _, error, message = CASES[case]
+    src = _broken(source, tmp_path, case)
+    before = _snapshot(tmp_path)
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB
+    start = time.perf_counter()
+    with pytest.raises(error) as err:
+        hf_gpt2.load(src)
+    elapsed = time.perf_counter() - start
+    assert message in str(err.value), str(err.value)
+    assert "\n" not in str(err.value) and "Fix:" in str(err.value)
+    # No case may take long or allocate much (a config claiming 10**8 layers once took the
+    # process to the OOM killer): 5 s and 200 MiB of peak RSS growth are generous bounds.
+    assert elapsed < 5.0
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before < 200 * 1024
+    assert _snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_import_hf_exits_2_with_one_line_and_writes_nothing(source, tmp_path, case, capsys):
+    _, error, message = CASES[case]
+    src = _broken(source, tmp_path, case)
+    before = _snapshot(tmp_path)
+    capsys.readouterr()
+    assert cli.main(["import-hf", str(src), "--out", str(tmp_path / "run")]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("lmjax import-hf: error: "), captured.err
+    assert message in lines[0] and captured.out == ""
+    assert not (tmp_path / "run").exists()
+    assert _snapshot(tmp_path) == before  # no temporary directory left, the source untouched
+
+
+def test_import_hf_of_a_missing_source(tmp_path, capsys):
+    assert cli.main(["import-hf", str(tmp_path / "nowhere"), "--out", str(tmp_path / "run")]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(LMJaxError, match="existing directory"):
+        hf_gpt2.load(tmp_path / "nowhere")
