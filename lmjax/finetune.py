@@ -140,6 +140,8 @@ def load_config(
             "set finetune.base in the config or pass finetune.base=PATH",
         )  # fmt: skip
     base_run = load_run(base) if weights else _base_config_only(base)
+    if weights:
+        _check_base_step(base, base_run)
     model = _model_section(data.pop("model", None) or {}, run_overrides, base_run)
     data["model"] = model
     data["data"] = _data_section(data.get("data") or {}, base_run)
@@ -154,6 +156,21 @@ def load_config(
     spec = FinetuneSpec(base, resolved, use_qlora, lcfg, base_run.step, sha)
     lora.target_layers(base_run.model, lcfg)  # a target that selects nothing fails here
     return cfg, spec, base_run
+
+
+def _check_base_step(base: str, base_run) -> None:
+    """`RUN/checkpoints/STEP` must name a checkpoint the base has: a weights-only run (import-hf,
+    merged/) has none, and `load_run` would hand back its weights whatever STEP said."""
+    from lmjax.train.runs import split_run_path
+
+    step = split_run_path(base)[1]
+    if step is not None and base_run.step != step:
+        raise ConfigError.describe(
+            "finetune.base", base,
+            f"a checkpoint of {base_run.directory}"
+            + (" (it holds weights only, no checkpoints)" if base_run.step is None else ""),
+            f"set finetune.base={base_run.directory} to use its weights",
+        )  # fmt: skip
 
 
 def _base_config_only(base: str):
@@ -282,12 +299,13 @@ def finetune(
     run_dir = Path(cfg.run.dir) if cfg.run.dir else loop.default_run_dir(str(path))
     if resume:
         _check_same_spec(run_dir, spec)
-    elif (run_dir / SPEC_FILE).exists():
-        pass  # the loop refuses the existing directory with its own message
+    else:  # the loop checks too, but after the data is prepared (and cached)
+        loop._check_run_dir(run_dir, resume)
+    # Before the data is prepared (and cached): a base NF4 can't hold fails with nothing written.
+    frozen = frozen_params(base_run.params, spec.qlora)
     cfg = with_base_tokenized_data(cfg, base_run)
     prepared = loop.prepare_data(cfg, cfg.logging.progress)
     check_tokenizer(prepared, base_run)
-    frozen = frozen_params(base_run.params, spec.qlora)
     result = loop.train(
         cfg, config_path=str(path), resume=resume, out=out, trainable=trainable(cfg, spec, frozen)
     )
