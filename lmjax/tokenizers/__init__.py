@@ -23,7 +23,9 @@ from lmjax.tokenizers.simple import ByteTokenizer, CharTokenizer
 # kind -> loader(directory, manifest). Kinds register here so `load` stays one function.
 _LOADERS = {
     "byte": lambda directory, manifest: ByteTokenizer(),
-    "char": lambda directory, manifest: CharTokenizer.from_manifest(manifest),
+    "char": lambda directory, manifest: CharTokenizer.from_manifest(
+        manifest, where=directory / "tokenizer.json"
+    ),
     "bpe": _load_bpe,
 }
 

@@ -143,6 +143,14 @@ def read_files(vocab_path: Path, merges_path: Path):
         merges.append(pair)
         ranks[pair[0] + pair[1]] = vocab[result]
         mergeable.add(result)
+    for left, right, number in lines:  # e.g. the line making `left` was lost: it'd be "special"
+        for part in (left, right):
+            if part not in mergeable:
+                raise _bad(
+                    merges_path, f"line {number} ({left} {right})",
+                    f"{part!r} made by no merge line",
+                    "parts that are byte tokens or results of merges (a line is missing)",
+                )  # fmt: skip
     special = {t: i for t, i in vocab.items() if t not in mergeable}
     ids = sorted(vocab.values())
     if ids != list(range(len(ids))):

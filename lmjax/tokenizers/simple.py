@@ -6,7 +6,7 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from lmjax.errors import FileFormatError, TokenError
+from lmjax.errors import FileFormatError, LMJaxError, TokenError
 from lmjax.tokenizers._base import check_ids, check_text, write_manifest
 
 
@@ -56,13 +56,17 @@ class CharTokenizer:
         return cls("".join(sorted(seen)))
 
     @classmethod
-    def from_manifest(cls, manifest: dict) -> CharTokenizer:
+    def from_manifest(cls, manifest: dict, where="tokenizer.json") -> CharTokenizer:
+        """The tokenizer of a manifest read from `where` (named in every error)."""
         chars = manifest.get("chars")
         if not isinstance(chars, str):
             raise FileFormatError.describe(
-                "tokenizer.json chars", chars, "a string of characters", "prepare the data again"
+                f"{where}: chars", chars, "a string of characters", "prepare the data again"
             )
-        return cls(chars)
+        try:
+            return cls(chars)
+        except LMJaxError as err:  # empty, repeated or unencodable characters
+            raise FileFormatError(f"{where}: {err}") from None
 
     @property
     def vocab_size(self) -> int:
