@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import safetensors.numpy
 import torch
+from _fifo import fifo
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from lmjax import cli
@@ -105,6 +106,14 @@ def _replace_with_dir(name):
     return edit
 
 
+def _pipe(name):
+    def edit(d):
+        (d / name).unlink()
+        fifo(d / name)
+
+    return edit
+
+
 def _truncate(name, keep):
     def edit(d):
         raw = (d / name).read_bytes()
@@ -148,6 +157,12 @@ CASES = {
         FileFormatError,
         "not a directory",
     ),
+    "model.safetensors a named pipe": (
+        _pipe("model.safetensors"),
+        FileFormatError,
+        "a pipe, socket or device",
+    ),
+    "config.json a named pipe": (_pipe("config.json"), FileFormatError, "a pipe, socket or device"),
     "a shard named by the index is missing": (_sharded_missing, FileFormatError, "existing file"),
     # config.json
     "config.json not JSON": (_write("config.json", "{'n_embd': 8"), FileFormatError, "JSON"),

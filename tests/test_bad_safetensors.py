@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import resource
 import struct
+import time
 import tracemalloc
 
 import ml_dtypes
@@ -27,6 +28,7 @@ import safetensors
 import safetensors.numpy
 import safetensors.torch
 import torch
+from _fifo import fifo
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as hs
 
@@ -481,3 +483,12 @@ def test_an_interrupt_during_the_write_leaves_the_old_file(saved, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         st.save({"x": np.zeros(1000, np.float32)}, saved)
     assert _tree_of(saved.parent) == before  # old bytes, no temporary
+
+
+def test_a_named_pipe_is_refused_without_blocking(tmp_path):
+    timer = fifo(tmp_path / "pipe.safetensors")
+    start = time.perf_counter()
+    with pytest.raises(FileFormatError, match="a pipe, socket or device"):
+        st.load(tmp_path / "pipe.safetensors")
+    assert time.perf_counter() - start < 2.0
+    timer.cancel()

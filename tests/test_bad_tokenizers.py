@@ -19,9 +19,11 @@ import json
 import os
 import pydoc_data.topics
 import shutil
+import time
 from pathlib import Path
 
 import pytest
+from _fifo import fifo
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as hs
 
@@ -356,6 +358,20 @@ def test_hand_edited_tokenizer_files_raise_file_format_errors(saved_kinds, tmp_p
         toks.load(directory)
     message = str(err.value)
     assert str(directory) in message and "\n" not in message and "Fix:" in message, message
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "vocab.json", "merges.txt"])
+def test_named_pipes_are_refused_without_blocking(saved_kinds, tmp_path, name):
+
+    directory = tmp_path / "tok"
+    shutil.copytree(saved_kinds["bpe"][0], directory)
+    (directory / name).unlink()
+    timer = fifo(directory / name)
+    start = time.perf_counter()
+    with pytest.raises(FileFormatError, match="a pipe, socket or device") as err:
+        toks.load(directory)
+    assert time.perf_counter() - start < 2.0 and str(directory / name) in str(err.value)
+    timer.cancel()
 
 
 def test_missing_tokenizer_files_are_named(saved_kinds, tmp_path):

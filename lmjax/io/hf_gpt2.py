@@ -235,7 +235,7 @@ def _weight_files(path: Path) -> tuple[list[Path], Path | None]:
             "Hugging Face GPT-2 path", str(path), "an existing directory or .safetensors file",
             "check the path (download with huggingface_hub.snapshot_download('gpt2'))",
         )  # fmt: skip
-    if path.is_file():
+    if not path.is_dir():  # a file (or a pipe, which the safetensors reader refuses)
         config = path.parent / "config.json"
         return [path], config if config.exists() else None
     config = path / "config.json"
@@ -260,6 +260,10 @@ def _weight_files(path: Path) -> tuple[list[Path], Path | None]:
 
 def _read_json(path: Path):
     """The JSON in `path`; unreadable, non-UTF-8 or non-JSON content raises FileFormatError."""
+    if path.exists() and not (path.is_file() or path.is_dir()):  # reading a pipe could block
+        raise FileFormatError.describe(
+            str(path), "a pipe, socket or device", "a regular file", _FIX_CKPT
+        )
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except (ValueError, RecursionError) as err:  # UnicodeDecodeError is a ValueError

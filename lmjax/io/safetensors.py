@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 import struct
 from collections import Counter
 from collections.abc import Mapping
@@ -75,7 +76,11 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
 def _read_raw_header(path: Path) -> tuple[dict, int]:
     """The header JSON and the data size, read without trusting any length in the file."""
     try:
-        size = path.stat().st_size
+        info = path.stat()
+        if not (stat.S_ISREG(info.st_mode) or stat.S_ISDIR(info.st_mode)):
+            raise _bad(path, "kind", "a pipe, socket or device", "a regular file (reading "
+                       "a pipe could block forever)")  # fmt: skip
+        size = info.st_size
         with open(path, "rb") as handle:
             prefix = handle.read(8)
             if size < 8:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -36,8 +37,24 @@ def write_manifest(directory: str | os.PathLike, manifest: dict[str, Any]) -> No
     atomic_write_text(directory / MANIFEST, json.dumps(manifest, ensure_ascii=False, indent=1))
 
 
+def check_regular(path: Path) -> None:
+    """Refuse a pipe, socket or device before reading it: the read could block forever.
+
+    A missing path or a directory is left to the read that follows, which names it.
+    """
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        raise FileFormatError.describe(
+            str(path), "a pipe, socket or device", "a regular file", "point at the file itself"
+        )
+
+
 def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:
     path = Path(directory) / MANIFEST
+    check_regular(path)
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:

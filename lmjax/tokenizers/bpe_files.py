@@ -24,7 +24,7 @@ from pathlib import Path
 
 from lmjax.errors import FileFormatError
 from lmjax.files import atomic_write_text
-from lmjax.tokenizers._base import write_manifest
+from lmjax.tokenizers._base import check_regular, write_manifest
 from lmjax.tokenizers.bpe import BYTE_TO_CHAR, CHAR_TO_BYTE, GPT2_PATTERN, BPETokenizer
 
 VOCAB, MERGES = "vocab.json", "merges.txt"
@@ -36,6 +36,7 @@ def _bad(path: Path, what: str, value, expected: str) -> FileFormatError:
 
 
 def _read_text(path: Path) -> str:
+    check_regular(path)
     try:
         return path.read_text(encoding="utf-8-sig")  # a leading BOM is not part of the text
     except FileNotFoundError:
