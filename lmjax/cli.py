@@ -314,6 +314,7 @@ def _inspect(args: argparse.Namespace) -> int:
             f"--seq-len = {args.seq_len}; expected <= context_length = {cfg.context_length}. "
             "Fix: lower --seq-len or override context_length."
         )
+    _check_lora_targets(cfg, lcfg)
     print(f"{args.preset}: " + ", ".join(f"{k}={v}" for k, v in cfg.to_dict().items()))
     print(models.format_summary(cfg, args.batch_size or 1, args.seq_len))
     if args.mesh:
@@ -332,6 +333,14 @@ def _inspect_lora_config(args: argparse.Namespace):
     from lmjax.lora import LoraConfig
 
     return LoraConfig.parse(args.lora or "")
+
+
+def _check_lora_targets(model, lcfg) -> None:
+    """--lora's targets and rank against the model, before anything is printed."""
+    if lcfg is not None:
+        from lmjax.lora import target_layers
+
+        target_layers(model, lcfg)
 
 
 def _print_lora_memory(model, lcfg, qlora: bool, tx, optimizer: str) -> None:
@@ -395,12 +404,13 @@ def _inspect_config(args: argparse.Namespace) -> int:
         from lmjax.parallel import check_batch, parse_mesh_arg
 
         check_batch(batch, parse_mesh_arg(mesh), where="batch (sequences per micro-batch)")
+    lcfg = _inspect_lora_config(args)
+    _check_lora_targets(model, lcfg)
     print(f"{args.preset}: " + ", ".join(f"{k}={v}" for k, v in model.to_dict().items()))
     label = f"{cfg.optimizer.name} state"
     print(models.format_summary(model, batch, seq_len, optimizer=(label, nbytes)))
     if mesh:
         _print_mesh_memory(mesh, model, state, batch, seq_len, label)
-    lcfg = _inspect_lora_config(args)
     if lcfg is not None:
         _print_lora_memory(model, lcfg, args.qlora, tx, cfg.optimizer.name)
     return 0

@@ -144,7 +144,7 @@ def load_config(
         _check_base_step(base, base_run)
     model = _model_section(data.pop("model", None) or {}, run_overrides, base_run)
     data["model"] = model
-    data["data"] = _data_section(data.get("data") or {}, base_run)
+    data["data"] = _data_section(data.get("data") or {}, run_overrides, base_run)
     cfg = RunConfig.from_dict(data, run_overrides)
     if cfg.parallel.mesh is not None:
         raise ConfigError.describe(
@@ -177,6 +177,11 @@ def _base_config_only(base: str):
     from lmjax.train.runs import LoadedRun, read_config, split_run_path
 
     run_dir, step = split_run_path(base)
+    if step is not None and not Path(base).is_dir():
+        raise ConfigError.describe(
+            "finetune.base", base, f"a checkpoint directory of {run_dir}",
+            f"check the step (ls {run_dir / 'checkpoints'}), or set finetune.base={run_dir}",
+        )  # fmt: skip
     cfg = read_config(run_dir)
     return LoadedRun(run_dir, cfg, cfg.model_config(), None, None, step)
 
@@ -196,14 +201,25 @@ def _model_section(model: Any, overrides: dict, base_run) -> dict:
     return {**base_run.model.to_dict(), **changes}
 
 
-def _data_section(data: Any, base_run) -> dict:
+def _data_section(data: Any, overrides: dict, base_run) -> dict:
     if not isinstance(data, dict):
         return data  # RunConfig reports it
     base_data = base_run.cfg.data
+    given = {**data, **{k[len("data.") :]: v for k, v in overrides.items() if k[:5] == "data."}}
     out = {**data}
     out.setdefault("tokenizer", base_data.tokenizer)
     if out["tokenizer"] == "bpe":
         out.setdefault("vocab_size", base_data.vocab_size)
+    # The corpus is encoded with the base's own tokenizer (with_base_tokenized_data): another
+    # kind named here would only mislabel the run's config and its cached data.
+    for field in ("tokenizer", "vocab_size"):
+        if field in given and given[field] != getattr(base_data, field):
+            raise ConfigError.describe(
+                f"data.{field}", given[field],
+                f"the base's {getattr(base_data, field)!r} (a fine-tune encodes its corpus with "
+                "the base's tokenizer)",
+                f"pass data.{field}={getattr(base_data, field)} (or leave it out of the config)",
+            )  # fmt: skip
     return out
 
 

@@ -141,6 +141,11 @@ def _validate(c: LoraConfig) -> None:
         bool(c.targets) and all(isinstance(t, str) and t for t in c.targets),
         "targets", c.targets, "a non-empty list of name globs", "e.g. ['*.attention.query']",
     )  # fmt: skip
+    check(
+        ALL_LINEAR not in c.targets or len(c.targets) == 1,
+        "targets", c.targets, f"'{ALL_LINEAR}' alone (it already selects every block linear), "
+        "or name globs", f"write targets={ALL_LINEAR}, or list the globs",
+    )  # fmt: skip
 
 
 # ---- which layers ------------------------------------------------------------------------------
@@ -171,11 +176,23 @@ def _flat_layers(params) -> dict[str, Any]:
 
 
 def target_layers(params_or_cfg, lcfg: LoraConfig) -> dict[str, tuple[int, int]]:
-    """The adapted layers: `{name: (out, in)}`. A glob that selects nothing is an error."""
+    """The adapted layers: `{name: (out, in)}`. A glob that selects nothing is an error, and so
+    is a rank above a chosen layer's `min(out, in)`: the update `B A` can't have more rank than
+    that, so the extra columns only cost memory (`r=99999999999999` asked XLA for petabytes)."""
     layers = linear_layers(params_or_cfg)
-    if lcfg.targets == (ALL_LINEAR,):
-        return layers
-    for pattern in lcfg.targets:
+    chosen = layers if lcfg.targets == (ALL_LINEAR,) else _select(layers, lcfg.targets)
+    for name, (out_f, in_f) in chosen.items():
+        most = min(out_f, in_f)
+        if lcfg.r > most:
+            raise ConfigError.describe(
+                "lora.r", lcfg.r, f"<= min(out, in) = {most} of {name} [{out_f}, {in_f}]",
+                f"use r={most} or less (a higher rank adds parameters, not rank)",
+            )  # fmt: skip
+    return chosen
+
+
+def _select(layers: dict[str, tuple[int, int]], targets) -> dict[str, tuple[int, int]]:
+    for pattern in targets:
         if not any(_selects(pattern, name) for name in layers):
             example = next(iter(layers), "<none>")
             raise ConfigError.describe(
@@ -184,7 +201,7 @@ def target_layers(params_or_cfg, lcfg: LoraConfig) -> dict[str, tuple[int, int]]
                 f"{example!r}), or 'all-linear'",
                 "check the spelling against `lmjax inspect`'s parameter names (drop '.weight')",
             )  # fmt: skip
-    chosen = lambda name: any(_selects(p, name) for p in lcfg.targets)  # noqa: E731
+    chosen = lambda name: any(_selects(p, name) for p in targets)  # noqa: E731
     return {name: shape for name, shape in layers.items() if chosen(name)}
 
 

@@ -139,6 +139,11 @@ CASES = {
     "inspect: --mesh data=0": (["inspect", "gpt", "--mesh", "data=0"], "--mesh.data = 0"),
     "inspect: --mesh junk": (["inspect", "gpt", "--mesh", "bogus"], "'bogus'"),
     "inspect: --lora r=0": (["inspect", "gpt", "--lora", "r=0"], "lora.r = 0"),
+    "inspect: --lora targets nothing": (["inspect", "gpt", "--lora", "targets=*.nothing"],
+                                        "lora target = '*.nothing'"),  # printed a table first
+    "inspect: --lora r past the layers": (["inspect", "gpt", "--lora", "r=100"], "lora.r = 100"),
+    "inspect: config --lora r past the layers": (["inspect", "tiny.yaml", "model.vocab_size=10",
+                                                  "--lora", "r=100"], "lora.r = 100"),
     "inspect: --lora alpha=abc": (["inspect", "gpt", "--lora", "alpha=abc"], "lora.alpha = 'abc'"),
     "inspect: config missing": (["inspect", "nowhere.yaml"], "config file = 'nowhere.yaml'"),
     "inspect: config bad value": (["inspect", "tiny.yaml", "train.steps=-1"],

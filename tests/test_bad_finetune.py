@@ -89,6 +89,10 @@ CASES = {
     "--lora dropout=1": (["--lora", "dropout=1"], "lora.dropout = 1"),
     "--lora dropout=-0.1": (["--lora", "dropout=-0.1"], "lora.dropout = -0.1"),
     "--lora dropout=nan": (["--lora", "dropout=nan"], "lora.dropout = 'nan'"),
+    "--lora r past the layers' rank": (["--lora", "r=33"], "lora.r = 33; expected <= min(out, in)"),
+    "--lora r huge (was an OOM)": (["--lora", "r=99999999999999"], "lora.r = 99999999999999"),
+    "--lora all-linear among globs": (["--lora", "targets=all-linear|*.query"],
+                                      "lora.targets = ('all-linear', '*.query')"),
     "--lora init=xavier": (["--lora", "init=xavier"], "lora.init = 'xavier'"),
     "--lora rslora=maybe": (["--lora", "rslora=maybe"], "lora.rslora = 'maybe'"),
     # the lora and finetune sections through overrides
@@ -123,6 +127,8 @@ CASES = {
     "optimizer.lr=1e999": (["optimizer.lr=1e999"], "optimizer.lr = inf"),
     "corpus outside the base's chars": (["data.corpus=other.txt"], "data.corpus = 'other.txt'"),
     "corpus missing": (["data.corpus=nope.txt"], "data.corpus = 'nope.txt'"),
+    "another tokenizer than the base's": (["data.tokenizer=byte"], "data.tokenizer = 'byte'"),
+    "a bpe vocabulary on a char base": (["data.vocab_size=300"], "data.vocab_size = 300"),
     # run directory
     "run.dir exists without --resume": (["run.dir=base"], "run directory = 'base'"),
     "run.dir is a file": (["run.dir=afile"], "'afile'"),
@@ -159,6 +165,9 @@ def test_bad_finetune_is_one_line_exit_2_and_writes_nothing(
         (["finetune"], "required: config"),
         (["finetune", "ft.yaml", "--lora"], "expected one argument"),
         (["finetune", "ft.yaml", "--qlora=yes"], "ignored explicit argument 'yes'"),
+        (["inspect", "ft.yaml", "finetune.base=base/checkpoints/3"], "finetune.base = 'base/che"),
+        (["inspect", "ft.yaml", "--lora", "r=100"], "lora.r = 100"),
+        (["inspect", "ft.yaml", "--lora", "targets=*.nothing"], "lora target = '*.nothing'"),
     ],
 )
 def test_bad_config_files_and_flags(ws, capsys, monkeypatch, argv, named):
