@@ -136,7 +136,10 @@ def _eval(args: argparse.Namespace) -> int:
     prepared = train.prepare_data(cfg, progress=False, tokenizer_dir=tokenizer_dir)
     train.loop.resolve(cfg, prepared)
     eval_step = train.make_eval_step(run.model)
-    loss = train.evaluate(eval_step, run.params, prepared.val, cfg.train, cfg.seq_len)
+    loss = train.evaluate(
+        eval_step, run.params, prepared.val, cfg.train, cfg.seq_len,
+        vocab_size=run.model.vocab_size,
+    )  # fmt: skip
     t = cfg.train
     print(
         f"{run.directory} step {run.step}: validation loss {loss:.4f} nats/token "
