@@ -8,17 +8,35 @@ and the half-written one is never listed. `keep` bounds how many stay on disk.
 
 Restoring checks the checkpoint's model config against the expected one first (a checkpoint from
 another architecture is a `CheckpointError` naming the differing fields) and then every array's
-shape and dtype against the expected state.
+shape and dtype against the expected state. Every save records a checksum of each array in
+`meta` (`digest`, below); a restore recomputes them, so a flipped byte that the storage format
+would decode without complaint is an error, never a silently different model. A restored
+`params` leaf that holds NaN or infinity is refused too (training never saves one).
+
+Failures come in two kinds. `DamagedCheckpointError` (a `CheckpointError`): a step that is
+missing files, truncated, unreadable, or whose arrays, step or checksums disagree with its own
+metadata; `restore_complete` (used by `lmjax train --resume`) moves such a newest step aside
+to `<step>.corrupt` and continues from the newest complete one. Anything else (another
+architecture, another optimizer, non-finite parameters) is a plain `CheckpointError`: the file
+is whole but not this run's, and nothing is moved. A writer (`create=True`) removes the
+`<step>.orbax-checkpoint-tmp*` directory a killed save leaves behind (`removed` lists them),
+and a save that fails (a full disk, a read-only directory) removes its own and raises
+`CheckpointError`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import os
+import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from lmjax.errors import CheckpointError
 
@@ -26,10 +44,75 @@ from lmjax.errors import CheckpointError
 logging.getLogger("absl").setLevel(logging.WARNING)
 
 
+# The suffix orbax gives a step directory while it is being written (renamed away when done).
+TMP_SUFFIX = ".orbax-checkpoint-tmp"
+
+
+class DamagedCheckpointError(CheckpointError):
+    """A checkpoint step that is incomplete or inconsistent with itself (see the module doc)."""
+
+
 def _ocp():
     import orbax.checkpoint as ocp
 
     return ocp
+
+
+@contextlib.contextmanager
+def _quiet():
+    """Silence what orbax and tensorstore print while reading a damaged step.
+
+    A read that fails midway leaves orbax's other reads pending: their tasks and coroutines are
+    reported by the asyncio logger and `sys.unraisablehook` (hundreds of lines, some after the
+    error is raised), and absl logs each missing metadata file. The error lmjax raises says
+    it all in one line.
+    """
+    loggers = [logging.getLogger(name) for name in ("asyncio", "absl")]
+    disabled, hook = [g.disabled for g in loggers], sys.unraisablehook
+    for g in loggers:
+        g.disabled = True
+    sys.unraisablehook = lambda unraisable: None
+    try:
+        yield
+    except BaseException:
+        gc.collect()  # the failed read's leftovers are reported now, while silenced
+        # ... or later, when the pending reads end: keep dropping those reports.
+        if not any(isinstance(f, _OrbaxLeftovers) for f in loggers[0].filters):
+            loggers[0].addFilter(_OrbaxLeftovers())
+        if not isinstance(hook, _ClosedLoopHook):
+            hook = _ClosedLoopHook(hook)
+        raise
+    finally:
+        sys.unraisablehook = hook
+        for g, was in zip(loggers, disabled, strict=True):
+            g.disabled = was
+
+
+class _ClosedLoopHook:
+    """`sys.unraisablehook` after a failed orbax call: tensorstore threads finishing the
+    abandoned reads call back into orbax's event loop, closed by then, and each report lands
+    here as "Event loop is closed" (measured: up to hundreds of tracebacks, printed after the
+    one-line error). Those are dropped; every other report goes to the previous hook."""
+
+    def __init__(self, previous):
+        self.previous = previous
+
+    def __call__(self, unraisable) -> None:
+        err = unraisable.exc_value
+        if isinstance(err, RuntimeError) and str(err) == "Event loop is closed":
+            return
+        self.previous(unraisable)
+
+
+class _OrbaxLeftovers(logging.Filter):
+    """Drops asyncio's "exception was never retrieved" reports of orbax's abandoned reads and
+    writes (their error was already raised as a `CheckpointError`); keeps everything else."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "never retrieved" not in str(record.msg):
+            return True
+        text = record.getMessage() + str(record.exc_info[1] if record.exc_info else "")
+        return not any(word in text for word in ("orbax", "OCDBT", "tensorstore"))
 
 
 class Checkpoints:
@@ -57,9 +140,24 @@ class Checkpoints:
         ):
             for arg_type in arg_types:
                 registry.add(item, arg_type, handler)
-        self._manager = ocp.CheckpointManager(
-            self.directory, options=options, handler_registry=registry
-        )
+        with _quiet():  # it reads every step's metadata file: a damaged one is reported later
+            self._manager = ocp.CheckpointManager(
+                self.directory, options=options, handler_registry=registry
+            )
+        # A writer starts by removing what a killed save left (never listed, never resumed from).
+        self.removed: list[str] = []
+        if create and jax.process_index() == 0:
+            self.removed = self._remove_temporary()
+
+    def _remove_temporary(self, step: int | None = None) -> list[str]:
+        """Remove the temporary directories of unfinished saves (of `step`, or all)."""
+        prefix = "" if step is None else str(step)
+        removed = []
+        for path in sorted(self.directory.glob(f"{prefix}*{TMP_SUFFIX}*")):
+            if step is None or path.name.split(".")[0] == str(step):
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path.name)
+        return removed
 
     def steps(self) -> list[int]:
         return list(self._manager.all_steps())
@@ -68,22 +166,42 @@ class Checkpoints:
         return self._manager.latest_step()
 
     def save(self, state, meta: dict[str, Any]) -> int:
+        """Write `state` as step `state.step` (with `meta` and the arrays' checksums).
+
+        A save that fails (no space left, a read-only directory) removes its temporary
+        directory and raises `CheckpointError`; the steps saved before are untouched.
+        """
         ocp = _ocp()
         step = int(state.step)
-        args = ocp.args.Composite(
-            state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave({**meta, "step": step})
-        )
-        self._manager.save(step, args=args, force=True)
-        self._manager.wait_until_finished()
+        meta = {**meta, "step": step, "digest": digest(state)}
+        args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
+        try:
+            with _quiet():
+                self._manager.save(step, args=args, force=True)
+                self._manager.wait_until_finished()
+        except BaseException as err:
+            self._remove_temporary(step)
+            if not isinstance(err, Exception):  # Ctrl-C: the caller reports it
+                raise
+            with _quiet():
+                self._manager.reload()
+            raise CheckpointError.describe(
+                f"saving checkpoint step {step} in {self.directory}",
+                f"failed ({_text(err)})",
+                "a writable directory with free space",
+                "free disk space or fix the directory's permissions, then continue with "
+                f"--resume (from step {self.latest_step()}; nothing half-written was left)",
+            ) from None
         return step
 
     def read_meta(self, step: int | None = None) -> dict[str, Any]:
         ocp = _ocp()
         step = self._require_step(step)
         try:
-            restored = self._manager.restore(
-                step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
-            )
+            with _quiet():
+                restored = self._manager.restore(
+                    step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
+                )
         except Exception as err:  # noqa: BLE001 - orbax raises many kinds; all mean "unreadable"
             raise _unreadable(self.directory / str(step), err) from None
         if not isinstance(restored.meta, dict):
@@ -106,24 +224,68 @@ class Checkpoints:
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=_target_sharding(a)),
             abstract_state,
         )
+        args = ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()
+        )
         try:
-            restored = self._manager.restore(
-                step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
-            )
+            with _quiet():
+                restored = self._manager.restore(step, args=args)
         except Exception as err:  # noqa: BLE001
             raise _unreadable(where, err) from None
         leaves = jax.tree.leaves(restored.state)
-        return jax.tree.unflatten(jax.tree.structure(abstract_state), leaves)
+        state = jax.tree.unflatten(jax.tree.structure(abstract_state), leaves)
+        _verify(where, step, state, restored.meta)
+        return state
+
+    def restore_complete(self, abstract_state, check_meta=None):
+        """`(state, set_aside)`: the newest step that restores completely (for a resume).
+
+        Newer steps that are damaged (`DamagedCheckpointError`) are renamed to
+        `<step>.corrupt` (kept for inspection, never listed again) and returned as
+        `[(step, error, new name)]`. `check_meta(meta)` may refuse a step (the model config):
+        any error but a damaged step stops the search and is raised, with nothing moved, as is
+        the newest step's error when no step is complete.
+        """
+        damaged = []
+        for step in sorted(self.steps(), reverse=True):
+            try:
+                if check_meta is not None:
+                    check_meta(self.read_meta(step))
+                state = self.restore(abstract_state, step)
+            except DamagedCheckpointError as err:
+                damaged.append((step, err))
+                continue
+            moved = [(s, err, self._set_aside(s)) for s, err in damaged]
+            return state, moved
+        if damaged:
+            raise damaged[0][1]
+        self._require_step(None)  # no steps at all: its error
+        raise AssertionError("unreachable")
+
+    def _set_aside(self, step: int) -> str:
+        source = self.directory / str(step)
+        target, n = self.directory / f"{step}.corrupt", 1
+        while target.exists():
+            n += 1
+            target = self.directory / f"{step}.corrupt{n}"
+        if jax.process_index() == 0:
+            os.rename(source, target)
+        with _quiet():
+            self._manager.reload()
+        return target.name
 
     def _stored_leaves(self, step: int) -> dict[str, tuple]:
         try:
-            meta = self._manager.item_metadata(step)["state"]
+            with _quiet():
+                meta = self._manager.item_metadata(step)["state"]
             tree = meta.tree if hasattr(meta, "tree") else meta
         except Exception as err:  # noqa: BLE001
             raise _unreadable(self.directory / str(step), err) from None
         out = {}
         for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
             out[_path_name(path)] = (tuple(leaf.shape), str(leaf.dtype))
+        if not out:  # orbax reads a missing state/_METADATA as an empty tree
+            raise _unreadable(self.directory / str(step), "no arrays listed in state/_METADATA")
         return out
 
     def _require_step(self, step: int | None) -> int:
@@ -196,14 +358,94 @@ def _align(stored: dict, expected: dict) -> list:
     return list(stored.values())
 
 
-def _unreadable(where: Path, err) -> CheckpointError:
+def _text(err) -> str:
     text = " ".join(str(err).split())[:200]
-    return CheckpointError.describe(
+    return text if isinstance(err, str) else f"{type(err).__name__}: {text}"
+
+
+def _unreadable(where: Path, err) -> DamagedCheckpointError:
+    return DamagedCheckpointError.describe(
         f"checkpoint {where}",
-        f"unreadable ({type(err).__name__}: {text})",
+        f"unreadable ({_text(err)})",
         "a complete orbax checkpoint written by lmjax",
-        "restore an earlier step, or delete this step directory",
+        "load an earlier step (--step), or continue training with lmjax train --resume, which "
+        "sets a damaged newest step aside",
     )
+
+
+def _words(x) -> jax.Array:
+    """A leaf's bits as a flat uint32 vector (one word per element of 4 bytes or fewer)."""
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    if x.dtype == jnp.bool_:
+        x = x.astype(jnp.uint8)
+    unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[x.dtype.itemsize]
+    return jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32).ravel()
+
+
+@jax.jit
+def _fingerprints(tree):
+    """Per leaf: `(sum_i w_i * (2 i + 1) mod 2^32, all finite)` over its words `w`.
+
+    Changing any one word changes the sum (its delta times an odd number is non-zero mod
+    2^32), and so does swapping two; the integer sum is exact in any order, so it is the same
+    on every device and mesh. Not cryptographic: it catches corruption, not tampering.
+    """
+
+    def one(x):
+        w = _words(x)
+        odd = 2 * jnp.arange(w.size, dtype=jnp.uint32) + 1
+        finite = jnp.isfinite(x).all() if jnp.issubdtype(x.dtype, jnp.inexact) else True
+        return jnp.sum(w * odd, dtype=jnp.uint32), jnp.asarray(finite)
+
+    return jax.tree.map(one, tree)
+
+
+def _fingerprint_table(state) -> dict[str, tuple[int, bool]]:
+    flat = jax.tree_util.tree_flatten_with_path(jax.device_get(_fingerprints(state)))[0]
+    out: dict[str, list] = {}
+    for path, value in flat:  # each leaf's pair flattens to (..., 0) and (..., 1)
+        out.setdefault(_path_name(path[:-1]), []).append(value.item())
+    return {name: (int(s), bool(f)) for name, (s, f) in out.items()}
+
+
+def digest(state) -> dict[str, int]:
+    """`{leaf name: checksum}` of a state (`_fingerprints`), as saved in a checkpoint's meta."""
+    return {name: s for name, (s, _) in _fingerprint_table(state).items()}
+
+
+def _verify(where: Path, step: int, state, meta) -> None:
+    """The restored state against its own meta: step, checksums, finite parameters."""
+    saved_step = getattr(state, "step", step)
+    if not isinstance(meta, dict) or meta.get("step") != step or int(saved_step) != step:
+        got = meta.get("step") if isinstance(meta, dict) else meta
+        raise DamagedCheckpointError.describe(
+            f"checkpoint {where}",
+            f"a state of step {int(saved_step)} with meta step {got!r}",
+            f"step {step}, the directory's name (was it copied or renamed?)",
+            "delete this step directory, or put it back under its own step",
+        )
+    table = _fingerprint_table(state)
+    saved = meta.get("digest")
+    if isinstance(saved, dict):  # checkpoints written before checksums have none
+        bad = [name for name, (s, _) in table.items() if saved.get(name) != s]
+        if bad:
+            raise DamagedCheckpointError.describe(
+                f"checkpoint {where}",
+                f"{len(bad)} arrays whose bytes differ from their saved checksums "
+                f"({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})",
+                "the bytes that were saved (the files are corrupt)",
+                "load an earlier step (--step), or continue training with lmjax train "
+                "--resume, which sets a damaged newest step aside",
+            )
+    nonfinite = [n for n, (_, f) in table.items() if n.startswith("params") and not f]
+    if nonfinite:
+        raise CheckpointError.describe(
+            f"checkpoint {where}",
+            f"NaN or infinite values in {', '.join(nonfinite[:3])}",
+            "finite parameters (training never saves others)",
+            "load an earlier step (--step), or resume from one: delete this step directory",
+        )
 
 
 def check_same_model(meta: dict, model, where) -> None:

@@ -29,7 +29,7 @@ import numpy as np
 
 from lmjax import tokenizers
 from lmjax.config import DataConfig, validate_data
-from lmjax.errors import ConfigError, FileFormatError
+from lmjax.errors import ConfigError, FileFormatError, TokenError
 from lmjax.files import atomic_dir, atomic_write_text
 from lmjax.train.corpus import cache_dir, shakespeare_path
 
@@ -321,11 +321,22 @@ def check_vocab(prepared: Prepared, model_vocab: int) -> None:
         )
 
 
-def crops(tokens: np.ndarray, seed: int, stream: int, index: int, n: int, seq_len: int, pick=None):
+def crops(
+    tokens: np.ndarray,
+    seed: int,
+    stream: int,
+    index: int,
+    n: int,
+    seq_len: int,
+    pick=None,
+    vocab_size: int | None = None,
+):
     """`n` random windows of `seq_len + 1` tokens: (inputs, targets), each int32 `[n, seq_len]`.
 
     The starts are a pure function of (seed, stream, index); `pick` (row indices) reads only
     those of the `n` windows (a host's share of a sharded batch, `lmjax.parallel`).
+    `vocab_size`: every id must be below it, else `TokenError` naming the id and its position
+    (a corrupt token file: the embedding gather would silently clamp the id).
     """
     if len(tokens) < seq_len + 1:
         raise ConfigError.describe(
@@ -338,24 +349,45 @@ def crops(tokens: np.ndarray, seed: int, stream: int, index: int, n: int, seq_le
     starts = rng.integers(0, len(tokens) - seq_len, size=n)
     starts = starts if pick is None else starts[np.asarray(pick, dtype=np.int64)]
     windows = np.stack([np.asarray(tokens[s : s + seq_len + 1]) for s in starts])
+    if vocab_size is not None and windows.size and int(windows.max()) >= vocab_size:
+        row, col = (int(i[0]) for i in np.nonzero(windows >= vocab_size))
+        where = getattr(tokens, "filename", None) or "the token array"
+        # Training names the step as the loop and metrics.jsonl do (1-based).
+        batch = f"train step {index + 1}" if stream == 0 else f"validation batch {index}"
+        raise TokenError.describe(
+            f"token id at position {int(starts[row]) + col} of {where} ({batch})",
+            int(windows[row, col]),
+            f"an id below the vocabulary size {vocab_size}",
+            "prepare the data again (the token file is corrupt or from another tokenizer)",
+        )
     windows = windows.astype(np.int32)
     return windows[:, :-1], windows[:, 1:]
 
 
 def train_batch(
-    tokens, seed: int, step: int, batch_size: int, seq_len: int, accum: int, rows=None
+    tokens,
+    seed: int,
+    step: int,
+    batch_size: int,
+    seq_len: int,
+    accum: int,
+    rows=None,
+    vocab_size: int | None = None,
 ) -> dict:
     """The batch of optimizer step `step`: inputs/targets `[accum, batch_size/accum, T]`.
 
     `rows`: only these rows of every micro-batch, `[accum, len(rows), T]` (one host's share).
+    `vocab_size`: check every id against it (`crops`).
     """
     micro = batch_size // accum
     pick = None if rows is None else [a * micro + r for a in range(accum) for r in rows]
-    inputs, targets = crops(tokens, seed, 0, step, batch_size, seq_len, pick)
+    inputs, targets = crops(tokens, seed, 0, step, batch_size, seq_len, pick, vocab_size)
     shape = (accum, micro if rows is None else len(rows), seq_len)
     return {"inputs": inputs.reshape(shape), "targets": targets.reshape(shape)}
 
 
-def eval_batch(tokens, seed: int, index: int, batch_size: int, seq_len: int):
+def eval_batch(
+    tokens, seed: int, index: int, batch_size: int, seq_len: int, vocab_size: int | None = None
+):
     """Evaluation batch `index` (the same every time it is asked for): `([B, T], [B, T])`."""
-    return crops(tokens, seed, 1, index, batch_size, seq_len)
+    return crops(tokens, seed, 1, index, batch_size, seq_len, vocab_size=vocab_size)

@@ -263,6 +263,9 @@ class _Trainer:
         )
         self.eval_step = make_eval_step(self.model)
         self.ckpt = Checkpoints(run_dir / "checkpoints", keep=cfg.checkpoint.keep)
+        for name in self.ckpt.removed:  # a save killed midway: never listed, now gone
+            print(f"lmjax: removed the half-written checkpoint {name} (a save that never "
+                  "finished)", file=out)  # fmt: skip
         self.log = MetricsLog(run_dir / "metrics.jsonl")
         self.seq_len = cfg.seq_len
         self.tokens_per_step = cfg.train.batch_size * self.seq_len
@@ -283,10 +286,16 @@ class _Trainer:
                     abstract,
                     self.shardings,
                 )
-            meta = self.ckpt.read_meta()
-            check_same_model(meta, self.model, self.ckpt.directory)
-            state = self.ckpt.restore(abstract)
+            state, moved = self.ckpt.restore_complete(
+                abstract, lambda meta: check_same_model(meta, self.model, self.ckpt.directory)
+            )
             if self.main:
+                for step, err, name in moved:
+                    print(
+                        f"lmjax: checkpoint step {step} is damaged ({err}); moved it to "
+                        f"{self.ckpt.directory / name} and resumed from step {int(state.step)}",
+                        file=self.out,
+                    )
                 self.log.truncate_after(int(state.step))
                 _truncate_samples(self.run_dir / "samples.txt", int(state.step))
             return state
@@ -346,18 +355,21 @@ class _Trainer:
 
     def _batch(self, step: int) -> dict:
         t = self.cfg.train
+        vocab = self.model.vocab_size  # positional: tests wrap train_batch(..., *args)
         if self.mesh is None:
             return D.train_batch(
-                self.data.train, t.seed, step, t.batch_size, self.seq_len, t.grad_accum
-            )
+                self.data.train, t.seed, step, t.batch_size, self.seq_len, t.grad_accum, None,
+                vocab,
+            )  # fmt: skip
         # Each host reads only the rows its devices hold (lmjax.parallel.multihost).
         shape = (t.grad_accum, t.batch_size // t.grad_accum, self.seq_len)
         sharding = parallel.batch_sharding(self.mesh, 3, batch_dim=1)
 
         def read(rows):
             return D.train_batch(
-                self.data.train, t.seed, step, t.batch_size, self.seq_len, t.grad_accum, rows
-            )
+                self.data.train, t.seed, step, t.batch_size, self.seq_len, t.grad_accum, rows,
+                vocab,
+            )  # fmt: skip
 
         return parallel.host_batch(read, shape, sharding)
 
@@ -425,8 +437,9 @@ class _Trainer:
         # replicated, every device running the whole micro-batch.
         sharding = None if self.mesh is None else parallel.batch_sharding(self.mesh, 2)
         return evaluate(
-            self.eval_step, params, self.data.val, self.cfg.train, self.seq_len, sharding
-        )
+            self.eval_step, params, self.data.val, self.cfg.train, self.seq_len, sharding,
+            vocab_size=self.model.vocab_size,
+        )  # fmt: skip
 
     def _evaluate(self, state: TrainState, step: int) -> tuple[float, str | None]:
         val_loss = self.evaluate_params(state.params)
@@ -480,16 +493,19 @@ def _mesh_and_shardings(cfg: RunConfig, model, tx):
     return mesh, parallel.shardings(specs, mesh)
 
 
-def evaluate(eval_step, params, val_tokens, t, seq_len: int, sharding=None) -> float:
+def evaluate(
+    eval_step, params, val_tokens, t, seq_len: int, sharding=None, vocab_size: int | None = None
+) -> float:
     """Mean loss over the `t.eval_batches` fixed validation batches (micro-batch sized).
 
     `sharding`: lay each `[B, T]` batch out by it (every host computes the same batch and
-    hands over only its devices' rows); None: host arrays.
+    hands over only its devices' rows); None: host arrays. `vocab_size`: refuse a batch with
+    an id outside the vocabulary (`TokenError`; the gather would clamp it).
     """
     micro = t.batch_size // t.grad_accum
 
     def batch(i: int):
-        arrays = D.eval_batch(val_tokens, t.seed, i, micro, seq_len)
+        arrays = D.eval_batch(val_tokens, t.seed, i, micro, seq_len, vocab_size=vocab_size)
         if sharding is None:
             return arrays
         return [jax.make_array_from_callback(a.shape, sharding, a.__getitem__) for a in arrays]
