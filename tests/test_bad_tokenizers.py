@@ -28,7 +28,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as hs
 
 import lmjax.tokenizers as toks
-from lmjax.errors import FileFormatError, TokenError
+from lmjax.errors import CheckpointError, ConfigError, FileFormatError, TokenError
 from lmjax.tokenizers.bpe import ENDOFTEXT, BPETokenizer
 
 SETTINGS = settings(
@@ -382,3 +382,47 @@ def test_missing_tokenizer_files_are_named(saved_kinds, tmp_path):
         with pytest.raises(FileFormatError, match="an existing") as err:
             toks.load(directory)
         assert str(directory / name) in str(err.value)
+
+
+# ---- bad training input and failed saves -------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["char", "bpe"])
+@pytest.mark.parametrize(
+    "texts, error, message",
+    [
+        (None, ConfigError, "training texts = 'NoneType'"),
+        ([b"abc"], ConfigError, "training text = 'bytes'; expected str"),
+        (["ok", 7], ConfigError, "training text = 'int'; expected str"),
+        (["ok", "a\ud800b"], TokenError, r"text\[1\] = '\\ud800'"),
+    ],
+)
+def test_bad_training_input_raises_lmjax_errors(kind, texts, error, message):
+    with pytest.raises(error, match=message):
+        toks.build(kind, texts, vocab_size=300 if kind == "bpe" else None)
+
+
+@pytest.mark.parametrize("kind", ["byte", "char", "bpe"])
+def test_failed_tokenizer_saves_leave_the_old_files_and_no_temporary(
+    saved_kinds, tmp_path, monkeypatch, kind
+):
+    import lmjax.files
+
+    source, tok = saved_kinds[kind]
+    directory = tmp_path / "tok"
+    shutil.copytree(source, directory)
+    (tmp_path / "file").write_bytes(b"keep")
+    before = {p.name: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    with pytest.raises(CheckpointError, match="writing a tokenizer to .*file/tok") as err:
+        tok.save(tmp_path / "file" / "tok")  # a parent that is a file
+    assert isinstance(err.value, OSError) and "\n" not in str(err.value)
+
+    def unwritable(*args, **kwargs):  # what a read-only directory does (root ignores chmod)
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(lmjax.files.tempfile, "mkstemp", unwritable)
+    with pytest.raises(CheckpointError, match="Permission denied"):
+        tok.save(directory)
+    monkeypatch.undo()
+    assert {p.name: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+    assert _same(toks.load(directory), tok)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import stat
@@ -10,7 +11,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from lmjax.errors import FileFormatError, TokenError
+from lmjax.errors import CheckpointError, FileFormatError, TokenError
 from lmjax.files import atomic_write_text
 
 MANIFEST = "tokenizer.json"
@@ -30,11 +31,27 @@ class Tokenizer(Protocol):
     def save(self, directory: str | os.PathLike) -> None: ...
 
 
+@contextlib.contextmanager
+def writing(directory: Path):
+    """Turn an OSError while writing a tokenizer into a `CheckpointError` naming `directory`
+    (still an OSError); each file is written atomically, so none is left half-written."""
+    try:
+        yield
+    except OSError as err:
+        raise CheckpointError.describe(
+            f"writing a tokenizer to {directory}", err.strerror or str(err),
+            "a writable directory with free space",
+            "check the path, its permissions and the free disk space",
+        ) from err  # fmt: skip
+
+
 def write_manifest(directory: str | os.PathLike, manifest: dict[str, Any]) -> None:
     """Write `directory/tokenizer.json` atomically (creating the directory)."""
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(directory / MANIFEST, json.dumps(manifest, ensure_ascii=False, indent=1))
+    with writing(directory):
+        directory.mkdir(parents=True, exist_ok=True)
+        text = json.dumps(manifest, ensure_ascii=False, indent=1)
+        atomic_write_text(directory / MANIFEST, text)
 
 
 def check_regular(path: Path) -> None:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from lmjax.errors import FileFormatError
 from lmjax.files import atomic_write_text
-from lmjax.tokenizers._base import check_regular, write_manifest
+from lmjax.tokenizers._base import check_regular, write_manifest, writing
 from lmjax.tokenizers.bpe import BYTE_TO_CHAR, CHAR_TO_BYTE, GPT2_PATTERN, BPETokenizer
 
 VOCAB, MERGES = "vocab.json", "merges.txt"
@@ -169,7 +169,6 @@ def _policy_json(value):
 
 def write_directory(tok: BPETokenizer, directory: Path) -> None:
     """`vocab.json`, `merges.txt` (GPT-2 style, `#version: 0.2`) and the manifest, atomically."""
-    directory.mkdir(parents=True, exist_ok=True)
 
     def text(token: bytes) -> str:
         return "".join(BYTE_TO_CHAR[b] for b in token)
@@ -179,9 +178,11 @@ def write_directory(tok: BPETokenizer, directory: Path) -> None:
         + [(i, s) for s, i in tok.special_tokens.items()]
     )
     vocab = {token: i for i, token in by_id}
-    atomic_write_text(directory / VOCAB, json.dumps(vocab, ensure_ascii=False))
     lines = ["#version: 0.2"] + [f"{text(a)} {text(b)}" for a, b in tok.merges]
-    atomic_write_text(directory / MERGES, "\n".join(lines) + "\n")
+    with writing(directory):
+        directory.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(directory / VOCAB, json.dumps(vocab, ensure_ascii=False))
+        atomic_write_text(directory / MERGES, "\n".join(lines) + "\n")
     write_manifest(
         directory,
         {

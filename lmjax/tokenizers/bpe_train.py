@@ -26,6 +26,7 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 
 from lmjax.errors import ConfigError
+from lmjax.tokenizers._base import check_text
 from lmjax.tokenizers.bpe import BYTE_ORDER, PATTERN, _special_regex
 
 Pair = tuple[int, int]
@@ -34,6 +35,11 @@ Pair = tuple[int, int]
 def count_pieces(texts: Iterable[str] | str, special_tokens: Sequence[str]) -> Counter:
     """How often each pre-tokenized piece occurs; special-token strings are cut out first."""
     texts = [texts] if isinstance(texts, str) else texts
+    if not isinstance(texts, Iterable):
+        raise ConfigError.describe(
+            "training texts", type(texts).__name__, "a str or an iterable of str",
+            "pass the corpus text",
+        )  # fmt: skip
     splitter = _special_regex(special_tokens) if special_tokens else None
     counts: Counter = Counter()
     for text in texts:
@@ -41,6 +47,7 @@ def count_pieces(texts: Iterable[str] | str, special_tokens: Sequence[str]) -> C
             raise ConfigError.describe(
                 "training text", type(text).__name__, "str", "pass an iterable of strings"
             )
+        check_text(text)  # a lone surrogate has no UTF-8 bytes to learn from
         for segment in splitter.split(text) if splitter else (text,):
             counts.update(PATTERN.findall(segment))
     return counts

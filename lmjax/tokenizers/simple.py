@@ -6,7 +6,7 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from lmjax.errors import FileFormatError, LMJaxError, TokenError
+from lmjax.errors import ConfigError, FileFormatError, LMJaxError, TokenError
 from lmjax.tokenizers._base import check_ids, check_text, write_manifest
 
 
@@ -50,8 +50,20 @@ class CharTokenizer:
 
     @classmethod
     def train(cls, texts: Iterable[str] | str) -> CharTokenizer:
+        if isinstance(texts, str):
+            texts = [texts]
+        if not isinstance(texts, Iterable):
+            raise ConfigError.describe(
+                "training texts", type(texts).__name__, "a str or an iterable of str",
+                "pass the corpus text",
+            )  # fmt: skip
         seen: set[str] = set()
-        for text in [texts] if isinstance(texts, str) else texts:
+        for text in texts:
+            if not isinstance(text, str):
+                raise ConfigError.describe(
+                    "training text", type(text).__name__, "str", "pass an iterable of strings"
+                )
+            check_text(text)  # names a lone surrogate by its index in this text
             seen.update(text)
         return cls("".join(sorted(seen)))
 
