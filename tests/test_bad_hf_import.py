@@ -227,6 +227,16 @@ CASES = {
         CheckpointError,
         "h.1.mlp.c_fc.bias shape (31,) (expected (32,))",
     ),
+    "a NaN in a weight": (
+        _edit_state(lambda s: s[f"{H}.0.ln_1.weight"].__setitem__(3, np.nan)),
+        CheckpointError,
+        "h.0.ln_1.weight = '1 NaN/inf values'; expected finite weights",
+    ),
+    "an inf in the embedding": (
+        _edit_state(lambda s: s["transformer.wte.weight"].__setitem__((5, 2), -np.inf)),
+        CheckpointError,
+        "wte.weight = '1 NaN/inf values'",
+    ),
     "a block past n_layer": (
         _edit_state(lambda s: s.update({f"{H}.7.ln_1.weight": np.zeros(8, np.float32)})),
         CheckpointError,

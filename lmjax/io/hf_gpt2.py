@@ -388,6 +388,19 @@ def _check_tied(state: dict, where: Path) -> None:
         )  # fmt: skip
 
 
+def _check_finite(state: dict[str, np.ndarray], where: Path) -> None:
+    """Every float weight is finite: a NaN or inf means a corrupt file (no GPT-2 holds one)."""
+    for name, array in state.items():
+        if array.dtype.kind in "biu":  # integers can't be NaN
+            continue
+        finite = np.isfinite(array.astype(np.float32, copy=False))
+        if not finite.all():
+            raise CheckpointError.describe(
+                f"{where}: {name}", f"{finite.size - int(finite.sum())} NaN/inf values",
+                "finite weights", "download or export the checkpoint again (it is corrupt)",
+            )  # fmt: skip
+
+
 def check_tokenizer(tokenizer, cfg: ModelConfig, where: str | os.PathLike) -> None:
     """Refuse a tokenizer (found beside a checkpoint) that can produce ids the model lacks."""
     if tokenizer.vocab_size > cfg.vocab_size:
@@ -413,6 +426,7 @@ def load(
     _check_layers(shapes, cfg, path)  # before the expected names are listed (n_layer of them)
     _check_shapes(shapes, cfg, path)  # before any tensor is read
     state = _read_state(entries)
+    _check_finite(state, path)
     _check_tied(state, path)
     flat = to_lmjax(state, cfg)
     params = P.unflatten({name: jnp.asarray(a, dtype=dtype) for name, a in flat.items()})
