@@ -17,7 +17,7 @@ import math
 import sys
 import time
 
-from lmjax.errors import ConfigError, FileFormatError, LMJaxError, TokenError
+from lmjax.errors import CheckpointError, ConfigError, FileFormatError, LMJaxError, TokenError
 
 
 def _gradcheck(args: argparse.Namespace) -> int:
@@ -190,7 +190,15 @@ def _import_hf(args: argparse.Namespace) -> int:
 
         tokenizer = gpt2_tokenizer()
         note = " (no vocab.json/merges.txt beside it: GPT-2's own vocabulary is used)"
-    write_weights_run(args.out, params, model, tokenizer, "gpt2")
+    try:
+        write_weights_run(args.out, params, model, tokenizer, "gpt2")
+    except OSError as err:  # the output can't be made (a file in the path, no permission...)
+        if isinstance(err, LMJaxError):
+            raise
+        raise CheckpointError.describe(
+            "--out", args.out, f"a new directory lmjax can write ({err.strerror or err})",
+            "pick a writable location (nothing was written)",
+        ) from err  # fmt: skip
     print(f"imported {args.source} -> {args.out}: gpt2, {P.count(params):,} parameters{note}")
     return 0
 

@@ -360,3 +360,25 @@ def test_import_hf_of_a_missing_source(tmp_path, capsys):
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(LMJaxError, match="existing directory"):
         hf_gpt2.load(tmp_path / "nowhere")
+
+
+def test_import_hf_to_an_unwritable_out_is_one_line_and_writes_nothing(
+    source, tmp_path, capsys, monkeypatch
+):
+    import lmjax.files
+
+    (tmp_path / "file").write_bytes(b"keep")
+    before = _snapshot(tmp_path)
+    argv = ["import-hf", str(source), "--out", str(tmp_path / "file" / "run")]
+    assert cli.main(argv) == 2  # --out under a file
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "--out" in err[0] and "file/run" in err[0], err
+
+    def unwritable(*args, **kwargs):  # what a read-only parent does (the tests run as root)
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(lmjax.files.tempfile, "mkdtemp", unwritable)
+    assert cli.main(["import-hf", str(source), "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "Permission denied" in err[0], err
+    assert _snapshot(tmp_path) == before
