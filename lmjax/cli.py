@@ -634,7 +634,9 @@ def _add_training_commands(sub) -> None:
         help="tokens to generate (default: 200, or what fits in the context)",
     )
     gen.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
-    gen.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens")
+    gen.add_argument(
+        "--top-k", type=int, default=None, help="keep the k most likely tokens (0: off, as unset)"
+    )
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1]")
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument(
