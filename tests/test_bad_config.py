@@ -433,3 +433,22 @@ def test_overrides_that_are_not_strings(tmp_path, items):
     cfg, err = load(_write(tmp_path, "model: {preset: gpt}\n"), items)
     assert cfg is None and isinstance(err, ConfigError)
     assert_good_message(err, ["override = "])
+
+
+@pytest.mark.parametrize(
+    "text, overrides, named",
+    [
+        ("train: {steps: yes}", [], "train.steps = True"),  # YAML 1.1 reads yes as a bool
+        ("train: {steps: 1.0}", [], "train.steps = 1.0"),
+        ("train: {steps: '5'}", [], "train.steps = '5'"),
+        ("logging: {progress: 1}", [], "logging.progress = 1"),
+        ("logging: {progress: 'true'}", [], "logging.progress = 'true'"),
+        ("", ["logging.progress=yes"], "logging.progress = 'yes'"),  # only true/false on a CLI
+        ("", ["train.seq_len=true"], "train.seq_len = True"),
+        ("optimizer: {lr: true}", [], "optimizer.lr = True"),
+    ],
+)
+def test_bools_and_ints_do_not_stand_in_for_each_other(tmp_path, text, overrides, named):
+    cfg, err = load(_write(tmp_path, "model: {preset: gpt}\n" + text + "\n"), overrides)
+    assert cfg is None and isinstance(err, ConfigError)
+    assert_good_message(err, [named])
