@@ -239,8 +239,28 @@ class RunConfig:
 def load_run_config(path, overrides: list[str] | dict[str, Any] = ()) -> RunConfig:
     """Read a YAML run config and apply `key=value` overrides (`model.n_layers=4`)."""
     if not isinstance(overrides, dict):
-        overrides = parse_overrides(list(overrides))
+        overrides = parse_run_overrides(list(overrides))
     return RunConfig.from_dict(read_yaml(path), overrides)
+
+
+def parse_run_overrides(items: list[str]) -> dict[str, Any]:
+    """`parse_overrides`, but a string field keeps the text as written: `run.dir=007` is the
+    directory "007" and `logging.sample_prompt=1.50` the prompt "1.50", not 7 and 1.5."""
+    out = parse_overrides(items)
+    texts = {}
+    for item in items:
+        key, _, text = item.partition("=")
+        texts[key.strip()] = text.strip()
+    for key, value in out.items():
+        section, _, field = key.partition(".")
+        hint = (
+            typing.get_type_hints(_SECTIONS[section]).get(field) if section in _SECTIONS else None
+        )
+        options = typing.get_args(hint) if typing.get_origin(hint) is types.UnionType else (hint,)
+        numeric = isinstance(value, int | float) and not isinstance(value, bool)
+        if numeric and str in options and not {int, float} & set(options):
+            out[key] = texts[key]
+    return out
 
 
 def read_yaml(path) -> Any:

@@ -38,7 +38,7 @@ import jax
 import yaml
 
 from lmjax import lora
-from lmjax.config import RunConfig, parse_overrides, read_yaml
+from lmjax.config import RunConfig, parse_run_overrides, read_yaml
 from lmjax.errors import CheckpointError, ConfigError, TokenError
 from lmjax.lora import LoraConfig
 
@@ -112,7 +112,7 @@ def load_config(
     if not isinstance(data, dict):
         raise ConfigError.describe("config", data, "a mapping of sections", "see configs/")
     data = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}
-    items = parse_overrides(list(overrides)) if not isinstance(overrides, dict) else overrides
+    items = parse_run_overrides(list(overrides)) if not isinstance(overrides, dict) else overrides
     run_overrides = {}
     for key, value in items.items():
         section, _, field = key.partition(".")

@@ -23,7 +23,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lmjax.config import RunConfig, load_run_config, parse_overrides
+from lmjax.config import RunConfig, load_run_config, parse_run_overrides
 from lmjax.errors import ConfigError, FileFormatError
 from lmjax.models import ModelConfig
 
@@ -340,7 +340,7 @@ def test_generated_overrides_apply_or_raise_a_config_error_naming_the_offender(t
         assert_good_message(err, names)
     else:
         assert_invariants(cfg)
-        parsed = parse_overrides(items)  # the last of a repeated key wins, as documented
+        parsed = parse_run_overrides(items)  # the last of a repeated key wins, as documented
         for key, value in parsed.items():
             section, field = key.split(".")
             if section != "model" and value is not None and not isinstance(value, str):
@@ -452,3 +452,15 @@ def test_bools_and_ints_do_not_stand_in_for_each_other(tmp_path, text, overrides
     cfg, err = load(_write(tmp_path, "model: {preset: gpt}\n" + text + "\n"), overrides)
     assert cfg is None and isinstance(err, ConfigError)
     assert_good_message(err, [named])
+
+
+def test_string_fields_keep_the_override_text_as_written(tmp_path):
+    """Found: `run.dir=007` named the directory "7" and `logging.sample_prompt=1.50` prompted
+    with "1.5" (the text was read as a number, then turned back into a string)."""
+    items = ["run.dir=007", "logging.sample_prompt=1.50", "data.corpus=1e3", "train.steps=1_000"]
+    cfg, err = load(_write(tmp_path, "model: {preset: gpt}\n"), items)
+    assert err is None, err
+    assert (cfg.run.dir, cfg.logging.sample_prompt, cfg.data.corpus) == ("007", "1.50", "1e3")
+    assert (
+        cfg.train.steps == 1000 and load(tmp_path / "c.yaml", ["run.dir=null"])[0].run.dir is None
+    )
