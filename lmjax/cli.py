@@ -241,6 +241,8 @@ def _export_hf(args: argparse.Namespace) -> int:
 def _generate(args: argparse.Namespace) -> int:
     from lmjax import generate
 
+    # The sampling flags first: a typo fails before the weights are read.
+    generate.Sampling(args.temperature, args.top_k, args.top_p)
     run = _load_run(args.run_dir or args.checkpoint, args.step)
     if run.tokenizer is None:
         raise FileFormatError.describe(

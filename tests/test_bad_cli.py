@@ -65,6 +65,8 @@ CASES = {
                                      "--temperature", "nan"], "temperature = nan"),
     "generate: --temperature inf": (["generate", "--run", "base", "--prompt", "ab",
                                      "--temperature", "inf"], "temperature = inf"),
+    "generate: sampling checked before loading": (["generate", "--run", "nowhere", "--prompt",
+                                                   "ab", "--top-p", "0"], "top_p = 0.0"),
     "generate: --top-p 0": (["generate", "--run", "base", "--prompt", "ab", "--top-p", "0"],
                             "top_p = 0.0"),
     "generate: --top-p 1.5": (["generate", "--run", "base", "--prompt", "ab", "--top-p", "1.5"],
