@@ -18,10 +18,10 @@ missing files, truncated, unreadable, or whose arrays, step or checksums disagre
 metadata; `restore_complete` (used by `lmjax train --resume`) moves such a newest step aside
 to `<step>.corrupt` and continues from the newest complete one. Anything else (another
 architecture, another optimizer, non-finite parameters) is a plain `CheckpointError`: the file
-is whole but not this run's, and nothing is moved. A writer (`create=True`) removes the
-`<step>.orbax-checkpoint-tmp*` directory a killed save leaves behind (`removed` lists them),
-and a save that fails (a full disk, a read-only directory) removes its own and raises
-`CheckpointError`.
+is whole but not this run's, and nothing is moved. `remove_temporary` removes the
+`<step>.orbax-checkpoint-tmp*` directories killed saves leave behind (the training loop calls
+it once resumed), and a save that fails (a full disk, a read-only directory) removes its own
+and raises `CheckpointError`.
 """
 
 from __future__ import annotations
@@ -30,8 +30,10 @@ import contextlib
 import gc
 import logging
 import os
+import re
 import shutil
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +48,10 @@ logging.getLogger("absl").setLevel(logging.WARNING)
 
 # The suffix orbax gives a step directory while it is being written (renamed away when done).
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
+DAMAGED_FIX = (
+    "load an earlier step (--step), or continue training with lmjax train --resume, which "
+    "sets a damaged newest step aside"
+)
 
 
 class DamagedCheckpointError(CheckpointError):
@@ -144,13 +150,10 @@ class Checkpoints:
             self._manager = ocp.CheckpointManager(
                 self.directory, options=options, handler_registry=registry
             )
-        # A writer starts by removing what a killed save left (never listed, never resumed from).
-        self.removed: list[str] = []
-        if create and jax.process_index() == 0:
-            self.removed = self._remove_temporary()
 
-    def _remove_temporary(self, step: int | None = None) -> list[str]:
-        """Remove the temporary directories of unfinished saves (of `step`, or all)."""
+    def remove_temporary(self, step: int | None = None) -> list[str]:
+        """Remove the temporary directories of unfinished saves (of `step`, or all); their
+        names. A writer calls it before its first save: a killed save leaves one behind."""
         prefix = "" if step is None else str(step)
         removed = []
         for path in sorted(self.directory.glob(f"{prefix}*{TMP_SUFFIX}*")):
@@ -158,6 +161,21 @@ class Checkpoints:
                 shutil.rmtree(path, ignore_errors=True)
                 removed.append(path.name)
         return removed
+
+    def _remove_failed_save(self, step: int, settle_s: float = 0.2, limit_s: float = 5.0):
+        """Remove a failed save's temporary directory, once its abandoned writes are over.
+
+        When one array's write fails, tensorstore's writes of the others go on in the
+        background and recreate their folders (seen once in a few runs): remove until nothing
+        reappears for `settle_s`.
+        """
+        start = quiet_since = time.monotonic()
+        while time.monotonic() - start < limit_s:
+            if self.remove_temporary(step):
+                quiet_since = time.monotonic()
+            elif time.monotonic() - quiet_since >= settle_s:
+                return
+            time.sleep(0.02)
 
     def steps(self) -> list[int]:
         return list(self._manager.all_steps())
@@ -180,7 +198,7 @@ class Checkpoints:
                 self._manager.save(step, args=args, force=True)
                 self._manager.wait_until_finished()
         except BaseException as err:
-            self._remove_temporary(step)
+            self._remove_failed_save(step)
             if not isinstance(err, Exception):  # Ctrl-C: the caller reports it
                 raise
             with _quiet():
@@ -242,7 +260,7 @@ class Checkpoints:
 
         Newer steps that are damaged (`DamagedCheckpointError`) are renamed to
         `<step>.corrupt` (kept for inspection, never listed again) and returned as
-        `[(step, error, new name)]`. `check_meta(meta)` may refuse a step (the model config):
+        `[(step, error, new name)]`. `check_meta(meta, step_dir)` may refuse a step (the model):
         any error but a damaged step stops the search and is raised, with nothing moved, as is
         the newest step's error when no step is complete.
         """
@@ -250,7 +268,7 @@ class Checkpoints:
         for step in sorted(self.steps(), reverse=True):
             try:
                 if check_meta is not None:
-                    check_meta(self.read_meta(step))
+                    check_meta(self.read_meta(step), self.directory / str(step))
                 state = self.restore(abstract_state, step)
             except DamagedCheckpointError as err:
                 damaged.append((step, err))
@@ -359,8 +377,15 @@ def _align(stored: dict, expected: dict) -> list:
 
 
 def _text(err) -> str:
-    text = " ".join(str(err).split())[:200]
-    return text if isinstance(err, str) else f"{type(err).__name__}: {text}"
+    """One line, at most ~200 characters, about `err`; tensorstore's long messages end in the
+    OS error that caused them, which goes first."""
+    if isinstance(err, str):
+        return err
+    text = " ".join(str(err).split())
+    code = re.search(r"os_error_code='?(\d+)", text)
+    if code is not None:
+        text = f"{os.strerror(int(code.group(1)))}: {text}"
+    return f"{type(err).__name__}: {text[:200]}"
 
 
 def _unreadable(where: Path, err) -> DamagedCheckpointError:
@@ -368,8 +393,7 @@ def _unreadable(where: Path, err) -> DamagedCheckpointError:
         f"checkpoint {where}",
         f"unreadable ({_text(err)})",
         "a complete orbax checkpoint written by lmjax",
-        "load an earlier step (--step), or continue training with lmjax train --resume, which "
-        "sets a damaged newest step aside",
+        DAMAGED_FIX,
     )
 
 
@@ -423,7 +447,7 @@ def _verify(where: Path, step: int, state, meta) -> None:
             f"checkpoint {where}",
             f"a state of step {int(saved_step)} with meta step {got!r}",
             f"step {step}, the directory's name (was it copied or renamed?)",
-            "delete this step directory, or put it back under its own step",
+            DAMAGED_FIX,
         )
     table = _fingerprint_table(state)
     saved = meta.get("digest")
@@ -435,8 +459,7 @@ def _verify(where: Path, step: int, state, meta) -> None:
                 f"{len(bad)} arrays whose bytes differ from their saved checksums "
                 f"({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})",
                 "the bytes that were saved (the files are corrupt)",
-                "load an earlier step (--step), or continue training with lmjax train "
-                "--resume, which sets a damaged newest step aside",
+                DAMAGED_FIX,
             )
     nonfinite = [n for n, (_, f) in table.items() if n.startswith("params") and not f]
     if nonfinite:

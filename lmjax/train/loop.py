@@ -105,11 +105,13 @@ def train(
     *,
     config_path: str | None = None,
     resume: bool = False,
-    out=sys.stderr,
+    out=None,
     trainable: Trainable | None = None,
 ) -> RunResult:
     """Run (or resume) training as configured; see the module docstring. `trainable`: what is
-    trained (default every model parameter; `lmjax.finetune` passes LoRA's)."""
+    trained (default every model parameter; `lmjax.finetune` passes LoRA's). `out`: the stream
+    of the progress bar and notes (default: `sys.stderr` at call time, so a redirect applies)."""
+    out = sys.stderr if out is None else out
     trainable = trainable or Trainable()
     run_dir = Path(cfg.run.dir) if cfg.run.dir else default_run_dir(config_path)
     _check_run_dir(run_dir, resume)
@@ -134,13 +136,19 @@ def train(
     # Every host checks the (shared) run directory before process 0 writes into it.
     parallel.barrier("lmjax train: run directory checked")
     run_dir.mkdir(parents=True, exist_ok=True)
-    if parallel.is_main():  # one writer per run; the other hosts only join the checkpoints
+
+    def publish() -> None:
+        """The run's own files, written once its state is in hand: a resume refused by its
+        checkpoint (another architecture, say) leaves config.yaml as it was."""
+        if not parallel.is_main():  # one writer per run; the other hosts join the checkpoints
+            return
         atomic_write_text(run_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         for name, text in trainable.files.items():
             atomic_write_text(run_dir / name, text)
         if not (run_dir / "tokenizer").exists():
             shutil.copytree(prepared.directory / "tokenizer", run_dir / "tokenizer")
-    return _Trainer(cfg, run_dir, prepared, out, trainable).run(resume)
+
+    return _Trainer(cfg, run_dir, prepared, out, trainable).run(resume, publish)
 
 
 def _pin_schedule(cfg: RunConfig) -> RunConfig:
@@ -263,9 +271,6 @@ class _Trainer:
         )
         self.eval_step = make_eval_step(self.model)
         self.ckpt = Checkpoints(run_dir / "checkpoints", keep=cfg.checkpoint.keep)
-        for name in self.ckpt.removed:  # a save killed midway: never listed, now gone
-            print(f"lmjax: removed the half-written checkpoint {name} (a save that never "
-                  "finished)", file=out)  # fmt: skip
         self.log = MetricsLog(run_dir / "metrics.jsonl")
         self.seq_len = cfg.seq_len
         self.tokens_per_step = cfg.train.batch_size * self.seq_len
@@ -287,7 +292,7 @@ class _Trainer:
                     self.shardings,
                 )
             state, moved = self.ckpt.restore_complete(
-                abstract, lambda meta: check_same_model(meta, self.model, self.ckpt.directory)
+                abstract, lambda meta, where: check_same_model(meta, self.model, where)
             )
             if self.main:
                 for step, err, name in moved:
@@ -308,9 +313,17 @@ class _Trainer:
         init = jax.jit(init_state, static_argnums=(1, 2), out_shardings=self.shardings)
         return init(key, self.model, self.tx)
 
-    def run(self, resume: bool) -> RunResult:
+    def run(self, resume: bool, publish=lambda: None) -> RunResult:
         t = self.cfg.train
         state = self.initial_state(resume)
+        publish()
+        if self.main:  # what a save killed midway left: never listed, never resumed from
+            for name in self.ckpt.remove_temporary():
+                print(
+                    f"lmjax: removed the half-written checkpoint {name} (a save that never "
+                    "finished)",
+                    file=self.out,
+                )  # fmt: skip
         start = int(state.step)
         self.bar = _bar(start, t.steps, self.cfg.logging.progress, self.out)
         self.pending: list[tuple[int, dict]] = []

@@ -100,7 +100,8 @@ def _params_from_checkpoint(run_dir: Path, cfg: RunConfig, model: ModelConfig, s
     ckpt = Checkpoints(run_dir / "checkpoints", create=False)
     tx, _ = optim.from_config(cfg)
     abstract = jax.eval_shape(lambda: init_state(jax.random.PRNGKey(0), model, tx))
-    check_same_model(ckpt.read_meta(step), model, ckpt.directory)
+    step = step if step is not None else ckpt.latest_step()
+    check_same_model(ckpt.read_meta(step), model, ckpt.directory / str(step))
     state = ckpt.restore(abstract, step)
     return state.params, int(state.step)
 
