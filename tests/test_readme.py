@@ -360,3 +360,45 @@ def test_readme_attention_benchmark_runs_with_tiny_settings(tmp_path):
         assert qkvo + lse <= rows["flash", T] <= qkvo + lse + 64, (T, rows["flash", T])
         probabilities = B * H * T * T * f32
         assert rows["materialized", T] >= 3 * B * T * H * D * f32 + probabilities, T
+
+
+def _guarantee_rows(text: str) -> list[tuple[str, list[str]]]:
+    """`(promise, ["tests/file.py::test_name", ...])` for each row of the Guarantees table."""
+    section = re.search(r"^## Guarantees\n(.*?)(?=^## )", text, re.S | re.M)
+    assert section, "the README has a '## Guarantees' section (issue 12)"
+    rows = []
+    for line in section.group(1).splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if not line.startswith("|") or len(cells) < 2 or set(cells[-1]) <= set("-: "):
+            continue
+        if cells == ["promise", "proved by"]:
+            continue
+        rows.append((cells[0], re.findall(r"`([^`]*)`", cells[-1])))
+    return rows
+
+
+def test_readme_guarantees_name_tests_that_exist():
+    """Each promise names at least one `tests/file.py::test_name`, and that file defines that
+    test function at its top level (a renamed or deleted test would leave a promise unproved)."""
+    import ast
+
+    rows = _guarantee_rows(README.read_text())
+    assert len(rows) >= 10, len(rows)
+    defined: dict[str, set[str]] = {}
+    missing = []
+    for promise, refs in rows:
+        tests = [ref for ref in refs if "::" in ref]
+        assert tests, f"the promise {promise[:60]!r} names no tests/file.py::test_name"
+        for ref in tests:
+            file, _, name = ref.partition("::")
+            path = ROOT / file
+            if file not in defined:
+                tree = ast.parse(path.read_text()) if path.is_file() else ast.Module([], [])
+                defined[file] = {
+                    node.name
+                    for node in tree.body
+                    if isinstance(node, ast.FunctionDef) and node.name.startswith("test")
+                }
+            if name not in defined[file]:
+                missing.append(ref)
+    assert not missing, missing
