@@ -24,8 +24,8 @@ DEFAULT_CHUNK = 512  # rows per chunk: a [512, 8192] float32 logits tile is 16 M
 
 
 def _chunk_stats(w_VD, b_V, x_cD, y_c, acc_dtype):
-    """One chunk's row statistics: (e = exp(z - max z), sum e, log sum e, onehot(y) mask,
-    picked z_y - max z, valid target)."""
+    """One chunk's row statistics: (e = exp(z - max z), sum e, log sum e, target ids clamped
+    into range, picked z_y - max z, valid target)."""
     z = jnp.einsum("cd,vd->cv", x_cD, w_VD, preferred_element_type=acc_dtype)
     if b_V is not None:
         z = z + b_V.astype(acc_dtype)[None, :]
