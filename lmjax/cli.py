@@ -176,6 +176,9 @@ def _positive(flag: str, value, default: int) -> int:
     return value
 
 
+GPT2_VOCAB_SIZE = 50257  # GPT-2's own vocabulary: 50,000 merges, 256 bytes, <|endoftext|>
+
+
 def _import_hf(args: argparse.Namespace) -> int:
     from lmjax import params as P
     from lmjax.io import hf_gpt2
@@ -185,11 +188,18 @@ def _import_hf(args: argparse.Namespace) -> int:
     tokenizer, note = _hf_tokenizer(args.source), ""
     if tokenizer is not None:
         hf_gpt2.check_tokenizer(tokenizer, model, args.source)
-    else:
+    elif model.vocab_size == GPT2_VOCAB_SIZE:
         from lmjax.train.data import gpt2_tokenizer
 
         tokenizer = gpt2_tokenizer()
         note = " (no vocab.json/merges.txt beside it: GPT-2's own vocabulary is used)"
+    else:  # GPT-2's vocabulary would encode ids this model lacks: write none rather than guess
+        note = (
+            f", no tokenizer (no vocab.json/merges.txt beside it, and vocab_size "
+            f"{model.vocab_size} is not GPT-2's {GPT2_VOCAB_SIZE:,}: copy the tokenizer/ of "
+            f"the run it came from into {args.out}/tokenizer, or put the files beside it and "
+            "import again)"
+        )
     try:
         write_weights_run(args.out, params, model, tokenizer, "gpt2")
     except OSError as err:  # the output can't be made (a file in the path, no permission...)
@@ -653,7 +663,9 @@ def _add_training_commands(sub) -> None:
         description="Read a Hugging Face GPT-2 directory (config.json + model.safetensors, "
         "with or without the transformer. prefix) or one .safetensors file into the gpt2 "
         "preset, and write OUT (config.yaml, model.safetensors, tokenizer/) for lmjax "
-        "generate / eval / export-hf.",
+        "generate / eval / export-hf. tokenizer/ is the vocab.json + merges.txt beside SOURCE; "
+        "without them, GPT-2's own vocabulary for a 50,257-token model, else no tokenizer "
+        "(the output says so: copy the original run's tokenizer/ into OUT).",
     )
     imp.add_argument("source", help="a GPT-2 directory or a .safetensors file")
     imp.add_argument("--out", required=True, help="the new run directory")

