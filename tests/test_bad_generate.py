@@ -30,8 +30,6 @@ CFG = models.preset("gpt", vocab_size=27, context_length=16, d_model=32, n_heads
                     d_ff=64)  # fmt: skip
 V, C = CFG.vocab_size, CFG.context_length
 PARAMS = jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), models.abstract_params(CFG))
-OPTIONS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop_tokens", "cache",
-           "page_size", "num_pages")  # fmt: skip
 SETTINGS = settings(
     max_examples=200, derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
@@ -68,28 +66,45 @@ def valid_prompts(prompts) -> bool:
     return True
 
 
-def contract_holds(prompts, o) -> bool:
-    """`stream`'s documented preconditions, written from its docstring (not its code)."""
-    if not valid_prompts(prompts):
-        return False
-    longest = max(len(p) for p in prompts)
+def bad_arguments(prompts, o) -> set[str]:
+    """The arguments that break `stream`'s documented preconditions, written from its docstring
+    (not its code): empty when the call is valid. "longest prompt" is the prompt and
+    max_new_tokens together running past the context."""
+    bad = set() if valid_prompts(prompts) else {"prompts"}
     n, t, k, p, seed = o["max_new_tokens"], o["temperature"], o["top_k"], o["top_p"], o["seed"]
     stops = o["stop_tokens"]
-    ok = is_int(n) and 1 <= n and longest + n <= C
-    ok &= is_real(t) and math.isfinite(t) and t >= 0
-    ok &= k is None or (is_int(k) and 0 <= k <= V)
-    ok &= is_real(p) and 0 < p <= 1
-    ok &= is_int(seed) and -(2**63) <= seed < 2**63
-    ok &= stops is None or (
-        not isinstance(stops, str | bytes)
-        and not is_int(stops)
-        and all(is_int(s) and 0 <= s < V for s in np.asarray(stops, dtype=object).reshape(-1))
-    )
-    ok &= o["cache"] in ("contiguous", "paged")
+    if not (is_int(n) and 1 <= n):
+        bad.add("max_new_tokens")
+    elif not bad and max(len(row) for row in prompts) + n > C:
+        bad.add("longest prompt")
+    if not (is_real(t) and math.isfinite(t) and t >= 0):
+        bad.add("temperature")
+    if not (k is None or (is_int(k) and 0 <= k <= V)):
+        bad.add("top_k")
+    if not (is_real(p) and 0 < p <= 1):
+        bad.add("top_p")
+    if not (is_int(seed) and -(2**63) <= seed < 2**63):
+        bad.add("seed")
+    if not (
+        stops is None
+        or (
+            not isinstance(stops, str | bytes)
+            and not is_int(stops)
+            and all(is_int(s) and 0 <= s < V for s in np.asarray(stops, dtype=object).reshape(-1))
+        )
+    ):
+        bad.add("stop_tokens")
+    if o["cache"] not in ("contiguous", "paged"):
+        bad.add("cache")
     for size in ("page_size", "num_pages"):
         value = o[size]
-        ok &= value is None or (o["cache"] == "paged" and is_int(value) and value >= 1)
-    return bool(ok)
+        if not (value is None or (o["cache"] == "paged" and is_int(value) and value >= 1)):
+            bad.add(size)
+    return bad
+
+
+def contract_holds(prompts, o) -> bool:
+    return not bad_arguments(prompts, o)
 
 
 # ---- strategies: each argument drawn from its valid values and from junk -----------------------
@@ -158,12 +173,15 @@ def test_any_call_raises_an_lmjax_error_naming_the_argument_or_meets_the_contrac
             message = str(err)
         except LMJaxError as err:  # any other member of the family is a wrong category
             raise AssertionError(f"{type(err).__name__}: {err}") from None
-    assert not contract_holds(prompts, options), (message, prompts, options)
+    bad = bad_arguments(prompts, options)
+    assert bad, (message, prompts, options)
     assert "\n" not in message and "; expected " in message and ". Fix: " in message, message
-    names = ("prompts", *OPTIONS, "longest prompt")
-    assert message.split(" = ")[0].split("[")[0].split(" ")[0] in names or any(
-        message.startswith(name) for name in names
-    ), message
+    # The message starts with the argument at fault (`top_p = ...`, `stop_tokens[1] = ...`), not
+    # merely some argument: a valid one named in place of the bad one fails here.
+    named = [name for name in bad if message.startswith((f"{name} = ", f"{name}["))]
+    assert named or (
+        "longest prompt" in bad and message.startswith("longest prompt + max_new_tokens = ")
+    ), (message, sorted(bad))
 
 
 @pytest.mark.parametrize(
