@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
+from _background import Worker
 
 # ~75 s of CPU in one subprocess (start-up, 4 meshes, 3 short runs): `make test`, not test-fast.
 pytestmark = pytest.mark.slow
@@ -238,9 +238,7 @@ def _shard_bytes(tree, shardings) -> int:
     )
 
 
-@pytest.fixture(scope="module")
-def report(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("mesh")
+def _worker_command(workdir: Path) -> tuple[list[str], dict]:
     env = dict(
         os.environ,
         XLA_FLAGS="--xla_force_host_platform_device_count=8",
@@ -248,9 +246,21 @@ def report(tmp_path_factory):
         XDG_CACHE_HOME=str(workdir / "cache"),
         JAX_PLATFORMS="cpu",
     )
-    done = subprocess.run(
-        [sys.executable, __file__, str(workdir)], env=env, capture_output=True, text=True
-    )
+    return [sys.executable, __file__, str(workdir)], env
+
+
+WORKER = Worker("mesh", _worker_command)
+
+
+def start_in_background(names: set[str]) -> None:
+    """Called by tests/conftest.py at collection with this module's selected tests (every one
+    reads the report): the ~75 s worker runs beside the suite."""
+    WORKER.start()
+
+
+@pytest.fixture(scope="module")
+def report():
+    done = WORKER.result()
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
