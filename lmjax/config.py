@@ -245,7 +245,8 @@ def load_run_config(path, overrides: list[str] | dict[str, Any] = ()) -> RunConf
 
 def parse_run_overrides(items: list[str]) -> dict[str, Any]:
     """`parse_overrides`, but a string field keeps the text as written: `run.dir=007` is the
-    directory "007" and `logging.sample_prompt=1.50` the prompt "1.50", not 7 and 1.5."""
+    directory "007" and `logging.sample_prompt=1.50` the prompt "1.50", not 7 and 1.5 (and
+    `=true` the text "true"; `=null` is still None where the field allows it)."""
     out = parse_overrides(items)
     texts = {}
     for item in items:
@@ -257,8 +258,8 @@ def parse_run_overrides(items: list[str]) -> dict[str, Any]:
             typing.get_type_hints(_SECTIONS[section]).get(field) if section in _SECTIONS else None
         )
         options = typing.get_args(hint) if typing.get_origin(hint) is types.UnionType else (hint,)
-        numeric = isinstance(value, int | float) and not isinstance(value, bool)
-        if numeric and str in options and not {int, float} & set(options):
+        scalar = isinstance(value, int | float)  # bools included: "true" for a str-only field
+        if scalar and str in options and not {int, float, bool} & set(options):
             out[key] = texts[key]
     return out
 

@@ -464,3 +464,16 @@ def test_string_fields_keep_the_override_text_as_written(tmp_path):
     assert (
         cfg.train.steps == 1000 and load(tmp_path / "c.yaml", ["run.dir=null"])[0].run.dir is None
     )
+
+
+def test_string_fields_keep_true_and_false_as_written(tmp_path):
+    """Found: `logging.sample_prompt=true` was refused (the text read as a bool, then "expected a
+    string") and so was `run.dir=false`; a bool field still reads them as bools, null stays None."""
+    items = ["logging.sample_prompt=true", "run.dir=False", "logging.progress=false"]
+    cfg, err = load(_write(tmp_path, "model: {preset: gpt}\n"), items)
+    assert err is None, err
+    assert (cfg.logging.sample_prompt, cfg.run.dir, cfg.logging.progress) == (
+        "true",
+        "False",
+        False,
+    )
