@@ -36,14 +36,14 @@ with B = --scaling-tokens / T sequences (2,048 tokens per step by default, so th
 attention length, not by batch), reporting compile seconds, tokens/s and MFU on the same measured
 peak as the main mode.
 
-Host allocator. Before JAX starts, the script sets glibc malloc to keep freed
-memory for reuse (`mallopt`: one arena, no mmap'd blocks, no trimming; `--no-tune-malloc` leaves
-the defaults). XLA's CPU runtime allocates each execution's temporaries afresh, and with glibc's
-defaults a block over the mmap threshold (at most 32 MiB) is mmap'd and unmapped when freed, so
-every lmjax step page-faulted ~265 MiB of fresh pages (68k minor faults, ~140 ms of kernel time per step
-on one core). The setting is process-wide, so torch eager and torch.compile run under it too
-(measured on one core: eager 1,080 -> 968 ms CPU per step, torch.compile unchanged); the JSON
-records it under `machine.malloc`.
+Host allocator. Before JAX starts, the script sets glibc malloc to keep freed memory for reuse
+(`lmjax.hostmem.keep_freed_memory`, as `lmjax train`, `finetune` and `bench` do: one arena, no
+mmap'd blocks, no trimming; `--no-tune-malloc` leaves the defaults). XLA's CPU runtime allocates
+each execution's temporaries afresh, and with glibc's defaults a block over the mmap threshold
+(at most 32 MiB) is mmap'd and unmapped when freed, so every lmjax step page-faulted ~265 MiB of
+fresh pages (68k minor faults, ~140 ms of kernel time per step on one core). The setting is
+process-wide, so torch eager and torch.compile run under it too (measured on one core: eager
+1,080 -> 968 ms CPU per step, torch.compile unchanged); the JSON records it under `machine.malloc`.
 
 Run it on a quiet machine. On a loaded one torch's OpenMP threads spin-wait at every barrier while
 other processes hold the cores, which can make torch steps 10-100x slower; for a trial run there,
@@ -53,8 +53,6 @@ other processes hold the cores, which can make torch steps 10-100x slower; for a
 from __future__ import annotations
 
 import argparse
-import ctypes
-import ctypes.util
 import json
 import os
 import platform
@@ -62,28 +60,6 @@ import statistics
 import sys
 import time
 from pathlib import Path
-
-# glibc mallopt parameters (malloc.h) and the values set: one arena, so XLA's worker threads
-# share the main heap; no mmap'd blocks; never trim; grow the heap in 256 MiB steps.
-MALLOPT = {"M_ARENA_MAX": (-8, 1), "M_MMAP_MAX": (-4, 0), "M_TRIM_THRESHOLD": (-1, 2**31 - 1)}
-MALLOPT["M_TOP_PAD"] = (-2, 256 << 20)
-
-
-def tune_malloc() -> dict:
-    """Keep freed memory in the process for reuse (see "Host allocator" above).
-
-    Must run before JAX starts its backend threads (an arena is picked at a thread's first
-    malloc): the script calls it first thing, before any array exists. Returns what was set, for
-    the JSON; a libc without `mallopt` (not glibc) is left alone.
-    """
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError) as e:
-        return {"tuned": False, "reason": f"{type(e).__name__}: {e}"}
-    ok = {name: bool(mallopt(code, value)) for name, (code, value) in MALLOPT.items()}
-    return {"tuned": all(ok.values()), "set": {n: v for n, (_, v) in MALLOPT.items()}, "ok": ok}
-
 
 # What the run's process did (the JSON's machine.malloc): set by the script entry point below,
 # not at import, so a test importing this module leaves its own process as it was.
@@ -100,6 +76,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from lmjax import params as P  # noqa: E402
 from lmjax.config import OptimizerConfig, ScheduleConfig  # noqa: E402
+from lmjax.hostmem import keep_freed_memory  # noqa: E402
 from lmjax.models import ModelConfig, param_count, preset  # noqa: E402
 from lmjax.train import bench, init_state, make_train_step, optim  # noqa: E402
 from lmjax.train.metrics import flops_per_token, measured_peak_flops  # noqa: E402
@@ -660,6 +637,6 @@ if __name__ == "__main__":
     MALLOC = (
         {"tuned": False, "reason": "--no-tune-malloc"}
         if "--no-tune-malloc" in sys.argv[1:]
-        else tune_malloc()
+        else keep_freed_memory()
     )
     main()

@@ -783,8 +783,16 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+# Commands that run many XLA steps on the host: they keep freed memory mapped (lmjax.hostmem).
+_LONG_RUNNING = ("train", "finetune", "bench")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
+    if args.command in _LONG_RUNNING:
+        from lmjax.hostmem import keep_freed_memory
+
+        keep_freed_memory()
     try:
         return args.run(args)
     except LMJaxError as err:
