@@ -42,7 +42,7 @@ TEXT = "".join(
 # Tiny on purpose (one layer, D = 16): compiling and stepping cost milliseconds.
 CONFIG = """
 model: {{preset: gpt, vocab_size: null, context_length: 16, d_model: 16, n_heads: 2,
-        n_layers: 1, d_ff: 32, dropout: 0.1}}
+        n_layers: 1, d_ff: 32, dropout: 0.1, ops: reference}}
 data: {{corpus: {corpus}, tokenizer: char}}
 optimizer: {{name: adamw, lr: 0.01}}
 schedule: {{warmup_steps: 2, decay_steps: 8}}
@@ -323,7 +323,7 @@ def test_a_run_whose_only_checkpoint_is_damaged_is_refused_untouched(straight):
     _truncate(run / "checkpoints" / "2")
     before = tree(run)
     code, _, err = lmjax("train", "tiny.yaml", f"run.dir={run}", "--resume")
-    one_line_error(code, err, "checkpoints/2", "unreadable")
+    one_line_error(code, err, "no complete step to resume from", "checkpoints/2 = 'unreadable")
     assert tree(run) == before
 
 

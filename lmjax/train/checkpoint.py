@@ -275,8 +275,15 @@ class Checkpoints:
                 continue
             moved = [(s, err, self._set_aside(s)) for s, err in damaged]
             return state, moved
-        if damaged:
-            raise damaged[0][1]
+        if damaged:  # nothing to fall back on: say so, with the newest step's problem
+            newest = str(damaged[0][1]).split("; expected")[0]
+            raise DamagedCheckpointError.describe(
+                f"checkpoints in {self.directory}",
+                _Raw(f"no complete step to resume from (damaged: {sorted(s for s, _ in damaged)})"),
+                f"a complete step (the newest: {newest})",
+                "restore the checkpoints from a copy, or start a new run (run.dir=OTHER); "
+                "nothing was changed",
+            )
         self._require_step(None)  # no steps at all: its error
         raise AssertionError("unreachable")
 
@@ -374,6 +381,13 @@ def _align(stored: dict, expected: dict) -> list:
     if set(stored) == set(expected):
         return [stored[name] for name in expected]
     return list(stored.values())
+
+
+class _Raw(str):
+    """A value shown as is in an error message (not as a quoted repr)."""
+
+    def __repr__(self) -> str:
+        return str(self)
 
 
 def _text(err) -> str:
