@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+from _background import Worker
 from _benchmarks import load_benchmark
 
 pytest.importorskip("torch")
@@ -103,12 +104,8 @@ def test_lmjax_bench_errors_are_one_line(capsys):
     assert "grad_accum" in capsys.readouterr().err
 
 
-@pytest.mark.slow
-def test_gpu_check_dry_run_of_the_train_step_benchmark(tmp_path):
-    """scripts/gpu_check.sh step 3b on CPU (GPU_CHECK_DRY_RUN=1): the gpt2-124m config, shrunk,
-    through `lmjax bench` with flash attention interpreted, bf16; its JSON and summary."""
+def _gpu_check_dry_run(workdir: Path) -> tuple[list[str], dict]:
     import os
-    import subprocess
     import sys
 
     root = Path(__file__).resolve().parents[1]
@@ -117,20 +114,31 @@ def test_gpu_check_dry_run_of_the_train_step_benchmark(tmp_path):
         "GPU_CHECK_DRY_RUN": "1",
         "GPU_CHECK_STEPS": "train",
         "PYTHON": sys.executable,
-        "RESULTS_DIR": str(tmp_path),
+        "RESULTS_DIR": str(workdir),
     }
-    proc = subprocess.run(
-        ["bash", str(root / "scripts" / "gpu_check.sh")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return ["timeout", "300", "bash", str(root / "scripts" / "gpu_check.sh")], env
+
+
+GPU_CHECK = Worker("gpu-check", _gpu_check_dry_run)
+
+
+def start_in_background(names: set[str]) -> None:
+    """Called by tests/conftest.py at collection with this module's selected tests: if the dry
+    run below is one, its subprocess (~12 s of CPU) runs beside the suite."""
+    if "test_gpu_check_dry_run_of_the_train_step_benchmark" in names:
+        GPU_CHECK.start()
+
+
+@pytest.mark.slow
+def test_gpu_check_dry_run_of_the_train_step_benchmark():
+    """scripts/gpu_check.sh step 3b on CPU (GPU_CHECK_DRY_RUN=1): the gpt2-124m config, shrunk,
+    through `lmjax bench` with flash attention interpreted, bf16; its JSON and summary."""
+    proc = GPU_CHECK.result()
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    summary = json.loads((tmp_path / "summary.json").read_text())
+    summary = json.loads((proc.workdir / "summary.json").read_text())
     steps = {s["step"]: s["outcome"] for s in summary["steps"]}
     assert steps["train"] == "ok" and summary["finished"]
-    data = json.loads((tmp_path / "train_step_gpu.json").read_text())
+    data = json.loads((proc.workdir / "train_step_gpu.json").read_text())
     assert data["model"]["attention"] == "flash" and data["model"]["dtype"] == "bfloat16"
     assert data["finite"] and data["tokens_per_s"] > 0 and 0 < data["mfu"]
     assert "train: cpu" in proc.stdout
