@@ -261,3 +261,9 @@ def test_lora_qlora_notebook_fine_tunes_keeps_the_base_and_merges(sandbox):
     assert rows["QLoRA"][3] == qlora_frozen
     assert rows["LoRA"][2] == rows["QLoRA"][2] < rows["full"][2] / 50
     assert n_images(nb) >= 1  # the loss curves
+    # `make strip-notebooks`'s script, run on the executed copy, gives back the committed file.
+    copy = sandbox[0] / "03_lora_qlora" / "03_lora_qlora.ipynb"
+    strip = [sys.executable, str(ROOT / "notebooks/strip_outputs.py"), str(copy)]
+    done = subprocess.run(strip, capture_output=True, text=True, check=True)
+    assert done.stdout == f"{copy}: stripped\n"
+    assert copy.read_bytes() == (ROOT / "notebooks/03_lora_qlora.ipynb").read_bytes()
