@@ -237,8 +237,11 @@ def test_readme_inspect_commands_run_as_shown(capsys, tmp_path, monkeypatch):
             else:  # the default targets: query and value
                 adapters = L * r * 2 * (d + d)
             assert _figure(r"adapters, trainable \(([\d,]+) params\)", out) == adapters, line
-            nf4 = sum(map(_nf4_bytes, gpt2["projection_sizes"]))
-            frozen = nf4 + 4 * (total - sum(gpt2["projection_sizes"]))
+            if "--qlora" in argv:  # NF4 projections, the rest float32
+                nf4 = sum(map(_nf4_bytes, gpt2["projection_sizes"]))
+                frozen = nf4 + 4 * (total - sum(gpt2["projection_sizes"]))
+            else:  # a float32 base
+                frozen = 4 * total
             assert re.search(rf"frozen base weights .*\s{re.escape(mib(frozen))}$", out, re.M)
             grand = frozen + 4 * adapters * 4  # adapters, their gradients, AdamW's 2 moments
             assert re.search(
