@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import types
 import typing
 from collections.abc import Hashable
@@ -238,6 +239,10 @@ class RunConfig:
 
 def load_run_config(path, overrides: list[str] | dict[str, Any] = ()) -> RunConfig:
     """Read a YAML run config and apply `key=value` overrides (`model.n_layers=4`)."""
+    if isinstance(overrides, str):  # list("a=1") would be its characters
+        raise ConfigError.describe(
+            "overrides", overrides, "a list of 'key=value' strings", f"pass [{overrides!r}]"
+        )
     if not isinstance(overrides, dict):
         overrides = parse_run_overrides(list(overrides))
     return RunConfig.from_dict(read_yaml(path), overrides)
@@ -270,6 +275,10 @@ def read_yaml(path) -> Any:
 
     from lmjax.errors import FileFormatError
 
+    if not isinstance(path, str | os.PathLike):  # open(3) would read, then close, descriptor 3
+        raise ConfigError.describe(
+            "config file", path, "a path (a str or os.PathLike)", "pass e.g. 'configs/tiny.yaml'"
+        )
     try:
         with open(path, encoding="utf-8") as handle:
             data = yaml.load(handle, Loader=_unique_key_loader())

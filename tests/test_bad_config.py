@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
 import signal
 import time
 import types
@@ -477,3 +478,20 @@ def test_string_fields_keep_true_and_false_as_written(tmp_path):
         "False",
         False,
     )
+
+
+def test_a_config_path_that_is_not_a_path_is_refused_without_touching_descriptors(tmp_path):
+    """Found: `load_run_config(3)` read file descriptor 3 (open() takes an int as an fd) and then
+    closed it: `load_run_config(0)` would have closed the process's stdin. A str override list
+    given as one string was read character by character ("override = 't'")."""
+    good = _write(tmp_path, "model: {preset: gpt}\n")
+    fd = os.open(good, os.O_RDONLY)  # a descriptor of a valid config: read, it would load
+    try:
+        for path in (fd, None, 2.5):
+            with pytest.raises(ConfigError, match=r"config file = .*; expected a path"):
+                load_run_config(path)
+        os.fstat(fd)  # still open
+    finally:
+        os.close(fd)
+    with pytest.raises(ConfigError, match=r"overrides = 'train.steps=2'; expected a list"):
+        load_run_config(good, "train.steps=2")
