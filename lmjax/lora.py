@@ -91,6 +91,10 @@ class LoraConfig:
         """`"r=8,alpha=16,targets=*.query|*.value,rslora=true"` over `base` (default fields)."""
         from lmjax.config import parse_value
 
+        if not isinstance(text, str):
+            raise ConfigError.describe(
+                "--lora", text, "a string such as 'r=8,alpha=16'", "pass the spec as one string"
+            )
         fields: dict[str, Any] = {}
         for item in filter(None, (part.strip() for part in text.split(","))):
             key, sep, value = item.partition("=")

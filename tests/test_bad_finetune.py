@@ -211,3 +211,10 @@ def test_lora_text_parses_to_a_valid_config_or_a_one_line_config_error(items):
     assert lcfg.init in ("kaiming", "gaussian") and type(lcfg.rslora) is bool
     assert lcfg.targets and all(type(t) is str and t for t in lcfg.targets)
     assert LoraConfig.from_dict(lcfg.to_dict()) == lcfg
+
+
+@pytest.mark.parametrize("text", [None, 8, ["r=8"], b"r=8"])
+def test_lora_text_that_is_not_a_string_is_a_config_error(text):
+    """Found: LoraConfig.parse(None) leaked AttributeError ('NoneType' has no 'split')."""
+    with pytest.raises(ConfigError, match=r"--lora = .*; expected a string such as 'r=8,alpha=16'"):
+        LoraConfig.parse(text)
