@@ -16,8 +16,10 @@ N, N bytes of JSON `{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__
 allocated from a file, the header is validated here: N against the file size (so a huge claimed
 header is never read), JSON with duplicate keys rejected, known dtypes, shapes whose byte size
 equals their offsets, and offsets that tile the data exactly (no overlap, no gap, none past the
-end). Every failure is a `FileFormatError` naming the file; the `safetensors` package then reads
-the tensors. Writes go through `lmjax.files.atomic_open`: a crash leaves the old file or none.
+end). `load` also needs names that form a tree (no `a` beside `a.b`, no empty part), which the
+format itself allows. Every failure is a `FileFormatError` naming the file; the `safetensors`
+package then reads the tensors. Writes go through `lmjax.files.atomic_open`: a crash leaves the
+old file or none.
 """
 
 from __future__ import annotations
