@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _benchmarks import load_benchmark
+from _background import Worker
 
 from lmjax import finetune, lora, models
 from lmjax import params as P
@@ -123,10 +123,33 @@ def test_qlora_training_lowers_loss_on_real_text_and_keeps_nf4_bytes(quantized):
             np.testing.assert_array_equal(got, want, err_msg=name)
 
 
+def _quick_benchmark(workdir: Path) -> tuple[list[str], dict]:
+    import os
+    import sys
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "qlora.py"
+    # The suite's JAX settings (tests/conftest.py), through jax's environment variables.
+    env = dict(os.environ, JAX_NUMPY_RANK_PROMOTION="raise", JAX_DEFAULT_MATMUL_PRECISION="highest")
+    argv = [sys.executable, str(script), "--quick", "--steps", "2", "--results-dir", str(workdir)]
+    return ["timeout", "300", *argv], env
+
+
+QUICK = Worker("qlora-bench", _quick_benchmark)
+
+
+def start_in_background(names: set[str]) -> None:
+    """Called by tests/conftest.py at collection with this module's selected tests: if the
+    benchmark test is one, `benchmarks/qlora.py --quick` (~12 s of CPU) runs beside the suite."""
+    if "test_benchmark_quick_writes_json" in names:
+        QUICK.start()
+
+
 @pytest.mark.slow
-def test_benchmark_quick_writes_json(tmp_path):
-    bench = load_benchmark("qlora")
-    result = bench.main(["--quick", "--steps", "2", "--results-dir", str(tmp_path)])
+def test_benchmark_quick_writes_json():
+    done = QUICK.result()
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = {"path": str(done.workdir / "qlora_quick.json")}
+    assert f"wrote {result['path']}" in done.stdout
     data = json.loads(Path(result["path"]).read_text())
     mem = data["memory"]["bytes"]
     assert mem["full"]["frozen"] == 0 and mem["lora"]["frozen"] == mem["full"]["params"]
