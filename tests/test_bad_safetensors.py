@@ -29,7 +29,7 @@ import safetensors.numpy
 import safetensors.torch
 import torch
 from _fifo import fifo
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as hs
 
 from lmjax.errors import CheckpointError, FileFormatError, ShapeError
@@ -192,8 +192,15 @@ def _headers(draw):
     return header, data
 
 
+# A header length one past the JSON takes the data's first byte into the header: a space there
+# is JSON whitespace (the writer pads headers with spaces), so with one spare byte at the end the
+# file is valid and both parsers read it.
+_SWALLOWED_SPACE = ({"a": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]}}, b" abc\0")
+
+
 @FUZZ
 @given(case=_headers(), length_lie=hs.sampled_from([None, None, None, 0, 1, -1, 2**63]))
+@example(case=_SWALLOWED_SPACE, length_lie=1)
 def test_generated_headers_agree_with_the_safetensors_parser(tmp_path, case, length_lie):
     header, data = case
     raw = json.dumps(header).encode()
@@ -201,12 +208,9 @@ def test_generated_headers_agree_with_the_safetensors_parser(tmp_path, case, len
     if length_lie is not None:
         length = length_lie if length_lie in (0, 2**63) else len(raw) + length_lie
     content = _pack(raw, data, length)
-    path = tmp_path / "generated.safetensors"
-    if length is None:
-        _agree_with_the_witness(path, content)
-    else:  # a header length that disagrees with the JSON: both must refuse
-        path.write_bytes(content)
-        assert _ours(path)[1] is not None and _theirs(content) is None
+    # A lying header length is mostly refused by both; where the bytes it covers still parse,
+    # both read the same tensors.
+    _agree_with_the_witness(tmp_path / "generated.safetensors", content)
 
 
 def _valid_file() -> bytes:
