@@ -9,7 +9,9 @@
     RUN/checkpoints/<s>/   orbax checkpoints (see `lmjax.train.checkpoint`)
 
 A new run refuses an existing directory (nothing is overwritten); `resume=True` continues from
-the newest checkpoint, redoing nothing and skipping nothing: the batches are a function of
+the newest complete checkpoint (damaged newer steps are moved to `<step>.corrupt` and a killed
+save's temporary directory is removed, each reported on `out`; see `lmjax.train.checkpoint`),
+redoing nothing and skipping nothing: the batches are a function of
 (seed, step) and the dropout keys of (key, step), so N steps + resume + M steps equals N + M
 straight steps bit for bit on CPU. A non-finite loss stops the run with `NonFiniteError` naming
 the step; the newest checkpoint on disk is the last good one.
