@@ -130,9 +130,12 @@ def _eval(args: argparse.Namespace) -> int:
         )  # fmt: skip
     cfg = run.cfg.replace(train=dataclasses.replace(t, **changes))
     # A fine-tune's corpus was encoded with its base's tokenizer (which the run keeps in
-    # tokenizer/): score with those ids even when the cached data directory is gone.
+    # tokenizer/): score with those ids even when the cached data directory is gone. A
+    # weights-only run with no prepared data (import-hf) is scored with its own tokenizer/ too:
+    # its data.tokenizer label (gpt2) need not be the vocabulary its weights were trained on.
     fine_tune = (run.directory / "finetune.yaml").is_file()
-    tokenizer_dir = run.directory / "tokenizer" if fine_tune else None
+    imported = run.step is None and cfg.data.dir is None and run.tokenizer is not None
+    tokenizer_dir = run.directory / "tokenizer" if fine_tune or imported else None
     prepared = train.prepare_data(cfg, progress=False, tokenizer_dir=tokenizer_dir)
     train.loop.resolve(cfg, prepared)
     eval_step = train.make_eval_step(run.model)

