@@ -134,6 +134,11 @@ def _eval(args: argparse.Namespace) -> int:
     # weights-only run with no prepared data (import-hf) is scored with its own tokenizer/ too:
     # its data.tokenizer label (gpt2) need not be the vocabulary its weights were trained on.
     fine_tune = (run.directory / "finetune.yaml").is_file()
+    if run.step is None and cfg.data.dir is None and run.tokenizer is None:
+        raise FileFormatError.describe(
+            "run", str(run.directory), "a tokenizer/ directory (its weights-only config names no "
+            "prepared data)", "copy the tokenizer/ of the run the weights came from into it",
+        )  # fmt: skip
     imported = run.step is None and cfg.data.dir is None and run.tokenizer is not None
     tokenizer_dir = run.directory / "tokenizer" if fine_tune or imported else None
     prepared = train.prepare_data(cfg, progress=False, tokenizer_dir=tokenizer_dir)

@@ -444,3 +444,25 @@ def test_eval_of_an_imported_run_encodes_with_its_own_tokenizer(
     argv = ["eval", str(tmp_path / "run"), "--batches", "1", "--batch-size", "1", "--seq-len", "8"]
     assert cli.main(argv) == 0, capsys.readouterr().err
     assert "validation loss" in capsys.readouterr().out
+
+
+def test_eval_of_an_imported_run_without_tokenizer_is_one_line(
+    source, tmp_path, capsys, monkeypatch
+):
+    # import-hf wrote no tokenizer (a 260-token model, no files beside it): eval can't know the
+    # corpus's ids, so it says so before fetching or encoding anything.
+    from lmjax.train import data
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(data, "gpt2_tokenizer", lambda: pytest.fail("GPT-2's vocabulary fetched"))
+    src = tmp_path / "src"
+    shutil.copytree(source, src)
+    _remove("vocab.json", "merges.txt")(src)
+    assert cli.main(["import-hf", str(src), "--out", str(tmp_path / "run")]) == 0
+    capsys.readouterr()
+    assert cli.main(["eval", str(tmp_path / "run")]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert len(lines) == 1 and captured.out == "", captured
+    assert "tokenizer/" in lines[0] and "Fix:" in lines[0], lines[0]
+    assert not (tmp_path / "cache").exists()
