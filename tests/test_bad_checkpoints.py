@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _runs import assert_same_state, losses
 
 from lmjax import cli, train
 from lmjax.errors import CheckpointError, TokenError
@@ -158,16 +159,6 @@ def abstract_state(run: Path):
 
 def state_of(run: Path, step: int | None = None):
     return Checkpoints(run / "checkpoints", create=False).restore(abstract_state(run), step)
-
-
-def assert_same_state(a, b):
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-
-
-def losses(run: Path) -> list[tuple]:
-    records = train.metrics.MetricsLog(run / "metrics.jsonl").read()
-    return [(r["step"], r.get("loss"), r.get("val_loss")) for r in records]
 
 
 def biggest_array_file(step_dir: Path) -> Path:

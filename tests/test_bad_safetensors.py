@@ -375,6 +375,19 @@ def test_huge_claims_allocate_nothing(tmp_path):
     assert rss_growth_kib < 64 * 1024, rss_growth_kib
 
 
+class _Handle:
+    """A file handle stand-in for the spies below: a context manager that closes the real one."""
+
+    def __init__(self, handle):
+        self.handle = handle
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.handle.close()
+
+
 def test_a_huge_header_length_is_never_read(tmp_path, monkeypatch):
     # A file of 16 bytes claiming a 2**63-byte header: the length is checked against the file
     # size, so `read` is never asked for more than the 8-byte prefix.
@@ -383,16 +396,7 @@ def test_a_huge_header_length_is_never_read(tmp_path, monkeypatch):
     sizes = []
     real_open = open
 
-    class Spy:
-        def __init__(self, handle):
-            self.handle = handle
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            self.handle.close()
-
+    class Spy(_Handle):
         def read(self, n=-1):
             sizes.append(n)
             return self.handle.read(n)
@@ -469,16 +473,7 @@ def test_an_interrupt_during_the_write_leaves_the_old_file(saved, monkeypatch):
     before = _tree_of(saved.parent)
     real_fdopen = lmjax.files.os.fdopen
 
-    class Interrupted:
-        def __init__(self, handle):
-            self.handle = handle
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            self.handle.close()
-
+    class Interrupted(_Handle):
         def write(self, data):
             self.handle.write(data[:10])
             raise KeyboardInterrupt  # Ctrl-C between two writes

@@ -14,6 +14,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from _runs import assert_same_state, losses
 
 from lmjax import cli, models, train
 from lmjax.config import load_run_config
@@ -63,16 +64,6 @@ def final_state(run_dir: Path, step: int | None = None):
     tx, _ = optim.from_config(cfg)
     abstract = jax.eval_shape(lambda: init_state(jax.random.PRNGKey(0), model, tx))
     return Checkpoints(run_dir / "checkpoints", create=False).restore(abstract, step)
-
-
-def assert_same_state(a, b):
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-
-
-def losses(run_dir: Path) -> list[tuple]:
-    records = train.metrics.MetricsLog(run_dir / "metrics.jsonl").read()
-    return [(r["step"], r.get("loss"), r.get("val_loss")) for r in records]
 
 
 @pytest.fixture(scope="module")
