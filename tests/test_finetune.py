@@ -5,6 +5,7 @@ written). QLoRA's own checks (NF4 bytes, loss on real text) are in tests/test_ql
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -272,14 +273,29 @@ def test_inspect_a_fine_tune_config(ws, capsys):
 
 
 @pytest.mark.slow
-def test_qlora_run_merges_into_a_float_model(ws, capsys):
+def test_qlora_run_merges_into_a_float_model(ws, capsys, caplog, monkeypatch):
     """--qlora: the NF4 base trains its query/value adapters; merged/ is a float model in which
-    every weight (adapted or not) is the dequantized NF4 weight plus the adapters' update."""
+    every weight (adapted or not) is the dequantized NF4 weight plus the adapters' update.
+
+    The frozen base is committed to the device here, as a base restored from a checkpoint
+    (`lmjax train`'s runs/tiny-shakespeare, the README's base) is, unlike this weights-only
+    one: the jitted step still compiles once for its 2 steps (the adapters' fresh state was
+    uncommitted, so step 2's inputs were placed unlike step 1's and it compiled again)."""
+    from lmjax import finetune
     from lmjax.quant.params import quantize_params
 
+    frozen_params = finetune.frozen_params
+
+    def committed(base, qlora):
+        return jax.device_put(frozen_params(base, qlora), jax.devices()[0])
+
+    monkeypatch.setattr(finetune, "frozen_params", committed)
     out = ws / "qlora"
     quiet = ("train.steps=2", "logging.sample_tokens=0", "logging.plot=false")
-    assert run_cli("finetune", str(ws / "ft.yaml"), f"run.dir={out}", "--qlora", *quiet) == 0
+    with caplog.at_level(logging.WARNING, logger="jax"), jax.log_compiles():
+        assert run_cli("finetune", str(ws / "ft.yaml"), f"run.dir={out}", "--qlora", *quiet) == 0
+    compiles = [r for r in caplog.messages if r.startswith("Compiling jit(train_step)")]
+    assert len(compiles) == 1, [c[-160:] for c in compiles]  # their argument placements
     assert "qlora: true" in (out / "finetune.yaml").read_text()
     adapters, lcfg = lora.load_adapters(out / "adapters.safetensors")
     expected = lora.merge(quantize_params(load_run(ws / "base").params), adapters, lcfg)

@@ -310,7 +310,12 @@ class _Trainer:
             self.log.truncate_after(0)
             _truncate_samples(self.run_dir / "samples.txt", 0)
         if self.shardings is None:
-            return init_state(key, self.model, self.tx, self.trainable.init_params)
+            state = init_state(key, self.model, self.tx, self.trainable.init_params)
+            # Committed to its device, as the step's outputs are once any argument is (a frozen
+            # base restored from a checkpoint): a fresh state is uncommitted, so step 2's
+            # arguments would be placed unlike step 1's and jit would compile the step again.
+            device = next(iter(jax.tree.leaves(state)[0].devices()))
+            return jax.device_put(state, device)
         # Initialized directly into its shards: no device ever holds the whole state.
         init = jax.jit(init_state, static_argnums=(1, 2), out_shardings=self.shardings)
         return init(key, self.model, self.tx)
