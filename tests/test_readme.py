@@ -334,6 +334,18 @@ def test_readme_finetune_lines_run_on_a_tiny_base(capsys, tmp_path, monkeypatch)
     assert len(sample) >= 10, out[-500:]
 
 
+def run_benchmark(script: str, *argv: str) -> None:
+    """`python benchmarks/SCRIPT ARGV` from the repo root in its own process; it must succeed."""
+    proc = subprocess.run(
+        [sys.executable, f"benchmarks/{script}", *argv],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
 def test_readme_attention_benchmark_runs_with_tiny_settings(tmp_path):
     """`python benchmarks/attention.py` (the README's attention-memory figures) runs in its own
     process with two short sequences into a temporary file (benchmarks/results untouched), and
@@ -342,14 +354,7 @@ def test_readme_attention_benchmark_runs_with_tiny_settings(tmp_path):
     array); materialized attention keeps at least q, k, v and the T x T probabilities.
     `tokenizer.py` and `generate.py` run tiny in the next tests."""
     out = tmp_path / "attention.json"
-    proc = subprocess.run(
-        [sys.executable, "benchmarks/attention.py", "--seq-lens", "64", "128", "--out", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    run_benchmark("attention.py", "--seq-lens", "64", "128", "--out", str(out))
     assert out.with_suffix(".png").is_file()
     result = json.loads(out.read_text())
     B, H, D, f32 = 1, 4, 64, 4  # the script's defaults (batch, heads, head dim), float32
@@ -412,14 +417,7 @@ def test_readme_tokenizer_benchmark_runs_with_tiny_settings(tmp_path):
     give the same ids, and both trainers reach the vocabulary asked for."""
     out = tmp_path / "tokenizer.json"
     argv = ["--mb", "0.05", "--train-mb", "0.05", "--vocab", "300", "--output", str(out)]
-    proc = subprocess.run(
-        [sys.executable, "benchmarks/tokenizer.py", *argv],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    run_benchmark("tokenizer.py", *argv)
     result = json.loads(out.read_text())
     engines = result["encode"]["engines"]
     assert len(engines) == 4 and all(e["ids_equal_to_first"] for e in engines.values()), engines
@@ -433,14 +431,7 @@ def test_readme_generate_benchmark_runs_with_tiny_settings(tmp_path):
     `transformers`' on the same weights and prompts, one row per batch size asked for."""
     out = tmp_path / "generate.json"
     argv = ["--layers", "1", "--batches", "1", "--prompt-len", "4", "--new-tokens", "4"]
-    proc = subprocess.run(
-        [sys.executable, "benchmarks/generate.py", *argv, "--repeats", "1", "--out", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    run_benchmark("generate.py", *argv, "--repeats", "1", "--out", str(out))
     result = json.loads(out.read_text())
     assert result["model"]["n_layers"] == 1 and result["model"]["vocab_size"] == 50257
     (row,) = result["results"]
