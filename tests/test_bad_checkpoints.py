@@ -176,10 +176,12 @@ def one_line_error(code: int, err: str, *words: str) -> None:
 
 
 def _truncate(step_dir: Path) -> None:
-    """Every array data file cut to half its length (cutting one can miss: a file may end in
-    bytes no array needs)."""
-    for path in (step_dir / "state" / "ocdbt.process_0" / "d").iterdir():
-        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    """Every file of the step's state (manifest, index and data files) cut to half its length.
+    Cutting only the data files can miss: ocdbt may keep small arrays inline in its index, and
+    a data file may end in bytes no array needs (a clean-clone run restored such a step)."""
+    for path in sorted((step_dir / "state").rglob("*")):
+        if path.is_file():
+            path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
 
 
 def _random_bytes(step_dir: Path) -> None:
