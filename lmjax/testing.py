@@ -373,6 +373,15 @@ def _cases() -> list[OpCase]:
             (0, 1, 2),
         ),
         OpCase(
+            # The query-block path long causal self-attention takes (T > CAUSAL_BLOCK), with
+            # blocks of 2 over T = 5: two full blocks and a ragged one.
+            "attention_causal_blocked",
+            lambda q, k, v: _attention_module()._attention_causal_blocked(q, k, v, 2),
+            partial(o.attention_reference, causal=True),
+            _attention_args(5, 5),
+            (0, 1, 2),
+        ),
+        OpCase(
             "attention_causal_offset",
             partial(o.attention, causal=True, offset=3),
             partial(o.attention_reference, causal=True, offset=3),
@@ -408,6 +417,13 @@ def _cases() -> list[OpCase]:
         ),
     ]
     return cases
+
+
+def _attention_module():
+    """`lmjax.ops.attention` the module (the package attribute of that name is the function)."""
+    import sys
+
+    return sys.modules["lmjax.ops.attention"]
 
 
 def _reference_with_probabilities(q, k, v):

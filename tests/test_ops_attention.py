@@ -214,3 +214,62 @@ def test_attention_rejects_a_mask_that_does_not_broadcast():
     q, k, v = _qkv(3, 5)
     with pytest.raises(ShapeError, match="broadcastable from the right"):
         ops.attention(q, k, v, causal=False, mask=jnp.ones((2, 5, 1)))
+
+
+def _attention_module():
+    import sys
+
+    return sys.modules["lmjax.ops.attention"]
+
+
+def test_long_causal_self_attention_takes_the_query_block_path(monkeypatch):
+    """T > CAUSAL_BLOCK with causal self-attention, offset 0 and no mask runs by query blocks
+    (skipping the key blocks above the diagonal); anything else keeps the full T x S form.
+    The block path's values and VJP are checked against the reference and finite differences
+    in `OP_CASES` ("attention_causal_blocked"); here: which calls take it, and the values."""
+    module = _attention_module()
+    calls = []
+    blocked = module._attention_causal_blocked
+
+    def spy(q, k, v, block):
+        calls.append(block)
+        return blocked(q, k, v, block)
+
+    monkeypatch.setattr(module, "CAUSAL_BLOCK", 2)
+    monkeypatch.setattr(module, "_attention_causal_blocked", spy)
+    q, k, v = _qkv(5, 5, seed=4)
+    out = ops.attention(q, k, v, causal=True)
+    assert calls == [2]
+    np.testing.assert_allclose(out, _np_attention(q, k, v, _causal_keep(2, 2, 5, 5, 0)), 1e-5, 1e-6)
+    mask = np.ones((2, 1, 1, 5), bool)
+    for kwargs in (
+        dict(causal=False),
+        dict(causal=True, offset=1),
+        dict(causal=True, mask=mask),
+        dict(causal=True, return_probabilities=True),
+        dict(causal=True, impl="xla"),
+    ):
+        ops.attention(q, k, v, **kwargs)
+    ops.attention(q[:, :2], k[:, :2], v[:, :2], causal=True)  # T = 2: one block, nothing to skip
+    ops.attention(q[:, :3], k, v, causal=True)  # cross-attention shapes (T != S)
+    assert calls == [2], "only causal self-attention with offset 0 and no mask is blocked"
+
+
+def test_query_blocks_equal_the_full_form_at_the_reference_block_size():
+    """At the default block (T = 2 blocks + a ragged 3 rows), the block path against the full
+    materialized form: same values and gradients to float32 rounding (only the summation order
+    over the skipped, exactly-zero entries differs)."""
+    module = _attention_module()
+    t = module.CAUSAL_BLOCK * 2 + 3
+    q, k, v = _qkv(t, t, seed=5, b=1, h=1, d=4)
+    keep = module.keep_mask(q.shape, k.shape, causal=True)
+
+    def loss(fn):
+        return lambda q, k, v: (jnp.sin(fn(q, k, v)) ** 2).sum()
+
+    full = loss(lambda q, k, v: module._attention_materialized(q, k, v, keep)[0])
+    blocked = loss(lambda q, k, v: ops.attention(q, k, v, causal=True))
+    (lf, gf), (lb, gb) = (jax.value_and_grad(f, (0, 1, 2))(q, k, v) for f in (full, blocked))
+    np.testing.assert_allclose(lb, lf, rtol=1e-6)
+    for a, b in zip(gb, gf, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

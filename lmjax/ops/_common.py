@@ -31,6 +31,24 @@ def sum_to_last(g: jax.Array) -> jax.Array:
     return g.reshape(-1, g.shape[-1]).sum(axis=0) if g.ndim > 1 else g
 
 
+def transposed_gradient_dot(a_NM: jax.Array, b_NK: jax.Array, acc_dtype=None) -> jax.Array:
+    """`a^T b` `[M, K]`, contracting the leading (token) axis of both: a weight gradient.
+
+        out[m, k] = sum_n a[n, m] b[n, k]
+
+    On CPU, XLA hands a dot to its fast YNNPACK kernels only when the left operand is
+    row-major over the contracted axis; `a^T b` as written goes to Eigen instead, which measured
+    20-40% slower for these shapes on two threads (benchmarks/train_step.py). So on CPU `a^T` is
+    materialized first (an optimization barrier stops XLA from folding the transpose back into
+    the dot); it is `[M, N]`, a small copy next to the product. Elsewhere the dot takes the
+    transpose for free, so it is left to XLA.
+    """
+    a_MN = a_NM.T
+    if jax.default_backend() == "cpu":
+        a_MN = jax.lax.optimization_barrier(a_MN)
+    return jnp.matmul(a_MN, b_NK, preferred_element_type=acc_dtype)
+
+
 def is_real(value) -> bool:
     """A plain real number (Python or numpy), not a bool: for hyper-parameters such as eps."""
     return isinstance(value, numbers.Real) and not isinstance(value, bool | np.bool_)

@@ -8,7 +8,13 @@ import jax
 import jax.numpy as jnp
 
 from lmjax.errors import ShapeError
-from lmjax.ops._common import expand_left, is_int, require_rank, sum_to_last
+from lmjax.ops._common import (
+    expand_left,
+    is_int,
+    require_rank,
+    sum_to_last,
+    transposed_gradient_dot,
+)
 from lmjax.quant.nf4 import QuantizedWeight
 
 Params = dict[str, jax.Array]
@@ -36,7 +42,7 @@ def _linear_bwd(res, g):
     dx = jnp.einsum("...o,oi->...i", g, weight).astype(x.dtype)
     g_NO = g.reshape(-1, g.shape[-1])
     x_NI = x.reshape(-1, x.shape[-1])
-    grads = {"weight": jnp.einsum("no,ni->oi", g_NO, x_NI).astype(weight.dtype)}
+    grads = {"weight": transposed_gradient_dot(g_NO, x_NI).astype(weight.dtype)}
     if "bias" in params:
         grads["bias"] = sum_to_last(g).astype(params["bias"].dtype)
     return grads, dx
