@@ -38,15 +38,20 @@ def transposed_gradient_dot(a_NM: jax.Array, b_NK: jax.Array, acc_dtype=None) ->
 
     On CPU, XLA hands a dot to its fast YNNPACK kernels only when the left operand is
     row-major over the contracted axis; `a^T b` as written goes to Eigen instead, which measured
-    20-40% slower for these shapes on two threads (benchmarks/train_step.py). So on CPU `a^T` is
-    materialized first (an optimization barrier stops XLA from folding the transpose back into
-    the dot); it is `[M, N]`, a small copy next to the product. Elsewhere the dot takes the
-    transpose for free, so it is left to XLA.
+    20-40% slower for these shapes on two threads (benchmarks/train_step.py). So on CPU the
+    narrower operand is transposed into a row-major copy first, `[M, N]` (or `[K, N]`, then the
+    small `[K, M]` product is transposed back). Optimization barriers keep XLA from folding the
+    transposes back into the dot, and from fusing the operand's producer into the transposing
+    copy (a strided recomputation that cost more than the dot saved in the llama preset's
+    SwiGLU). Elsewhere the dot takes transposed operands for free, so it is left to XLA.
     """
-    a_MN = a_NM.T
-    if jax.default_backend() == "cpu":
-        a_MN = jax.lax.optimization_barrier(a_MN)
-    return jnp.matmul(a_MN, b_NK, preferred_element_type=acc_dtype)
+    if jax.default_backend() != "cpu":
+        return jnp.einsum("nm,nk->mk", a_NM, b_NK, preferred_element_type=acc_dtype)
+    barrier = jax.lax.optimization_barrier
+    if a_NM.shape[1] <= b_NK.shape[1]:
+        return jnp.matmul(barrier(barrier(a_NM).T), b_NK, preferred_element_type=acc_dtype)
+    out_KM = jnp.matmul(barrier(barrier(b_NK).T), a_NM, preferred_element_type=acc_dtype)
+    return barrier(out_KM).T
 
 
 def is_real(value) -> bool:
