@@ -373,7 +373,7 @@ def _cases() -> list[OpCase]:
             (0, 1, 2),
         ),
         OpCase(
-            # The query-block path long causal self-attention takes (T > CAUSAL_BLOCK), with
+            # The query-block path long causal self-attention takes (T > causal_block(T)), with
             # blocks of 2 over T = 5: two full blocks and a ragged one.
             "attention_causal_blocked",
             lambda q, k, v: _attention_module()._attention_causal_blocked(q, k, v, 2),

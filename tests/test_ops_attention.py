@@ -223,7 +223,7 @@ def _attention_module():
 
 
 def test_long_causal_self_attention_takes_the_query_block_path(monkeypatch):
-    """T > CAUSAL_BLOCK with causal self-attention, offset 0 and no mask runs by query blocks
+    """T > causal_block(T) with causal self-attention, offset 0 and no mask runs by query blocks
     (skipping the key blocks above the diagonal); anything else keeps the full T x S form.
     The block path's values and VJP are checked against the reference and finite differences
     in `OP_CASES` ("attention_causal_blocked"); here: which calls take it, and the values."""
@@ -235,7 +235,7 @@ def test_long_causal_self_attention_takes_the_query_block_path(monkeypatch):
         calls.append(block)
         return blocked(q, k, v, block)
 
-    monkeypatch.setattr(module, "CAUSAL_BLOCK", 2)
+    monkeypatch.setattr(module, "CAUSAL_BLOCK_MIN", 2)
     monkeypatch.setattr(module, "_attention_causal_blocked", spy)
     q, k, v = _qkv(5, 5, seed=4)
     out = ops.attention(q, k, v, causal=True)
@@ -256,11 +256,12 @@ def test_long_causal_self_attention_takes_the_query_block_path(monkeypatch):
 
 
 def test_query_blocks_equal_the_full_form_at_the_reference_block_size():
-    """At the default block (T = 2 blocks + a ragged 3 rows), the block path against the full
+    """At the default block size (T = 2 blocks + a ragged 3 rows), the block path against the full
     materialized form: same values and gradients to float32 rounding (only the summation order
     over the skipped, exactly-zero entries differs)."""
     module = _attention_module()
-    t = module.CAUSAL_BLOCK * 2 + 3
+    t = module.CAUSAL_BLOCK_MIN * 2 + 3
+    assert module.causal_block(t) == module.CAUSAL_BLOCK_MIN
     q, k, v = _qkv(t, t, seed=5, b=1, h=1, d=4)
     keep = module.keep_mask(q.shape, k.shape, causal=True)
 
@@ -273,3 +274,11 @@ def test_query_blocks_equal_the_full_form_at_the_reference_block_size():
     np.testing.assert_allclose(lb, lf, rtol=1e-6)
     for a, b in zip(gb, gf, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_causal_blocks_are_64_rows_and_at_most_8():
+    module = _attention_module()
+    sizes = {t: module.causal_block(t) for t in (65, 128, 256, 512, 513, 1024, 4096)}
+    assert sizes == {65: 64, 128: 64, 256: 64, 512: 64, 513: 128, 1024: 128, 4096: 512}
+    for t, block in sizes.items():
+        assert -(-t // block) <= module.CAUSAL_MAX_BLOCKS and block % 64 == 0

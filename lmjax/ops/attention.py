@@ -76,11 +76,20 @@ def _attention_bwd(res, cotangents):
 _attention_materialized.defvjp(_attention_fwd, _attention_bwd)
 
 
-# Query rows per block of causal self-attention. Query block [i, e) sees keys [0, e) only, so the
-# fully masked key blocks above the diagonal are never computed: at T = 256 a quarter of the
-# products and softmax work is skipped, approaching half as T grows. 128 rows keep each product
-# large enough for the CPU matmul kernels (measured on the reference config, benchmarks/).
-CAUSAL_BLOCK = 128
+# Query blocks of causal self-attention. Query block [i, e) sees keys [0, e) only, so the fully
+# masked key blocks above the diagonal are never computed: with n blocks, (n + 1) / 2n of the
+# full products and softmax work remain (5/8 at n = 4). Smaller blocks skip more but each is a
+# smaller product and one more set of ops to compile and run, so blocks are 64 rows, or longer
+# when that would make more than 8 (measured on the reference config at T = 128..1024,
+# benchmarks/train_step.py: 64 rows were 2% faster than 128 at T = 256 and 512, 4% slower at 1024).
+CAUSAL_BLOCK_MIN = 64
+CAUSAL_MAX_BLOCKS = 8
+
+
+def causal_block(t: int) -> int:
+    """Rows per query block for causal self-attention over `t` positions (see above)."""
+    rows = -(-t // CAUSAL_MAX_BLOCKS)
+    return max(CAUSAL_BLOCK_MIN, -(-rows // CAUSAL_BLOCK_MIN) * CAUSAL_BLOCK_MIN)
 
 
 def _causal_spans(t: int, block: int) -> tuple[tuple[int, int], ...]:
@@ -244,9 +253,9 @@ def attention(
         and is_int(offset)
         and offset == 0
         and not return_probabilities
-        and q.shape[1] == k.shape[1] > CAUSAL_BLOCK
+        and q.shape[1] == k.shape[1] > causal_block(q.shape[1])
     ):
-        return _attention_causal_blocked(q, k, v, CAUSAL_BLOCK)
+        return _attention_causal_blocked(q, k, v, causal_block(q.shape[1]))
     keep = keep_mask(q.shape, k.shape, causal=causal, offset=offset, mask=mask)
     if impl == "xla":
         out = jax.nn.dot_product_attention(q, k, v, mask=keep, implementation="xla")
