@@ -351,7 +351,9 @@ def test_readme_attention_benchmark_runs_with_tiny_settings(tmp_path):
     process with two short sequences into a temporary file (benchmarks/results untouched), and
     what it reports each implementation keeps for the backward pass is what the algorithms
     need, counted here: flash keeps q, k, v, the output and one logsumexp per row (no T x T
-    array); materialized attention keeps at least q, k, v and the T x T probabilities.
+    array); materialized attention keeps at least q, k, v and the causal probabilities it
+    computes: all T x T of them at T = 64 (one query block), and at T = 128 the two 64-row
+    blocks against their key prefixes, 64 x 64 + 64 x 128 (the all-masked block is skipped).
     `tokenizer.py` and `generate.py` run tiny in the next tests."""
     out = tmp_path / "attention.json"
     run_benchmark("attention.py", "--seq-lens", "64", "128", "--out", str(out))
@@ -361,12 +363,15 @@ def test_readme_attention_benchmark_runs_with_tiny_settings(tmp_path):
     assert (result["config"]["batch"], result["config"]["heads"]) == (B, H)
     assert result["config"]["head_dim"] == D
     rows = {(r["impl"], r["T"]): r["residual_bytes"] for r in result["rows"]}
+    kept_probabilities = {64: 64 * 64, 128: 64 * 64 + 64 * 128}
     for T in (64, 128):
         qkvo = 4 * B * T * H * D * f32
         lse = B * H * T * f32
         assert qkvo + lse <= rows["flash", T] <= qkvo + lse + 64, (T, rows["flash", T])
-        probabilities = B * H * T * T * f32
+        probabilities = B * H * kept_probabilities[T] * f32
         assert rows["materialized", T] >= 3 * B * T * H * D * f32 + probabilities, T
+    # The skipped block shows: T = 128 keeps less than q, k, v plus a full T x T matrix.
+    assert rows["materialized", 128] < 3 * B * 128 * H * D * f32 + B * H * 128 * 128 * f32
 
 
 def _guarantee_rows(text: str) -> list[tuple[str, list[str]]]:

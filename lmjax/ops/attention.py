@@ -231,7 +231,9 @@ def attention(
     zero gradients) in every impl, never NaN.
 
     Impls: "materialized" (the custom VJP above; `return_probabilities=True` also returns p for
-    inspection), "xla" (`jax.nn.dot_product_attention`, differentiated by JAX) and "flash"
+    inspection; causal self-attention with offset 0, no mask and T > `causal_block(T)` runs by
+    query blocks that skip the all-masked key blocks, `_attention_causal_blocked`), "xla"
+    (`jax.nn.dot_product_attention`, differentiated by JAX) and "flash"
     (`pallas_kernels.flash_attention`: FlashAttention-2, O(T) memory, logsumexp saved and
     probabilities recomputed in the backward; interpreted on CPU, compiled on GPU and TPU).
     "flash" takes float32/bf16/f16 inputs, a static int `offset`, and only key-padding masks
