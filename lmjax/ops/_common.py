@@ -38,8 +38,8 @@ def transposed_gradient_dot(a_NM: jax.Array, b_NK: jax.Array, acc_dtype=None) ->
 
     On CPU, XLA hands a dot to its fast YNNPACK kernels only when the left operand is
     row-major over the contracted axis; `a^T b` as written goes to Eigen instead, which measured
-    20-40% slower for these shapes on two threads (benchmarks/train_step.py). So on CPU the
-    narrower operand is transposed into a row-major copy first, `[M, N]` (or `[K, N]`, then the
+    up to 40% slower for the reference config's shapes (benchmarks/train_step.py). So on CPU
+    the narrower operand is transposed into a row-major copy first, `[M, N]` (or `[K, N]`, then the
     small `[K, M]` product is transposed back). Optimization barriers keep XLA from folding the
     transposes back into the dot, and from fusing the operand's producer into the transposing
     copy (a strided recomputation that cost more than the dot saved in the llama preset's

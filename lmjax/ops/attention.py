@@ -104,9 +104,8 @@ def _span_keep(i: int, e: int, shape) -> jax.Array:
 
 
 def _blocked_fwd(q, k, v, block):
-    outs, probs = [], []
+    (b, _, h, _), outs, probs = q.shape, [], []
     for i, e in _causal_spans(q.shape[1], block):
-        b, _, h, _ = q.shape
         out, p = _forward(q[:, i:e], k[:, :e], v[:, :e], _span_keep(i, e, (b, h, e - i, e)))
         outs.append(out)
         probs.append(p)
