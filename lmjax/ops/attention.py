@@ -97,16 +97,12 @@ def _causal_spans(t: int, block: int) -> tuple[tuple[int, int], ...]:
     return tuple((i, min(i + block, t)) for i in range(0, t, block))
 
 
-def _span_keep(i: int, e: int, shape) -> jax.Array:
-    """bool `[B, H, e - i, e]`: query i + r sees key u iff u <= i + r."""
-    keep = jnp.arange(e)[None, :] <= jnp.arange(i, e)[:, None]
-    return jnp.broadcast_to(keep[None, None], shape)
-
-
 def _blocked_fwd(q, k, v, block):
-    (b, _, h, _), outs, probs = q.shape, [], []
+    outs, probs = [], []
     for i, e in _causal_spans(q.shape[1], block):
-        out, p = _forward(q[:, i:e], k[:, :e], v[:, :e], _span_keep(i, e, (b, h, e - i, e)))
+        # Query block [i, e) against keys [0, e): causal with the block's first row at offset i.
+        keep = keep_mask(q[:, i:e].shape, k[:, :e].shape, causal=True, offset=i)
+        out, p = _forward(q[:, i:e], k[:, :e], v[:, :e], keep)
         outs.append(out)
         probs.append(p)
     return jnp.concatenate(outs, axis=1), (q, k, v, tuple(probs))
@@ -130,7 +126,7 @@ def _blocked_bwd(block, res, d_out):
     dtype = probs[0].dtype
     dq_blocks, dk, dv = [], jnp.zeros(k.shape, dtype), jnp.zeros(v.shape, dtype)
     for (i, e), p in zip(_causal_spans(q.shape[1], block), probs, strict=True):
-        keep = _span_keep(i, e, p.shape)
+        keep = keep_mask(q[:, i:e].shape, k[:, :e].shape, causal=True, offset=i)
         dq_i, dk_i, dv_i = _backward(q[:, i:e], k[:, :e], v[:, :e], keep, p, d_out[:, i:e])
         dq_blocks.append(dq_i)
         dk = dk.at[:, :e].add(dk_i)
