@@ -1,4 +1,5 @@
-"""The README runs as written: Python blocks, section links, lmjax and benchmark commands."""
+"""The README and the pages under docs/ run as written: Python blocks, section links, lmjax and
+benchmark commands."""
 
 import json
 import math
@@ -13,13 +14,24 @@ from lmjax import cli
 from lmjax.train import corpus
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+# The README and the detail pages it points to, checked the same way.
+PAGES = [README, *sorted((README.parent / "docs").glob("*.md"))]
+
+
+def _text() -> str:
+    """Every page's text, one after another (commands and figures may stand on any page)."""
+    return "\n".join(page.read_text() for page in PAGES)
 
 
 def test_readme_python_blocks_run(capsys):
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
-    assert blocks, "the README has a Python tour"
-    for block in blocks:
-        exec(compile(block, str(README), "exec"), {})
+    blocks = [
+        (page, block)
+        for page in PAGES
+        for block in re.findall(r"```python\n(.*?)```", page.read_text(), re.S)
+    ]
+    assert re.search(r"```python\n", README.read_text()), "the README has a Python tour"
+    for page, block in blocks:
+        exec(compile(block, str(page), "exec"), {})
     printed = capsys.readouterr().out
     assert "max |custom VJP - jax.grad|" in printed
     assert "(2, 4, 2, 8) (2, 2, 4, 4)" in printed
@@ -30,7 +42,7 @@ def test_readme_python_blocks_run(capsys):
 
 
 def test_readme_names_the_two_commands_that_the_makefile_defines():
-    text = README.read_text()
+    text = _text()
     makefile = (README.parent / "Makefile").read_text()
     for target in ("demo", "test"):
         assert f"make {target}" in text
@@ -47,30 +59,43 @@ def _shell_blocks(text: str) -> list[str]:
     return [line for line in (shlex.split(raw, comments=True) for raw in lines) if line]
 
 
-def test_readme_links_to_its_own_sections_resolve():
-    """Every `(#anchor)` link names a heading, as GitHub spells anchors (lower case, spaces to
+def _anchors(path: pathlib.Path) -> set[str]:
+    """The `#anchor`s of a markdown file's headings, as GitHub spells them (lower case, spaces to
     '-', punctuation other than '-' dropped)."""
-    text = README.read_text()
-    anchors = {
-        re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
-        for heading in re.findall(r"^#+ (.*)$", text, re.M)
+    headings = re.findall(r"^#+ (.*)$", path.read_text(), re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
+def test_readme_links_to_its_own_sections_resolve():
+    """On every page, each `(#anchor)` link names one of its headings, and each relative link to
+    a markdown file (`docs/training.md#training`, `../README.md#...`) names a file that exists and,
+    with an anchor, a heading of that file."""
+    linked = 0
+    for page in PAGES:
+        text = page.read_text()
+        links = set(re.findall(r"\]\(#([^)]+)\)", text))
+        assert links <= _anchors(page), (page.name, sorted(links - _anchors(page)))
+        for path, anchor in re.findall(r"\]\(([\w./-]+\.md)#?([^)]*)\)", text):
+            target = (page.parent / path).resolve()
+            if "shared" in target.parts:  # ../shared/SPEC.md lies beside the checkout
+                continue
+            assert target.is_file(), (page.name, path)
+            assert not anchor or anchor in _anchors(target), (page.name, path, anchor)
+            linked += 1
+        linked += len(links)
+    assert linked >= 30, "the pages link to each other's sections"
+    docs = {page for page in PAGES if page.parent.name == "docs"}
+    readme_targets = {
+        (README.parent / path).resolve()
+        for path in re.findall(r"\]\((docs/[\w.-]+\.md)", README.read_text())
     }
-    links = set(re.findall(r"\]\(#([^)]+)\)", text))
-    assert links, "the README links to its sections"
-    assert links <= anchors, sorted(links - anchors)
-    # Links into docs/ name files that exist, and their #anchors headings of those files.
-    for path, anchor in re.findall(r"\]\((docs/[^)#]+)#?([^)]*)\)", text):
-        target = README.parent / path
-        assert target.is_file(), path
-        headings = re.findall(r"^#+ (.*)$", target.read_text(), re.M)
-        spelled = {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
-        assert not anchor or anchor in spelled, (path, anchor)
+    assert docs <= readme_targets, sorted(p.name for p in docs - readme_targets)
 
 
 def test_readme_lmjax_commands_parse():
     """Each `lmjax ...` command the README shows is one the CLI's parser accepts (a renamed
     subcommand or flag fails here); running them is the job of the CLI and training tests."""
-    text = README.read_text()
+    text = _text()
     commands = [argv for argv in _shell_blocks(text) if argv[0] == "lmjax"]
     # Inline ones too, except synopses (`lmjax inspect PRESET [key=value ...]`).
     inline = re.findall(r"`(lmjax [a-z][^`]*)`", text)
@@ -88,7 +113,7 @@ def test_readme_lmjax_commands_parse():
 def test_readme_benchmark_commands_name_scripts_and_flags_that_exist():
     """Each `python benchmarks/NAME.py [--flag ...]` in the README is a script whose --help
     (run as the README runs it, in its own process) lists those flags."""
-    text = README.read_text()
+    text = _text()
     commands = {}
     for match in re.finditer(r"python (benchmarks/\w+\.py)((?: --[\w-]+)*)", text):
         commands.setdefault(match.group(1), set()).update(match.group(2).split())
@@ -166,7 +191,7 @@ def test_readme_inspect_commands_run_as_shown(capsys, tmp_path, monkeypatch):
     `configs/tiny-shakespeare.yaml` takes its vocabulary from the corpus: with the Shakespeare
     text already in the user's cache it runs on a copy of it (in a temporary cache); otherwise
     with `data.corpus=` set to Python's documentation text (a test never downloads)."""
-    text = README.read_text()
+    text = _text()
     commands = _inspect_commands(text)
     shown = {shlex.join(argv) for argv in commands}
     for expected in (
@@ -277,7 +302,7 @@ def test_readme_finetune_lines_run_on_a_tiny_base(capsys, tmp_path, monkeypatch)
     from lmjax.train import loop
     from lmjax.train.runs import write_weights_run
 
-    shown = [shlex.join(argv) for argv in _shell_blocks(README.read_text())]
+    shown = [shlex.join(argv) for argv in _shell_blocks(_text())]
     assert FINETUNE_LORA in shown and GENERATE_LORA in shown
     assert "lmjax train configs/tiny-shakespeare.yaml" in shown
     topics = pydoc_data.topics.topics
@@ -376,8 +401,8 @@ def test_readme_attention_benchmark_runs_with_tiny_settings(tmp_path):
 
 def _guarantee_rows(text: str) -> list[tuple[str, list[str]]]:
     """`(promise, ["tests/file.py::test_name", ...])` for each row of the Guarantees table."""
-    section = re.search(r"^## Guarantees\n(.*?)(?=^## )", text, re.S | re.M)
-    assert section, "the README has a '## Guarantees' section (issue 12)"
+    section = re.search(r"^#+ Guarantees\n(.*?)(?=^## |\Z)", text, re.S | re.M)
+    assert section, "docs/guarantees.md has a 'Guarantees' table (issue 12)"
     rows = []
     for line in section.group(1).splitlines():
         cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
@@ -394,7 +419,7 @@ def test_readme_guarantees_name_tests_that_exist():
     test function at its top level (a renamed or deleted test would leave a promise unproved)."""
     import ast
 
-    rows = _guarantee_rows(README.read_text())
+    rows = _guarantee_rows((ROOT / "docs" / "guarantees.md").read_text())
     assert len(rows) >= 10, len(rows)
     defined: dict[str, set[str]] = {}
     missing = []
