@@ -33,11 +33,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lmjax.checks import is_int
 from lmjax.errors import ConfigError, ShapeError
 from lmjax.generate.paged import PagedKVCache
 from lmjax.models import ModelConfig, attend, cached_block, check_params, embed, head
 from lmjax.models.transformer import cast, check_tokens
-from lmjax.ops._common import is_int
 
 
 def cache_bytes(cfg: ModelConfig, slots: int) -> int:

@@ -50,9 +50,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lmjax.checks import is_int
 from lmjax.errors import ConfigError
 from lmjax.models import ModelConfig
-from lmjax.ops._common import is_int
 
 
 class PagedKVCache(NamedTuple):

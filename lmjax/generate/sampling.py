@@ -27,8 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lmjax.checks import is_int, is_real
 from lmjax.errors import ConfigError
-from lmjax.ops._common import is_int, is_real
 
 _TINY = float(np.finfo(np.float32).tiny)  # the smallest normal float32
 

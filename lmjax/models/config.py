@@ -9,8 +9,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from lmjax.checks import is_int, is_real
 from lmjax.errors import ConfigError
-from lmjax.ops._common import is_int, is_real
 
 NORMS = ("layernorm", "rmsnorm")
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "swiglu")

@@ -7,12 +7,12 @@ array (a bias, a mask) is spelt out here rather than left implicit.
 from __future__ import annotations
 
 import math
-import numbers
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lmjax.checks import is_int, is_real  # noqa: F401 (ops/attention.py imports them from here)
 from lmjax.errors import ShapeError, TokenError
 
 
@@ -52,16 +52,6 @@ def transposed_gradient_dot(a_NM: jax.Array, b_NK: jax.Array, acc_dtype=None) ->
         return jnp.matmul(barrier(barrier(a_NM).T), b_NK, preferred_element_type=acc_dtype)
     out_KM = jnp.matmul(barrier(barrier(b_NK).T), a_NM, preferred_element_type=acc_dtype)
     return barrier(out_KM).T
-
-
-def is_real(value) -> bool:
-    """A plain real number (Python or numpy), not a bool: for hyper-parameters such as eps."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool | np.bool_)
-
-
-def is_int(value) -> bool:
-    """A plain integer (Python or numpy), not a bool: for sizes and offsets."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool | np.bool_)
 
 
 def is_concrete(x) -> bool:

@@ -14,8 +14,9 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
+from lmjax.checks import is_real
 from lmjax.errors import ConfigError
-from lmjax.ops._common import compute_dtype, is_real, require_float, require_shape
+from lmjax.ops._common import compute_dtype, require_float, require_shape
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)

@@ -7,8 +7,9 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
+from lmjax.checks import is_real
 from lmjax.errors import ConfigError
-from lmjax.ops._common import is_real, require_float
+from lmjax.ops._common import require_float
 
 
 def keep_mask(key: jax.Array, shape, rate: float) -> jax.Array:

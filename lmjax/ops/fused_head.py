@@ -14,8 +14,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from lmjax.checks import is_int
 from lmjax.errors import ShapeError
-from lmjax.ops._common import compute_dtype, is_int, transposed_gradient_dot
+from lmjax.ops._common import compute_dtype, transposed_gradient_dot
 from lmjax.ops.linear import Params, linear_reference
 from lmjax.ops.linear import _check as _check_linear
 from lmjax.ops.losses import _check_ce, counted_positions, cross_entropy_reference

@@ -7,14 +7,9 @@ import math
 import jax
 import jax.numpy as jnp
 
+from lmjax.checks import is_int
 from lmjax.errors import ShapeError
-from lmjax.ops._common import (
-    expand_left,
-    is_int,
-    require_rank,
-    sum_to_last,
-    transposed_gradient_dot,
-)
+from lmjax.ops._common import expand_left, require_rank, sum_to_last, transposed_gradient_dot
 from lmjax.quant.nf4 import QuantizedWeight
 
 Params = dict[str, jax.Array]

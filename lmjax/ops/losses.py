@@ -5,12 +5,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from lmjax.checks import is_int
 from lmjax.errors import ShapeError
 from lmjax.ops._common import (
     check_token_ids,
     compute_dtype,
     is_concrete,
-    is_int,
     require_float,
     require_int,
 )

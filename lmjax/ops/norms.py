@@ -7,15 +7,9 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
+from lmjax.checks import is_real
 from lmjax.errors import ConfigError, ShapeError
-from lmjax.ops._common import (
-    compute_dtype,
-    expand_left,
-    is_real,
-    require_float,
-    require_shape,
-    sum_to_last,
-)
+from lmjax.ops._common import compute_dtype, expand_left, require_float, require_shape, sum_to_last
 
 
 def _mean(a: jax.Array) -> jax.Array:

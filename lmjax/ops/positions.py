@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lmjax.checks import is_int
 from lmjax.errors import ShapeError
-from lmjax.ops._common import is_int
 
 
 def _check(length: int, dim: int) -> None:

@@ -7,8 +7,9 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
+from lmjax.checks import is_real
 from lmjax.errors import ConfigError, ShapeError
-from lmjax.ops._common import compute_dtype, is_real, require_float, require_int, require_rank
+from lmjax.ops._common import compute_dtype, require_float, require_int, require_rank
 
 
 def rope_angles(positions_BT: jax.Array, d_head: int, theta: float, dtype) -> tuple:
