@@ -43,6 +43,7 @@ import jax.numpy as jnp
 
 from lmjax import ops
 from lmjax import params as P
+from lmjax.checks import is_finite_real, is_int, is_positive_int, is_real, require
 from lmjax.errors import ConfigError, FileFormatError, ShapeError
 
 ALL_LINEAR = "all-linear"
@@ -118,38 +119,33 @@ def _coerce(key: str, value: Any, where: str) -> Any:
             value = [value]
         if not isinstance(value, list | tuple) or not all(isinstance(v, str) for v in value):
             raise ConfigError.describe(
-                f"{where}.targets", value, "a list of name globs or 'all-linear'",
+                f"{where}.targets",
+                value,
+                "a list of name globs or 'all-linear'",
                 "e.g. ['*.attention.query', '*.attention.value']",
-            )  # fmt: skip
+            )
         return tuple(value)
-    if key == "alpha" and isinstance(value, int) and not isinstance(value, bool):
+    if key == "alpha" and is_int(value):
         return float(value)
     return value
 
 
 def _validate(c: LoraConfig) -> None:
-    def check(ok, what, value, expected, fix):
-        if not ok:
-            raise ConfigError.describe(f"lora.{what}", value, expected, fix)
-
-    is_int = isinstance(c.r, int) and not isinstance(c.r, bool)
-    check(is_int and c.r >= 1, "r", c.r, "an int >= 1", "e.g. r=8")
-    real = isinstance(c.alpha, int | float) and not isinstance(c.alpha, bool)
-    check(real and 0 < c.alpha < math.inf, "alpha", c.alpha, "a finite number > 0", "e.g. 16")
-    d = c.dropout
-    ok = isinstance(d, int | float) and not isinstance(d, bool) and 0 <= d < 1
-    check(ok, "dropout", d, "a float in [0, 1)", "e.g. 0.05, or 0")
-    check(c.init in INITS, "init", c.init, f"one of {INITS}", "pick one")
-    check(isinstance(c.rslora, bool), "rslora", c.rslora, "true or false", "write true/false")
-    check(
-        bool(c.targets) and all(isinstance(t, str) and t for t in c.targets),
-        "targets", c.targets, "a non-empty list of name globs", "e.g. ['*.attention.query']",
-    )  # fmt: skip
-    check(
-        ALL_LINEAR not in c.targets or len(c.targets) == 1,
-        "targets", c.targets, f"'{ALL_LINEAR}' alone (it already selects every block linear), "
-        "or name globs", f"write targets={ALL_LINEAR}, or list the globs",
-    )  # fmt: skip
+    require(is_positive_int(c.r), "lora.r", c.r, "an int >= 1", "e.g. r=8")
+    ok = is_finite_real(c.alpha) and c.alpha > 0
+    require(ok, "lora.alpha", c.alpha, "a finite number > 0", "e.g. 16")
+    ok = is_real(c.dropout) and 0 <= c.dropout < 1
+    require(ok, "lora.dropout", c.dropout, "a float in [0, 1)", "e.g. 0.05, or 0")
+    require(c.init in INITS, "lora.init", c.init, f"one of {INITS}", "pick one")
+    ok = isinstance(c.rslora, bool)
+    require(ok, "lora.rslora", c.rslora, "true or false", "write true/false")
+    ok = bool(c.targets) and all(isinstance(t, str) and t for t in c.targets)
+    globs = "a non-empty list of name globs"
+    require(ok, "lora.targets", c.targets, globs, "e.g. ['*.attention.query']")
+    alone = f"'{ALL_LINEAR}' alone (it already selects every block linear), or name globs"
+    fix = f"write targets={ALL_LINEAR}, or list the globs"
+    ok = ALL_LINEAR not in c.targets or len(c.targets) == 1
+    require(ok, "lora.targets", c.targets, alone, fix)
 
 
 # ---- which layers ------------------------------------------------------------------------------
@@ -189,9 +185,11 @@ def target_layers(params_or_cfg, lcfg: LoraConfig) -> dict[str, tuple[int, int]]
         most = min(out_f, in_f)
         if lcfg.r > most:
             raise ConfigError.describe(
-                "lora.r", lcfg.r, f"<= min(out, in) = {most} of {name} [{out_f}, {in_f}]",
+                "lora.r",
+                lcfg.r,
+                f"<= min(out, in) = {most} of {name} [{out_f}, {in_f}]",
                 f"use r={most} or less (a higher rank adds parameters, not rank)",
-            )  # fmt: skip
+            )
     return chosen
 
 
@@ -200,11 +198,12 @@ def _select(layers: dict[str, tuple[int, int]], targets) -> dict[str, tuple[int,
         if not any(_selects(pattern, name) for name in layers):
             example = next(iter(layers), "<none>")
             raise ConfigError.describe(
-                "lora target", pattern,
+                "lora target",
+                pattern,
                 f"a glob matching at least one of the {len(layers)} linear layers (e.g. "
                 f"{example!r}), or 'all-linear'",
                 "check the spelling against `lmjax inspect`'s parameter names (drop '.weight')",
-            )  # fmt: skip
+            )
     chosen = lambda name: any(_selects(p, name) for p in targets)  # noqa: E731
     return {name: shape for name, shape in layers.items() if chosen(name)}
 
@@ -249,17 +248,20 @@ def adapter_layers(adapters) -> dict[str, tuple[Any, Any]]:
         layer, _, leaf = name.rpartition(".")
         if leaf not in ("lora_a", "lora_b") or not layer:
             raise ShapeError.describe(
-                "adapter leaf", name, "<layer>.lora_a or <layer>.lora_b",
+                "adapter leaf",
+                name,
+                "<layer>.lora_a or <layer>.lora_b",
                 "build adapters with lmjax.lora.init",
-            )  # fmt: skip
+            )
         layers[layer] = (flat.get(f"{layer}.lora_a"), flat.get(f"{layer}.lora_b"))
     for layer, (a, b) in layers.items():
         if a is None or b is None or a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1]:
             raise ShapeError.describe(
-                f"adapter {layer}", (getattr(a, "shape", None), getattr(b, "shape", None)),
+                f"adapter {layer}",
+                (getattr(a, "shape", None), getattr(b, "shape", None)),
                 "lora_a [r, in] and lora_b [out, r] with the same r",
                 "build adapters with lmjax.lora.init",
-            )  # fmt: skip
+            )
     return layers
 
 
@@ -308,11 +310,7 @@ def attach(params: dict, adapters: dict, lcfg: LoraConfig, dropout_key=None) -> 
     base = _flat_layers(params)
     out = P.map_with_names(lambda _, leaf: leaf, params)  # a fresh dict skeleton, same leaves
     for i, (name, (a, b)) in enumerate(layers.items()):
-        if f"{name}.weight" not in base:
-            raise ShapeError.describe(
-                "adapter layer", name, "a linear layer of the base model",
-                "load adapters made for this model",
-            )  # fmt: skip
+        _require_base_layer(name, f"{name}.weight" in base)
         _check_fits(name, a, b, tuple(base[f"{name}.weight"].shape))
         key = None
         if dropout_key is not None and lcfg.dropout > 0.0:
@@ -324,14 +322,20 @@ def attach(params: dict, adapters: dict, lcfg: LoraConfig, dropout_key=None) -> 
     return out
 
 
+def _require_base_layer(name: str, present: bool) -> None:
+    fix = "load adapters made for this model"
+    require(present, "adapter layer", name, "a linear layer of the base model", fix, ShapeError)
+
+
 def _check_fits(name: str, a, b, weight_shape: tuple[int, ...]) -> None:
     out_f, in_f = weight_shape
     if a.shape[1] != in_f or b.shape[0] != out_f:
         raise ShapeError.describe(
-            f"adapter {name}", (a.shape, b.shape),
+            f"adapter {name}",
+            (a.shape, b.shape),
             f"lora_a [r, {in_f}] and lora_b [{out_f}, r] for weight [{out_f}, {in_f}]",
             "load adapters made for this model",
-        )  # fmt: skip
+        )
 
 
 def objective(cfg, lcfg: LoraConfig):
@@ -376,11 +380,7 @@ def _apply_delta(params: dict, adapters: dict, lcfg: LoraConfig, sign: float) ->
     flat = {name: _dense(leaf) for name, leaf in _flat_layers(params).items()}
     for name, (a, b) in adapter_layers(adapters).items():
         weight = flat.get(f"{name}.weight")
-        if weight is None:
-            raise ShapeError.describe(
-                "adapter layer", name, "a linear layer of the base model",
-                "load adapters made for this model",
-            )  # fmt: skip
+        _require_base_layer(name, weight is not None)
         _check_fits(name, a, b, tuple(weight.shape))
         updated = weight.astype(jnp.float32) + sign * delta(a, b, lcfg.scale)
         flat[f"{name}.weight"] = updated.astype(weight.dtype)
@@ -421,9 +421,11 @@ def load_adapters(path: str | os.PathLike, expected=None) -> tuple[dict, LoraCon
     meta = safetensors.metadata(path)
     if meta.get("format") != "lmjax-lora" or "lora" not in meta:
         raise FileFormatError.describe(
-            f"{path} metadata", meta.get("format"), "'lmjax-lora' with a 'lora' entry",
+            f"{path} metadata",
+            meta.get("format"),
+            "'lmjax-lora' with a 'lora' entry",
             "pass a file written by lmjax.lora.save_adapters (lmjax finetune's adapters)",
-        )  # fmt: skip
+        )
     try:
         fields = json.loads(meta["lora"])
     except ValueError:
