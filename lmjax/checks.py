@@ -43,9 +43,13 @@ def is_real(value: Any) -> bool:
 
 
 def is_finite_real(value: Any) -> bool:
-    """A real number that is neither nan nor infinite."""
-    # An int is finite, and math.isfinite cannot convert one past float's range (10**400).
-    return is_int(value) or (is_real(value) and math.isfinite(value))
+    """A real number with a finite float value: not nan or inf, nor an int past float's range."""
+    if not is_real(value):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int such as 10**400 has no float
+        return False
 
 
 def is_positive_int(value: Any) -> bool:

@@ -58,9 +58,10 @@ def test_nan_and_inf_are_real_but_not_finite(value):
     assert is_real(value) and not is_finite_real(value)
 
 
-def test_huge_ints_are_finite_without_overflow():
-    # math.isfinite(10**400) raises OverflowError: an int is finite whatever its size.
-    assert is_finite_real(10**400) and is_finite_real(-(10**400))
+def test_ints_past_float_range_are_not_finite_floats():
+    # math.isfinite(10**400) raises OverflowError; such an int cannot become a float parameter.
+    assert is_finite_real(2**1023) and not is_finite_real(10**400)
+    assert not is_finite_real(-(10**400)) and is_int(10**400)
 
 
 @pytest.mark.parametrize(

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from lmjax.checks import is_int, is_real
+from lmjax.checks import is_finite_real, is_int, is_real, require
 from lmjax.errors import ConfigError
 
 NORMS = ("layernorm", "rmsnorm")
@@ -141,63 +140,47 @@ def _validate(cfg: ModelConfig) -> None:
     for name in _SIZES:
         value = getattr(cfg, name)
         # Token ids and positions are int32 inside the model, so sizes must fit in one.
-        if not is_int(value) or not 1 <= value <= MAX_SIZE:
-            raise ConfigError.describe(
-                f"model.{name}",
-                value,
-                f"an int in [1, {MAX_SIZE}]",
-                f"set {name} to a positive integer that fits in int32",
-            )
+        ok = is_int(value) and 1 <= value <= MAX_SIZE
+        fix = f"set {name} to a positive integer that fits in int32"
+        require(ok, f"model.{name}", value, f"an int in [1, {MAX_SIZE}]", fix)
     for name, allowed in _CHOICES.items():
-        if getattr(cfg, name) not in allowed:
-            raise ConfigError.describe(
-                f"model.{name}", getattr(cfg, name), f"one of {allowed}", "pick a listed value"
-            )
+        value = getattr(cfg, name)
+        fix = "pick a listed value"
+        require(value in allowed, f"model.{name}", value, f"one of {allowed}", fix)
     for name in ("bias", "tie_embeddings"):
-        if not isinstance(getattr(cfg, name), bool):
-            raise ConfigError.describe(
-                f"model.{name}",
-                getattr(cfg, name),
-                "True or False",
-                "write true or false (a YAML boolean, or name=true on the command line)",
-            )
-    _reject_if(
-        cfg.d_model % cfg.n_heads != 0,
+        value = getattr(cfg, name)
+        fix = "write true or false (a YAML boolean, or name=true on the command line)"
+        require(isinstance(value, bool), f"model.{name}", value, "True or False", fix)
+    require(
+        cfg.d_model % cfg.n_heads == 0,
         "model.d_model % model.n_heads",
         f"{cfg.d_model} % {cfg.n_heads} = {cfg.d_model % cfg.n_heads}",
         "0 (every head gets d_model / n_heads features)",
         "pick n_heads dividing d_model",
     )
-    _reject_if(
-        cfg.positions == "rope" and cfg.d_head % 2 == 1,
+    require(
+        cfg.positions != "rope" or cfg.d_head % 2 == 0,
         "d_head with positions='rope'",
         cfg.d_head,
         "an even d_model / n_heads (RoPE rotates pairs of features)",
         "change d_model or n_heads so their ratio is even",
     )
-    _reject_if(
-        cfg.positions == "sinusoidal" and cfg.d_model % 2 == 1,
+    require(
+        cfg.positions != "sinusoidal" or cfg.d_model % 2 == 0,
         "d_model with positions='sinusoidal'",
         cfg.d_model,
         "an even number (sine and cosine halves)",
         "use an even d_model",
     )
-    _require_positive_finite("eps", cfg.eps, "use e.g. 1e-5 (LayerNorm) or 1e-6 (RMSNorm)")
-    _require_positive_finite("rope_theta", cfg.rope_theta, "use e.g. 10000.0")
-    if not (is_real(cfg.dropout) and 0.0 <= cfg.dropout < 1.0):
-        raise ConfigError.describe(
-            "model.dropout", cfg.dropout, "a float in [0, 1)", "use e.g. 0.1, or 0.0 for none"
-        )
-
-
-def _reject_if(bad: bool, what: str, value, expected: str, fix: str) -> None:
-    if bad:
-        raise ConfigError.describe(what, value, expected, fix)
-
-
-def _require_positive_finite(name: str, value, fix: str) -> None:
-    if not (is_real(value) and math.isfinite(value) and value > 0):
-        raise ConfigError.describe(f"model.{name}", value, "a finite float > 0", fix)
+    for name, fix in (
+        ("eps", "use e.g. 1e-5 (LayerNorm) or 1e-6 (RMSNorm)"),
+        ("rope_theta", "use e.g. 10000.0"),
+    ):
+        value = getattr(cfg, name)
+        ok = is_finite_real(value) and value > 0
+        require(ok, f"model.{name}", value, "a finite float > 0", fix)
+    ok = is_real(cfg.dropout) and 0.0 <= cfg.dropout < 1.0
+    require(ok, "model.dropout", cfg.dropout, "a float in [0, 1)", "use e.g. 0.1, or 0.0 for none")
 
 
 _GPT = dict(
