@@ -88,15 +88,6 @@ _KNOWN: list[tuple[str, list[tuple[str, str]]]] = [
         ],
     ),
     (
-        _LATER + ": bpe imports its train/files helpers and they import bpe back",
-        [
-            (
-                "cycle",
-                "lmjax.tokenizers.bpe, lmjax.tokenizers.bpe_files, lmjax.tokenizers.bpe_train",
-            ),
-        ],
-    ),
-    (
         _LATER + ": split the file",
         [
             ("file-lines", "lmjax/cli.py"),
@@ -152,20 +143,6 @@ _KNOWN: list[tuple[str, list[tuple[str, str]]]] = [
             ("local-import", "lmjax/models/summary.py::residual_bytes -> lmjax.models.transformer"),
             ("local-import", "lmjax/ops/attention.py::_flash -> pallas_kernels.flash_attention"),
             ("local-import", "lmjax/ops/linear.py::_quantized -> pallas_kernels.nf4_matmul"),
-            ("local-import", "lmjax/tokenizers/__init__.py::build -> lmjax.errors"),
-            ("local-import", "lmjax/tokenizers/__init__.py::load -> lmjax.errors"),
-            (
-                "local-import",
-                "lmjax/tokenizers/bpe.py::BPETokenizer.from_files -> lmjax.tokenizers.bpe_files",
-            ),
-            (
-                "local-import",
-                "lmjax/tokenizers/bpe.py::BPETokenizer.save -> lmjax.tokenizers.bpe_files",
-            ),
-            (
-                "local-import",
-                "lmjax/tokenizers/bpe.py::BPETokenizer.train -> lmjax.tokenizers.bpe_train",
-            ),
             ("local-import", "lmjax/train/bench.py::run_config_model -> lmjax.tokenizers.gpt2"),
             ("local-import", "lmjax/train/data.py::gpt2_tokenizer -> lmjax.tokenizers.gpt2"),
             ("local-import", "lmjax/train/loop.py::_resumed_config -> lmjax.train.runs"),
@@ -221,7 +198,6 @@ _KNOWN: list[tuple[str, list[tuple[str, str]]]] = [
             ("private-name", "lmjax.ops.fused_head -> lmjax.ops.linear._check"),
             ("private-name", "lmjax.ops.fused_head -> lmjax.ops.losses._check_ce"),
             ("private-name", "lmjax.parallel.memory -> lmjax.models.summary._human"),
-            ("private-name", "lmjax.tokenizers.bpe_train -> lmjax.tokenizers.bpe._special_regex"),
             ("sys-modules", "lmjax.testing -> lmjax.ops.attention"),
         ],
     ),

@@ -15,9 +15,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from lmjax.errors import ConfigError, FileFormatError
 from lmjax.tokenizers._base import Tokenizer, read_manifest, write_manifest
 from lmjax.tokenizers.bpe import BPETokenizer
-from lmjax.tokenizers.bpe_files import load_directory as _load_bpe
+from lmjax.tokenizers.bpe import load_directory as _load_bpe
 from lmjax.tokenizers.simple import ByteTokenizer, CharTokenizer
 
 # kind -> loader(directory, manifest). Kinds register here so `load` stays one function.
@@ -41,8 +42,6 @@ def load(directory: str | os.PathLike) -> Tokenizer:
     manifest = read_manifest(directory)
     kind = manifest.get("kind")
     if not isinstance(kind, str) or kind not in _LOADERS:  # a list would not even hash
-        from lmjax.errors import FileFormatError
-
         raise FileFormatError.describe(
             f"{directory / 'tokenizer.json'}: kind",
             kind,
@@ -57,8 +56,6 @@ def build(kind: str, texts=(), *, vocab_size: int | None = None) -> Tokenizer:
 
     "bpe" needs `vocab_size` (>= 257: 256 byte tokens, `<|endoftext|>`, then learned merges).
     """
-    from lmjax.errors import ConfigError
-
     if kind != "bpe" and vocab_size is not None:
         raise ConfigError.describe(
             "vocab_size", vocab_size, f"None for tokenizer {kind!r}", "drop it or use 'bpe'"

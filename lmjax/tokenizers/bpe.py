@@ -15,7 +15,8 @@ never the O(n^2) of rescanning every pair after every merge.
 
 `BPETokenizer.encode` runs tiktoken's Rust engine over lmjax's own ranks (`engine="tiktoken"`,
 the default) or the reference (`engine="python"`); tests check both give identical ids.
-Training, the file formats and the reference behaviour are lmjax's (`bpe_train`, `bpe_files`).
+Training, the file formats and the reference behaviour are lmjax's (`bpe_train`, `bpe_files`);
+the pattern, the byte alphabet and the special-token rules they share are in `bpe_scheme`.
 
 Special tokens (e.g. `<|endoftext|>`) follow tiktoken's policy: a special token's text inside
 `encode`'s input raises `TokenError` if it is disallowed (default: all), becomes its id if it is
@@ -29,41 +30,28 @@ import os
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from pathlib import Path
 
-import regex
-
 from lmjax.errors import ConfigError, TokenError
 from lmjax.tokenizers._base import check_ids, check_text
-
-# The GPT-2 pre-tokenization pattern in tiktoken's equivalent, faster spelling (possessive
-# quantifiers). Original: 's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
-GPT2_PATTERN = (
-    r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
+from lmjax.tokenizers.bpe_files import (
+    manifest_paths,
+    manifest_policy,
+    read_files,
+    write_directory,
 )
-PATTERN = regex.compile(GPT2_PATTERN)
-ENDOFTEXT = "<|endoftext|>"
+from lmjax.tokenizers.bpe_scheme import (
+    BYTE_ORDER,
+    BYTE_TO_CHAR,
+    CHAR_TO_BYTE,
+    ENDOFTEXT,
+    GPT2_PATTERN,
+    PATTERN,
+    bytes_to_unicode,
+    special_policy,
+    special_regex,
+)
+from lmjax.tokenizers.bpe_train import train as train_merges
+
 ENGINES = ("tiktoken", "python")
-
-
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character map, in GPT-2's byte-token order.
-
-    Printable Latin-1 bytes map to themselves; the other 68 bytes (controls, space, NBSP, soft
-    hyphen) map to chr(256 + k) in increasing byte order, so every token is a readable string
-    in vocab.json / merges.txt (a space becomes 'Ġ', a newline 'Ċ'). The dict's insertion order
-    is the order of the 256 byte tokens in GPT-2's vocabulary (ids 0..255).
-    """
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
-    printable += range(ord("®"), ord("ÿ") + 1)
-    others = [b for b in range(256) if b not in set(printable)]
-    return {
-        **{b: chr(b) for b in printable},
-        **{b: chr(256 + k) for k, b in enumerate(others)},
-    }
-
-
-BYTE_TO_CHAR = bytes_to_unicode()
-CHAR_TO_BYTE = {c: b for b, c in BYTE_TO_CHAR.items()}
-BYTE_ORDER = tuple(BYTE_TO_CHAR)  # byte value of token id i in a freshly trained vocabulary
 
 
 def bpe_merge(
@@ -124,24 +112,6 @@ def bpe_merge(
     return ids
 
 
-def _policy(value, special: Mapping[str, int], what: str) -> frozenset[str] | str:
-    if value == "all":
-        return "all"
-    expected = "'all' or a collection of special-token strings"
-    if isinstance(value, str) or not isinstance(value, Iterable):
-        raise ConfigError.describe(what, value, expected, "pass e.g. {'<|x|>'}")
-    try:
-        value = frozenset(value)
-    except TypeError:  # unhashable members, e.g. [[1]] from a hand-edited tokenizer.json
-        raise ConfigError.describe(what, value, expected, "pass e.g. {'<|x|>'}") from None
-    unknown = sorted(value - special.keys())
-    if unknown:
-        raise ConfigError.describe(
-            what, unknown, f"special tokens of this tokenizer ({sorted(special)})", "drop them"
-        )
-    return value
-
-
 _utf8 = check_text
 
 
@@ -177,8 +147,10 @@ class BPETokenizer:
         self.ranks = dict(ranks)
         self.merges = tuple((bytes(a), bytes(b)) for a, b in merges)
         self.special_tokens = dict(special_tokens or {})
-        self.allowed_special = _policy(allowed_special, self.special_tokens, "allowed_special")
-        self.disallowed_special = _policy(
+        self.allowed_special = special_policy(
+            allowed_special, self.special_tokens, "allowed_special"
+        )
+        self.disallowed_special = special_policy(
             disallowed_special, self.special_tokens, "disallowed_special"
         )
         if engine not in ENGINES:
@@ -256,7 +228,7 @@ class BPETokenizer:
         if disallowed == "all":
             disallowed = frozenset(self.special_tokens) - allowed
         if disallowed:
-            found = _special_regex(disallowed).search(text)
+            found = special_regex(disallowed).search(text)
             if found:
                 raise TokenError.describe(
                     f"special token in text at offset {found.start()}",
@@ -301,7 +273,7 @@ class BPETokenizer:
         return self.decode_bytes(ids).decode("utf-8", errors="replace")
 
     def _resolve(self, value, default, what):
-        return default if value is None else _policy(value, self.special_tokens, what)
+        return default if value is None else special_policy(value, self.special_tokens, what)
 
     def _engine(self):
         if self._tiktoken is None:
@@ -331,9 +303,7 @@ class BPETokenizer:
         **options,
     ) -> BPETokenizer:
         """Learn merges on `texts` until `vocab_size` tokens (see `lmjax.tokenizers.bpe_train`)."""
-        from lmjax.tokenizers.bpe_train import train
-
-        ranks, merges, special = train(texts, vocab_size, special_tokens)
+        ranks, merges, special = train_merges(texts, vocab_size, special_tokens)
         return cls(ranks, merges, special, **options)
 
     @classmethod
@@ -341,16 +311,20 @@ class BPETokenizer:
         cls, vocab_path: str | os.PathLike, merges_path: str | os.PathLike, **options
     ) -> BPETokenizer:
         """Load `vocab.json` + `merges.txt` (or GPT-2's `encoder.json` + `vocab.bpe`)."""
-        from lmjax.tokenizers.bpe_files import read_files
-
         ranks, merges, special = read_files(Path(vocab_path), Path(merges_path))
         return cls(ranks, merges, special, **options)
 
     def save(self, directory: str | os.PathLike) -> None:
         """Write `vocab.json`, `merges.txt` and `tokenizer.json` (kind, specials, policy)."""
-        from lmjax.tokenizers.bpe_files import write_directory
-
-        write_directory(self, Path(directory))
+        write_directory(
+            Path(directory),
+            self.ranks,
+            self.merges,
+            self.special_tokens,
+            kind=self.kind,
+            allowed_special=self.allowed_special,
+            disallowed_special=self.disallowed_special,
+        )
 
     def __repr__(self) -> str:
         return (
@@ -359,18 +333,35 @@ class BPETokenizer:
         )
 
 
-def _special_regex(tokens: Iterable[str]) -> regex.Pattern:
-    # Longest first, so a special token that is a prefix of another never wins over it.
-    return regex.compile("|".join(regex.escape(t) for t in sorted(tokens, key=lambda t: -len(t))))
-
-
 def _split_special(text: str, allowed: frozenset[str]):
     """Yield (ordinary text, special token or None) pairs covering `text` in order."""
     if not allowed:
         yield text, None
         return
     start = 0
-    for found in _special_regex(allowed).finditer(text):
+    for found in special_regex(allowed).finditer(text):
         yield text[start : found.start()], found.group()
         start = found.end()
     yield text[start:], None
+
+
+def load_directory(directory: Path, manifest: dict) -> BPETokenizer:
+    """The `lmjax.tokenizers.load` loader for kind "bpe": the files `manifest` names, then its
+    special tokens (which must be vocab.json's) and `encode` policy."""
+    tok = BPETokenizer.from_files(*manifest_paths(directory, manifest))
+    return tok.with_options(**manifest_policy(directory, manifest, tok.special_tokens))
+
+
+__all__ = [
+    "BYTE_ORDER",
+    "BYTE_TO_CHAR",
+    "CHAR_TO_BYTE",
+    "ENDOFTEXT",
+    "ENGINES",
+    "GPT2_PATTERN",
+    "PATTERN",
+    "BPETokenizer",
+    "bpe_merge",
+    "bytes_to_unicode",
+    "load_directory",
+]

@@ -1,7 +1,8 @@
 """BPE vocabularies on disk: `vocab.json` + `merges.txt` (GPT-2's `encoder.json` + `vocab.bpe`).
 
     vocab.json   {"token": id, ...}; a token is its bytes through GPT-2's byte -> character
-                 map (`bpe.BYTE_TO_CHAR`: space 'Ġ', newline 'Ċ'); special tokens as plain text
+                 map (`bpe_scheme.BYTE_TO_CHAR`: space 'Ġ', newline 'Ċ'); special tokens as
+                 plain text
     merges.txt   an optional "#version: ..." line, then one merge "left right" per line in rank
                  order (a token never contains a space: the space byte is 'Ġ')
 
@@ -20,12 +21,13 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from lmjax.errors import FileFormatError
 from lmjax.files import atomic_write_text
 from lmjax.tokenizers._base import check_regular, write_manifest, writing
-from lmjax.tokenizers.bpe import BYTE_TO_CHAR, CHAR_TO_BYTE, GPT2_PATTERN, BPETokenizer
+from lmjax.tokenizers.bpe_scheme import BYTE_TO_CHAR, CHAR_TO_BYTE, GPT2_PATTERN, special_policy
 
 VOCAB, MERGES = "vocab.json", "merges.txt"
 _FIX = "use vocab.json/merges.txt (or encoder.json/vocab.bpe) written by lmjax, GPT-2 or HF"
@@ -167,18 +169,26 @@ def _policy_json(value):
     return value if value == "all" else sorted(value)
 
 
-def write_directory(tok: BPETokenizer, directory: Path) -> None:
+def write_directory(
+    directory: Path,
+    ranks: Mapping[bytes, int],
+    merges: Sequence[tuple[bytes, bytes]],
+    special_tokens: Mapping[str, int],
+    *,
+    kind: str,
+    allowed_special: frozenset[str] | str,
+    disallowed_special: frozenset[str] | str,
+) -> None:
     """`vocab.json`, `merges.txt` (GPT-2 style, `#version: 0.2`) and the manifest, atomically."""
 
     def text(token: bytes) -> str:
         return "".join(BYTE_TO_CHAR[b] for b in token)
 
     by_id = sorted(
-        [(i, text(t)) for t, i in tok.ranks.items()]
-        + [(i, s) for s, i in tok.special_tokens.items()]
+        [(i, text(t)) for t, i in ranks.items()] + [(i, s) for s, i in special_tokens.items()]
     )
     vocab = {token: i for i, token in by_id}
-    lines = ["#version: 0.2"] + [f"{text(a)} {text(b)}" for a, b in tok.merges]
+    lines = ["#version: 0.2"] + [f"{text(a)} {text(b)}" for a, b in merges]
     with writing(directory):
         directory.mkdir(parents=True, exist_ok=True)
         atomic_write_text(directory / VOCAB, json.dumps(vocab, ensure_ascii=False))
@@ -186,37 +196,44 @@ def write_directory(tok: BPETokenizer, directory: Path) -> None:
     write_manifest(
         directory,
         {
-            "kind": tok.kind,
+            "kind": kind,
             "vocab": VOCAB,
             "merges": MERGES,
             "pattern": GPT2_PATTERN,
-            "special_tokens": tok.special_tokens,
-            "allowed_special": _policy_json(tok.allowed_special),
-            "disallowed_special": _policy_json(tok.disallowed_special),
+            "special_tokens": dict(special_tokens),
+            "allowed_special": _policy_json(allowed_special),
+            "disallowed_special": _policy_json(disallowed_special),
         },
     )
 
 
-def load_directory(directory: Path, manifest: dict) -> BPETokenizer:
-    """The `lmjax.tokenizers.load` loader for kind "bpe"."""
+def manifest_paths(directory: Path, manifest: dict) -> tuple[Path, Path]:
+    """(vocab file, merges file) that the manifest `directory/tokenizer.json` names."""
     where = directory / "tokenizer.json"
     if manifest.get("pattern", GPT2_PATTERN) != GPT2_PATTERN:
         raise _bad(where, "pattern", manifest.get("pattern"), "the GPT-2 pattern")
-    tok = BPETokenizer.from_files(
+    return (
         directory / str(manifest.get("vocab", VOCAB)),
         directory / str(manifest.get("merges", MERGES)),
     )
-    if "special_tokens" in manifest and manifest["special_tokens"] != tok.special_tokens:
+
+
+def manifest_policy(directory: Path, manifest: dict, special_tokens: Mapping[str, int]) -> dict:
+    """The manifest's `encode` policy as `BPETokenizer` options, checked against the special
+    tokens that vocab.json holds (the manifest must list the same ones)."""
+    where = directory / "tokenizer.json"
+    if "special_tokens" in manifest and manifest["special_tokens"] != special_tokens:
         raise _bad(
             where,
             "special_tokens",
             manifest["special_tokens"],
-            f"{tok.special_tokens} (vocab.json)",
+            f"{special_tokens} (vocab.json)",
         )
+    options = {
+        "allowed_special": manifest.get("allowed_special", ()),
+        "disallowed_special": manifest.get("disallowed_special", "all"),
+    }
     try:
-        return tok.with_options(
-            allowed_special=manifest.get("allowed_special", ()),
-            disallowed_special=manifest.get("disallowed_special", "all"),
-        )
+        return {what: special_policy(v, special_tokens, what) for what, v in options.items()}
     except ValueError as err:
         raise _bad(where, "policy", str(err), "special tokens of this vocabulary") from None

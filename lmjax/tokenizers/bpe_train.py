@@ -7,7 +7,7 @@
         non-overlapping occurrence, left to right, in every piece that holds it
     special tokens take the ids after the mergeable tokens (GPT-2: <|endoftext|> = 50256)
 
-Byte tokens get ids 0..255 in GPT-2's order (`bpe.BYTE_ORDER`); merged tokens follow in the
+Byte tokens get ids 0..255 in GPT-2's order (`bpe_scheme.BYTE_ORDER`); merged tokens follow in the
 order they are learned, so a token's id is its rank. A pair whose concatenation is already a
 token (reached before by another split) is merged into that token and recorded in `merges`
 without taking a new id. These rules (ordering, tie-break, duplicates) are those of Hugging Face
@@ -27,7 +27,7 @@ from collections.abc import Iterable, Sequence
 
 from lmjax.errors import ConfigError
 from lmjax.tokenizers._base import check_text
-from lmjax.tokenizers.bpe import BYTE_ORDER, PATTERN, _special_regex
+from lmjax.tokenizers.bpe_scheme import BYTE_ORDER, PATTERN, special_regex
 
 Pair = tuple[int, int]
 
@@ -40,7 +40,7 @@ def count_pieces(texts: Iterable[str] | str, special_tokens: Sequence[str]) -> C
             "training texts", type(texts).__name__, "a str or an iterable of str",
             "pass the corpus text",
         )  # fmt: skip
-    splitter = _special_regex(special_tokens) if special_tokens else None
+    splitter = special_regex(special_tokens) if special_tokens else None
     counts: Counter = Counter()
     for text in texts:
         if not isinstance(text, str):
