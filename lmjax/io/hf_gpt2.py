@@ -41,6 +41,7 @@ import numpy as np
 import safetensors
 
 from lmjax import params as P
+from lmjax.checks import is_int, is_real, require
 from lmjax.errors import CheckpointError, ConfigError, FileFormatError, ShapeError
 from lmjax.files import atomic_write_text
 from lmjax.io import safetensors as st
@@ -61,17 +62,13 @@ _SIZES = ("vocab_size", "n_positions", "n_embd", "n_head", "n_layer")
 
 def _check_numbers(hf: dict, where: str) -> None:
     """Sizes are ints (n_inner an int or null), layer_norm_epsilon a number, when present."""
-    is_int = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731
     for key in (*_SIZES, "n_inner"):
         value = hf.get(key)
-        if key in hf and not (is_int(value) or (key == "n_inner" and value is None)):
-            kind = "an int or null" if key == "n_inner" else "an int"
-            raise ConfigError.describe(f"{where} {key}", value, kind, _FIX_CKPT)
+        ok = key not in hf or is_int(value) or (key == "n_inner" and value is None)
+        kind = "an int or null" if key == "n_inner" else "an int"
+        require(ok, f"{where} {key}", value, kind, _FIX_CKPT)
     eps = hf.get("layer_norm_epsilon", 1e-5)
-    if not (isinstance(eps, int | float) and not isinstance(eps, bool)):
-        raise ConfigError.describe(
-            f"{where} layer_norm_epsilon", eps, "a number (GPT-2: 1e-05)", _FIX_CKPT
-        )
+    require(is_real(eps), f"{where} layer_norm_epsilon", eps, "a number (GPT-2: 1e-05)", _FIX_CKPT)
 
 
 def config_from_hf(hf: dict, dtype: str = "float32", where: str = "config.json") -> ModelConfig:
@@ -100,11 +97,9 @@ def config_from_hf(hf: dict, dtype: str = "float32", where: str = "config.json")
         raise ConfigError.describe(f"{where} keys", missing, "present", _FIX_CKPT)
     _check_numbers(hf, where)
     for key, (value, allowed) in unsupported.items():
-        if value not in allowed:
-            raise ConfigError.describe(
-                f"{where} {key}", value, f"one of {allowed} (what lmjax's gpt2 expresses)",
-                "convert the model to a plain GPT-2 first",
-            )  # fmt: skip
+        expected = f"one of {allowed} (what lmjax's gpt2 expresses)"
+        fix = "convert the model to a plain GPT-2 first"
+        require(value in allowed, f"{where} {key}", value, expected, fix)
     d = hf["n_embd"]
     return preset(
         "gpt2",
@@ -124,11 +119,9 @@ def config_to_hf(cfg: ModelConfig) -> dict:
     """`config.json` contents for `cfg`; raises ConfigError if GPT-2 cannot express it."""
     needs = dict(norm="layernorm", positions="learned", bias=True, tie_embeddings=True)
     for key, value in needs.items():
-        if getattr(cfg, key) != value:
-            raise ConfigError.describe(
-                f"model.{key}", getattr(cfg, key), f"{value!r} for a GPT-2 export",
-                "export only gpt2-preset models",
-            )  # fmt: skip
+        ok = getattr(cfg, key) == value
+        fix = "export only gpt2-preset models"
+        require(ok, f"model.{key}", getattr(cfg, key), f"{value!r} for a GPT-2 export", fix)
     if cfg.activation not in _TO_HF_ACTIVATION:
         raise ConfigError.describe(
             "model.activation", cfg.activation, f"one of {tuple(_TO_HF_ACTIVATION)}", "use gpt2"
@@ -232,9 +225,11 @@ def _weight_files(path: Path) -> tuple[list[Path], Path | None]:
     """(safetensors files, config.json or None) for a directory or a single file."""
     if not path.exists():
         raise CheckpointError.describe(
-            "Hugging Face GPT-2 path", str(path), "an existing directory or .safetensors file",
+            "Hugging Face GPT-2 path",
+            str(path),
+            "an existing directory or .safetensors file",
             "check the path (download with huggingface_hub.snapshot_download('gpt2'))",
-        )  # fmt: skip
+        )
     if not path.is_dir():  # a file (or a pipe, which the safetensors reader refuses)
         config = path.parent / "config.json"
         return [path], config if config.exists() else None
@@ -280,16 +275,20 @@ def _shard_names(index: Path) -> list[str]:
     weight_map = index_json.get("weight_map") if isinstance(index_json, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
         raise FileFormatError.describe(
-            f"{index} weight_map", weight_map, "a non-empty JSON object {tensor name: file name}",
+            f"{index} weight_map",
+            weight_map,
+            "a non-empty JSON object {tensor name: file name}",
             _FIX_CKPT,
-        )  # fmt: skip
+        )
     for key, name in weight_map.items():
         plain = isinstance(name, str) and name not in ("", ".", "..")
         if not (plain and "/" not in name and "\\" not in name and Path(name).name == name):
             raise FileFormatError.describe(
-                f"{index} weight_map[{key!r}]", name,
-                f"a plain file name inside {index.parent} (no directories)", _FIX_CKPT,
-            )  # fmt: skip
+                f"{index} weight_map[{key!r}]",
+                name,
+                f"a plain file name inside {index.parent} (no directories)",
+                _FIX_CKPT,
+            )
     return sorted(set(weight_map.values()))
 
 
@@ -327,9 +326,11 @@ def _read_state(entries: dict[str, tuple[Path, str, np.dtype, tuple]]) -> dict[s
 def _infer_config(shapes: dict[str, tuple], n_heads: int | None, where: Path) -> dict:
     if n_heads is None:
         raise ConfigError.describe(
-            "n_heads", None, f"a head count (no config.json beside {where})",
+            "n_heads",
+            None,
+            f"a head count (no config.json beside {where})",
             "pass n_heads=... (GPT-2 uses d_model / 64) or put config.json beside the file",
-        )  # fmt: skip
+        )
     need = ("wte.weight", "wpe.weight", "h.0.mlp.c_fc.weight")
     missing = [k for k in need if k not in shapes]
     if missing:
@@ -362,10 +363,11 @@ def _check_layers(shapes: dict[str, tuple], cfg: ModelConfig, where: Path) -> No
         shown = ", ".join(f"h.{i}" for i in blocks[:4]) + (", ..." if len(blocks) > 4 else "")
         shown = shown or "no h.N.* names"
         raise CheckpointError.describe(
-            f"{where}: blocks in the weights", f"{len(found)} ({shown})",
+            f"{where}: blocks in the weights",
+            f"{len(found)} ({shown})",
             f"h.0 .. h.{cfg.n_layers - 1} ({cfg.n_layers} layers, n_layer in the config)",
             "point at the config.json saved with these weights",
-        )  # fmt: skip
+        )
 
 
 def _check_shapes(shapes: dict[str, tuple], cfg: ModelConfig, where: Path) -> None:
@@ -374,18 +376,24 @@ def _check_shapes(shapes: dict[str, tuple], cfg: ModelConfig, where: Path) -> No
     if "lm_head.weight" in shapes:
         want["lm_head.weight"] = (None, want["wte.weight"][1])
     st.report_mismatches(
-        where, {k: (None, shape) for k, shape in shapes.items()}, want,
-        "the GPT-2 state dict of config.json", _FIX_CKPT, unexpected="not a GPT-2 key:",
-    )  # fmt: skip
+        where,
+        {k: (None, shape) for k, shape in shapes.items()},
+        want,
+        "the GPT-2 state dict of config.json",
+        _FIX_CKPT,
+        unexpected="not a GPT-2 key:",
+    )
 
 
 def _check_tied(state: dict, where: Path) -> None:
     head = state.get("lm_head.weight")
     if head is not None and not np.array_equal(head, state["wte.weight"]):
         raise CheckpointError.describe(
-            f"{where}: lm_head.weight", "differs from wte.weight", "tied (equal) weights",
+            f"{where}: lm_head.weight",
+            "differs from wte.weight",
+            "tied (equal) weights",
             "lmjax's gpt2 ties the head to the token embedding; re-tie the model before export",
-        )  # fmt: skip
+        )
 
 
 def _check_finite(state: dict[str, np.ndarray], where: Path) -> None:
@@ -396,19 +404,22 @@ def _check_finite(state: dict[str, np.ndarray], where: Path) -> None:
         finite = np.isfinite(array.astype(np.float32, copy=False))
         if not finite.all():
             raise CheckpointError.describe(
-                f"{where}: {name}", f"{finite.size - int(finite.sum())} NaN/inf values",
-                "finite weights", "download or export the checkpoint again (it is corrupt)",
-            )  # fmt: skip
+                f"{where}: {name}",
+                f"{finite.size - int(finite.sum())} NaN/inf values",
+                "finite weights",
+                "download or export the checkpoint again (it is corrupt)",
+            )
 
 
 def check_tokenizer(tokenizer, cfg: ModelConfig, where: str | os.PathLike) -> None:
     """Refuse a tokenizer (found beside a checkpoint) that can produce ids the model lacks."""
     if tokenizer.vocab_size > cfg.vocab_size:
         raise FileFormatError.describe(
-            f"{where}: tokenizer vocabulary", f"{tokenizer.vocab_size} tokens",
+            f"{where}: tokenizer vocabulary",
+            f"{tokenizer.vocab_size} tokens",
             f"at most the model's vocab_size ({cfg.vocab_size}): every id it encodes must exist",
             "put the vocab.json/merges.txt saved with this checkpoint beside it",
-        )  # fmt: skip
+        )
 
 
 def load(
@@ -442,11 +453,12 @@ def save(params: dict, cfg: ModelConfig, out_dir: str | os.PathLike) -> None:
     for name, leaf in P.flatten(params).items():
         if np.dtype(leaf.dtype) != np.dtype(cfg.param_dtype):
             raise ShapeError.describe(
-                f"parameter {name} dtype", np.dtype(leaf.dtype),
+                f"parameter {name} dtype",
+                np.dtype(leaf.dtype),
                 f"{cfg.param_dtype} (the config's param_dtype, written to config.json)",
                 "cast the params to cfg.param_dtype, or export with a config whose param_dtype "
                 "matches them",
-            )  # fmt: skip
+            )
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     flat = {name: np.asarray(a) for name, a in P.flatten(params).items()}

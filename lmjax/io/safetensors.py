@@ -42,6 +42,7 @@ import safetensors
 import safetensors.numpy
 
 from lmjax import params as P
+from lmjax.checks import is_nonnegative_int
 from lmjax.errors import CheckpointError, ConfigError, FileFormatError, ShapeError
 from lmjax.files import atomic_write_bytes
 
@@ -80,8 +81,12 @@ def _read_raw_header(path: Path) -> tuple[dict, int]:
     try:
         info = path.stat()
         if not (stat.S_ISREG(info.st_mode) or stat.S_ISDIR(info.st_mode)):
-            raise _bad(path, "kind", "a pipe, socket or device", "a regular file (reading "
-                       "a pipe could block forever)")  # fmt: skip
+            raise _bad(
+                path,
+                "kind",
+                "a pipe, socket or device",
+                "a regular file (reading a pipe could block forever)",
+            )
         size = info.st_size
         with open(path, "rb") as handle:
             prefix = handle.read(8)
@@ -105,9 +110,11 @@ def _read_raw_header(path: Path) -> tuple[dict, int]:
         ) from None
     except OSError as err:  # no permission, a parent that is a file, an I/O error...
         raise FileFormatError.describe(
-            "safetensors file", str(path), f"a readable file ({err.strerror or err})",
+            "safetensors file",
+            str(path),
+            f"a readable file ({err.strerror or err})",
             "check the path and its permissions",
-        ) from None  # fmt: skip
+        ) from None
     try:
         header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
     except (UnicodeDecodeError, ValueError) as err:
@@ -130,7 +137,7 @@ def _check_entry(path: Path, name: str, entry: Any) -> tuple[np.dtype, tuple, in
     ints = lambda xs, k: (  # noqa: E731
         isinstance(xs, list)
         and (k is None or len(xs) == k)
-        and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in xs)
+        and all(is_nonnegative_int(x) for x in xs)
     )
     if not ints(shape, None):
         raise _bad(path, f"{name!r} shape", shape, "a list of non-negative ints")
@@ -178,9 +185,11 @@ def read_header(path: str | os.PathLike) -> tuple[dict[str, tuple[np.dtype, tupl
 def _to_numpy(name: str, leaf) -> np.ndarray:
     if not hasattr(leaf, "dtype") or not hasattr(leaf, "shape"):  # list, tuple, int, float...
         raise ShapeError.describe(
-            f"parameter {name}", leaf, "an array (numpy or jax) with a dtype",
+            f"parameter {name}",
+            leaf,
+            "an array (numpy or jax) with a dtype",
             "wrap it with np.asarray(value, dtype) so its dtype is explicit",
-        )  # fmt: skip
+        )
     array = np.asarray(leaf, order="C")  # keeps a 0-d scalar's shape () (ascontiguousarray: (1,))
     if array.dtype not in DTYPES.values():
         raise ShapeError.describe(
@@ -196,9 +205,11 @@ def _check_metadata(metadata) -> dict[str, str] | None:
         isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
     ):
         raise ConfigError.describe(
-            "safetensors metadata", metadata, "a mapping {str: str}",
+            "safetensors metadata",
+            metadata,
+            "a mapping {str: str}",
             "pass e.g. {'step': str(step)}",
-        )  # fmt: skip
+        )
     return dict(metadata)
 
 
@@ -213,9 +224,11 @@ def save(params: Mapping, path: str | os.PathLike, metadata: Mapping[str, str] |
         atomic_write_bytes(path, data)  # on failure: the old file (or none), no temporary left
     except OSError as err:  # CheckpointError is an OSError too: `except OSError` still works
         raise CheckpointError.describe(
-            f"writing {path}", err.strerror or str(err), "a writable directory with free space",
+            f"writing {path}",
+            err.strerror or str(err),
+            "a writable directory with free space",
             "check the path, its permissions and the free disk space (nothing was replaced)",
-        ) from err  # fmt: skip
+        ) from err
 
 
 def _expected_specs(expected) -> dict[str, tuple[np.dtype, tuple]]:
@@ -265,10 +278,12 @@ def report_mismatches(
 def check_against(path: Path, found: dict, expected) -> None:
     """Raise `CheckpointError` listing every missing, unexpected or mis-shaped/typed name."""
     report_mismatches(
-        path, found, _expected_specs(expected),
+        path,
+        found,
+        _expected_specs(expected),
         "the names, shapes and dtypes of the model being loaded",
         "load it with the config it was saved from (or convert it first)",
-    )  # fmt: skip
+    )
 
 
 def _as_array(value: np.ndarray):
