@@ -38,6 +38,7 @@ import jax
 import yaml
 
 from lmjax import lora
+from lmjax.checks import require
 from lmjax.config import RunConfig, parse_run_overrides, read_yaml
 from lmjax.errors import CheckpointError, ConfigError, TokenError
 from lmjax.lora import LoraConfig
@@ -71,9 +72,11 @@ class FinetuneSpec:
             return cls(f["base"], f["base_path"], f["qlora"], lcfg, step, sha)
         except (KeyError, TypeError, AttributeError):
             raise CheckpointError.describe(
-                where, "incomplete", "finetune: {base, base_path, qlora, ...} and lora: {...}",
+                where,
+                "incomplete",
+                "finetune: {base, base_path, qlora, ...} and lora: {...}",
                 "restore the file (lmjax finetune writes it) or start a new run",
-            ) from None  # fmt: skip
+            ) from None
 
 
 def fingerprint(params) -> str:
@@ -124,21 +127,25 @@ def load_config(
     lora_section = data.pop("lora", None) or {}
     if not isinstance(section, dict) or set(section) - {"base", "qlora"}:
         raise ConfigError.describe(
-            "finetune section", section, "a mapping with base (a run path) and qlora",
+            "finetune section",
+            section,
+            "a mapping with base (a run path) and qlora",
             "write finetune: {base: runs/NAME, qlora: false}",
-        )  # fmt: skip
+        )
     lcfg = LoraConfig.from_dict(lora_section)
     if lora_text is not None:
         lcfg = LoraConfig.parse(lora_text, lcfg)
     use_qlora = bool(section.get("qlora", False)) if qlora is None else qlora
-    if not isinstance(section.get("qlora", False), bool):
-        raise ConfigError.describe("finetune.qlora", section["qlora"], "true or false", "fix it")
+    qlora_value = section.get("qlora", False)
+    require(isinstance(qlora_value, bool), "finetune.qlora", qlora_value, "true or false", "fix it")
     base = section.get("base")
     if not isinstance(base, str) or not base:
         raise ConfigError.describe(
-            "finetune.base", base, "a run directory, RUN/checkpoints/STEP or an import-hf run",
+            "finetune.base",
+            base,
+            "a run directory, RUN/checkpoints/STEP or an import-hf run",
             "set finetune.base in the config or pass finetune.base=PATH",
-        )  # fmt: skip
+        )
     base_run = load_run(base) if weights else _base_config_only(base)
     if weights:
         _check_base_step(base, base_run)
@@ -148,9 +155,11 @@ def load_config(
     cfg = RunConfig.from_dict(data, run_overrides)
     if cfg.parallel.mesh is not None:
         raise ConfigError.describe(
-            "parallel.mesh", cfg.parallel.mesh, "null for a fine-tune (single device for now)",
+            "parallel.mesh",
+            cfg.parallel.mesh,
+            "null for a fine-tune (single device for now)",
             "remove the parallel section",
-        )  # fmt: skip
+        )
     resolved = str(Path(base).resolve())
     sha = fingerprint(base_run.params) if weights else None
     spec = FinetuneSpec(base, resolved, use_qlora, lcfg, base_run.step, sha)
@@ -166,11 +175,12 @@ def _check_base_step(base: str, base_run) -> None:
     step = split_run_path(base)[1]
     if step is not None and base_run.step != step:
         raise ConfigError.describe(
-            "finetune.base", base,
+            "finetune.base",
+            base,
             f"a checkpoint of {base_run.directory}"
             + (" (it holds weights only, no checkpoints)" if base_run.step is None else ""),
             f"set finetune.base={base_run.directory} to use its weights",
-        )  # fmt: skip
+        )
 
 
 def _base_config_only(base: str):
@@ -179,9 +189,11 @@ def _base_config_only(base: str):
     run_dir, step = split_run_path(base)
     if step is not None and not Path(base).is_dir():
         raise ConfigError.describe(
-            "finetune.base", base, f"a checkpoint directory of {run_dir}",
+            "finetune.base",
+            base,
+            f"a checkpoint directory of {run_dir}",
             f"check the step (ls {run_dir / 'checkpoints'}), or set finetune.base={run_dir}",
-        )  # fmt: skip
+        )
     cfg = read_config(run_dir)
     return LoadedRun(run_dir, cfg, cfg.model_config(), None, None, step)
 
@@ -195,9 +207,11 @@ def _model_section(model: Any, overrides: dict, base_run) -> dict:
     bad = sorted(set(changes) - set(MODEL_FIELDS))
     if bad:
         raise ConfigError.describe(
-            "model field", bad[0], f"one of {MODEL_FIELDS} (the rest is the base model's)",
+            "model field",
+            bad[0],
+            f"one of {MODEL_FIELDS} (the rest is the base model's)",
             "remove it: a fine-tune keeps the base architecture",
-        )  # fmt: skip
+        )
     return {**base_run.model.to_dict(), **changes}
 
 
@@ -215,12 +229,20 @@ def _data_section(data: Any, overrides: dict, base_run) -> dict:
     for field in ("tokenizer", "vocab_size"):
         if field in given and given[field] != getattr(base_data, field):
             raise ConfigError.describe(
-                f"data.{field}", given[field],
+                f"data.{field}",
+                given[field],
                 f"the base's {getattr(base_data, field)!r} (a fine-tune encodes its corpus with "
                 "the base's tokenizer)",
                 f"pass data.{field}={getattr(base_data, field)} (or leave it out of the config)",
-            )  # fmt: skip
+            )
     return out
+
+
+def _require_tokenizer(base_run) -> None:
+    fix = "fine-tune a run written by lmjax train or lmjax import-hf"
+    where = str(base_run.directory)
+    ok = base_run.tokenizer is not None
+    require(ok, "base run", where, "a run with a tokenizer/ directory", fix)
 
 
 def with_base_tokenized_data(cfg: RunConfig, base_run) -> RunConfig:
@@ -228,31 +250,24 @@ def with_base_tokenized_data(cfg: RunConfig, base_run) -> RunConfig:
     and cached like any data directory), so a char or BPE base fine-tunes on another corpus."""
     from lmjax.train import data as D
 
-    if base_run.tokenizer is None:
-        raise ConfigError.describe(
-            "base run", str(base_run.directory), "a run with a tokenizer/ directory",
-            "fine-tune a run written by lmjax train or lmjax import-hf",
-        )  # fmt: skip
+    _require_tokenizer(base_run)
     tok_dir = base_run.directory / "tokenizer"
     try:
         out = D.prepare_section(cfg.data, cfg.logging.progress, tokenizer_dir=tok_dir)
     except TokenError as err:
         raise ConfigError.describe(
-            "data.corpus", cfg.data.corpus,
+            "data.corpus",
+            cfg.data.corpus,
             f"text the base's {base_run.tokenizer.kind} tokenizer can encode ({err})",
             "fine-tune on text of the base's characters, or use a base with a byte or gpt2 "
             "tokenizer",
-        ) from None  # fmt: skip
+        ) from None
     return cfg.replace(data=dataclasses.replace(cfg.data, dir=str(out)))
 
 
 def check_tokenizer(prepared, base_run) -> None:
     """The data's tokenizer must be the base run's, file for file."""
-    if base_run.tokenizer is None:
-        raise ConfigError.describe(
-            "base run", str(base_run.directory), "a run with a tokenizer/ directory",
-            "fine-tune a run written by lmjax train or lmjax import-hf",
-        )  # fmt: skip
+    _require_tokenizer(base_run)
     with tempfile.TemporaryDirectory() as tmp:
         ours, theirs = Path(tmp) / "data", Path(tmp) / "base"
         prepared.tokenizer.save(ours)
@@ -263,12 +278,13 @@ def check_tokenizer(prepared, base_run) -> None:
         )
     if not same:
         raise ConfigError.describe(
-            "data tokenizer", f"{prepared.tokenizer.kind} of {prepared.directory}",
+            "data tokenizer",
+            f"{prepared.tokenizer.kind} of {prepared.directory}",
             f"the base run's tokenizer ({base_run.directory / 'tokenizer'})",
             "fine-tune on data the base's tokenizer makes: byte and gpt2 work on any corpus; "
             "char and bpe vocabularies are built from the corpus, so only a corpus giving the "
             "same characters (char) or the base's own corpus (bpe) matches",
-        )  # fmt: skip
+        )
 
 
 def frozen_params(base_params: dict, qlora: bool) -> dict:
@@ -335,26 +351,31 @@ def _check_same_spec(run_dir: Path, spec: FinetuneSpec) -> None:
     where = run_dir / SPEC_FILE
     if not where.is_file():
         raise ConfigError.describe(
-            "run directory to resume", str(run_dir), f"a fine-tune run (with {SPEC_FILE})",
+            "run directory to resume",
+            str(run_dir),
+            f"a fine-tune run (with {SPEC_FILE})",
             "check run.dir, or drop --resume to start a new fine-tune",
-        )  # fmt: skip
+        )
     saved = FinetuneSpec.from_dict(yaml.safe_load(where.read_text(encoding="utf-8")), str(where))
     # The base is compared by content: the same weights may be named by another path.
     if saved.base_sha256 is not None and saved.base_sha256 != spec.base_sha256:
         raise ConfigError.describe(
-            "base weights on resume", f"{spec.base_path} (sha256 {spec.base_sha256[:12]})",
+            "base weights on resume",
+            f"{spec.base_path} (sha256 {spec.base_sha256[:12]})",
             f"the weights the run started from ({saved.base_path}, step {saved.base_step}, "
             f"sha256 {saved.base_sha256[:12]})",
             "point finetune.base at that base (e.g. RUN/checkpoints/STEP if it trained on), or "
             "start a new run",
-        )  # fmt: skip
+        )
     fields = ("qlora", "lora") if saved.base_sha256 is not None else ("base_path", "qlora", "lora")
     for field in fields:
         if getattr(saved, field) != getattr(spec, field):
             raise ConfigError.describe(
-                f"{field} on resume", getattr(spec, field), f"the run's {getattr(saved, field)!r}",
+                f"{field} on resume",
+                getattr(spec, field),
+                f"the run's {getattr(saved, field)!r}",
                 "resume with the same finetune/lora settings, or start a new run",
-            )  # fmt: skip
+            )
 
 
 def _write_merged(run_dir: Path, params: dict, base_run) -> None:
@@ -404,16 +425,19 @@ def _load_base(spec: FinetuneSpec, where: Path):
         base_run = load_run(spec.base_path, spec.base_step)
     except LMJaxError as err:
         raise CheckpointError.describe(
-            "fine-tune base", f"{spec.base_path} (step {spec.base_step})",
-            f"the base run this fine-tune trained on ({type(err).__name__}: {err})", fix,
-        ) from None  # fmt: skip
+            "fine-tune base",
+            f"{spec.base_path} (step {spec.base_step})",
+            f"the base run this fine-tune trained on ({type(err).__name__}: {err})",
+            fix,
+        ) from None
     if spec.base_sha256 is not None and fingerprint(base_run.params) != spec.base_sha256:
         raise CheckpointError.describe(
-            "fine-tune base", f"{spec.base_path} (step {spec.base_step})",
+            "fine-tune base",
+            f"{spec.base_path} (step {spec.base_step})",
             f"the weights the adapters were trained on (sha256 {spec.base_sha256[:12]}); "
             "that base has changed",
             fix,
-        )  # fmt: skip
+        )
     return base_run
 
 
