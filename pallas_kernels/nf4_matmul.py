@@ -2,8 +2,8 @@
 
 Shapes: x `[..., I]` (float32, bfloat16 or float16), W an `lmjax.quant.QuantizedWeight` of shape
 `[O, I]` (SPEC section 6), bias `[O]` -> y `[..., O]` in x's dtype. Requirement: I % 64 == 0, so
-every 64-weight quantization block lies inside one row of W (`ShapeError` otherwise; the
-reference path, which dequantizes the whole weight, takes any shape).
+every 64-weight quantization block lies inside one row of W (`ShapeError` otherwise; the XLA
+path `nf4_matmul_tiled` and the reference `nf4_matmul_reference` take any shape).
 
 What the kernels read: the packed codes, viewed as uint8 `[O, I/2]` (a free reshape: row o holds
 bytes o*I/2 .. (o+1)*I/2 - 1, the high nibble the even column), and the block scales
@@ -41,12 +41,28 @@ Backends: `backend="gpu"` (Triton; grid (M blocks, O blocks), a loop over I insi
 grid (M blocks, I blocks), a loop over O inside the dx kernel) or `backend="tpu"` (Mosaic; the
 reduction axis is the last, sequential grid axis with a VMEM float32 accumulator). None follows
 `jax.default_backend()`; on CPU the GPU kernel runs interpreted (interpret=None -> True on CPU).
+
+The XLA path (`nf4_matmul_tiled`, what `quantized_linear` runs on CPU and for in-features that
+are not a multiple of 64): the same y and dx in plain jnp, decoding W in tiles of whole rows,
+
+    y[:, tile] = x @ W[tile]^T   (a lax.map over tiles)      dx = sum_tiles g[:, tile] @ W[tile]
+
+each tile `NF4[code] * absmax'` in float32 (exactly `lmjax.quant.dequantize`'s values), cast to
+x's dtype, one float32-accumulated matmul. A custom VJP keeps only the NF4 leaves (codes and
+block statistics) for the backward, which decodes the tiles again: no float copy of the weight
+is saved, and none larger than one tile exists at any time. A tile is a multiple of
+64 / gcd(I, 64) rows, so it holds whole bytes and whole quantization blocks of the flattened
+weight (1 row for I a multiple of 64, 16 for I = 100, 64 for odd I); O is padded to whole tiles
+with code 7 (0.0) and scale 0, and the padded rows of y are dropped. `nf4_matmul_reference`
+keeps the plain form (the whole weight dequantized, jax.grad) as the oracle the tests compare
+every path with.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -57,7 +73,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
 from lmjax.errors import ConfigError, ShapeError
-from lmjax.quant.nf4 import BLOCK, NF4, QuantizedWeight, block_absmax, dequantize
+from lmjax.quant.nf4 import BLOCK, NF4, QuantizedWeight, block_absmax, dequantize, unpack_codes
 from pallas_kernels import _backend
 from pallas_kernels._backend import (  # re-exported: KERNELS, CPU_KERNEL are in __all__
     CPU_KERNEL,
@@ -526,14 +542,146 @@ def nf4_matmul_reference(x, qw: QuantizedWeight, bias=None):
     return y if bias is None else y + _expand(bias, y)
 
 
+# ---- the XLA path: row tiles decoded in plain jnp, an input-only custom VJP ---------------------
+
+TILE_WEIGHTS = 2**20  # weights decoded at a time by default (4 MiB in float32; module docstring)
+
+
+@dataclasses.dataclass(frozen=True)
+class _RowTiles:
+    """The weight's O rows of I in-features cut into `count` tiles of `rows` rows each."""
+
+    o: int
+    i: int
+    rows: int
+    count: int
+
+    @property
+    def o_pad(self) -> int:
+        return self.rows * self.count
+
+    @property
+    def tile_bytes(self) -> int:  # packed bytes per tile (rows * I is a multiple of 64)
+        return self.rows * self.i // 2
+
+    @property
+    def tile_blocks(self) -> int:  # quantization blocks per tile
+        return self.rows * self.i // BLOCK
+
+
+def _row_tiles(o: int, i: int, tile_rows: int | None) -> _RowTiles:
+    """Tiles of about `tile_rows` rows (None: TILE_WEIGHTS weights), each a multiple of
+    64 / gcd(I, 64) rows, so every tile starts on a byte and on a quantization block; the count
+    is the fewest tiles of that size, then the rows are spread evenly to pad O as little as
+    possible."""
+    align = BLOCK // math.gcd(i, BLOCK)
+    if tile_rows is None:  # rounded down: a default tile stays within TILE_WEIGHTS when it can
+        cap = max(align, TILE_WEIGHTS // i // align * align)
+    else:
+        cap = _round_up(tile_rows, align)
+    count = -(-o // cap)
+    return _RowTiles(o, i, _round_up(-(-o // count), align), count)
+
+
+def _tiled_leaves(t: _RowTiles, qw: QuantizedWeight):
+    """The NF4 leaves -> (codes uint8 [count, tile_bytes], scales f32 [count, tile_blocks]).
+
+    The padding rows decode to exactly 0: bytes 0x77 (code 7 in both nibbles, NF4 value 0.0)
+    and scale 0. For N = O I odd, the last real byte's low nibble is already code 7.
+    """
+    packed = qw.packed.reshape(-1)
+    packed = jnp.pad(packed, (0, t.count * t.tile_bytes - packed.shape[0]), constant_values=0x77)
+    scales = block_absmax(qw)
+    scales = jnp.pad(scales, (0, t.count * t.tile_blocks - scales.shape[0]))
+    return packed.reshape(t.count, t.tile_bytes), scales.reshape(t.count, t.tile_blocks)
+
+
+def _decode_rows(t: _RowTiles, packed_B, scales_Q, dtype):
+    """One tile: codes uint8 [rows I / 2], scales f32 [rows I / 64] -> W tile [rows, I] in dtype:
+    `NF4[code] * absmax'` in float32 (the values of lmjax.quant.dequantize), then cast."""
+    codes = unpack_codes(packed_B, 2 * t.tile_bytes)
+    w_QB = jnp.asarray(NF4)[codes].reshape(t.tile_blocks, BLOCK) * scales_Q[:, None]
+    return w_QB.reshape(t.rows, t.i).astype(dtype)
+
+
+def _tiled_y(t: _RowTiles, x_MI, qw: QuantizedWeight):
+    """y [M, O] = x @ W^T, one row tile of W decoded per lax.map step."""
+    packed_TB, scales_TQ = _tiled_leaves(t, qw)
+
+    def tile_y(tile):
+        w_RI = _decode_rows(t, *tile, x_MI.dtype)
+        y_MR = jnp.einsum("mi,ri->mr", x_MI, w_RI, preferred_element_type=jnp.float32)
+        return y_MR.astype(x_MI.dtype)
+
+    y_TMR = lax.map(tile_y, (packed_TB, scales_TQ))
+    return jnp.moveaxis(y_TMR, 0, 1).reshape(x_MI.shape[0], t.o_pad)[:, : t.o]
+
+
+def _tiled_dx(t: _RowTiles, qw: QuantizedWeight, g_MO):
+    """dx [M, I] = g @ W = sum over row tiles of g[:, tile] @ W[tile], accumulated in float32."""
+    packed_TB, scales_TQ = _tiled_leaves(t, qw)
+    m = g_MO.shape[0]
+    g_MO = jnp.pad(g_MO, ((0, 0), (0, t.o_pad - t.o)))  # padded rows decode to 0 anyway
+    g_TMR = jnp.moveaxis(g_MO.reshape(m, t.count, t.rows), 1, 0)
+
+    def step(dx_MI, tile):
+        packed_B, scales_Q, g_MR = tile
+        w_RI = _decode_rows(t, packed_B, scales_Q, g_MO.dtype)
+        return dx_MI + jnp.einsum("mr,ri->mi", g_MR, w_RI, preferred_element_type=jnp.float32), None
+
+    zeros = jnp.zeros((m, t.i), jnp.float32)
+    dx_MI, _ = lax.scan(step, zeros, (packed_TB, scales_TQ, g_TMR))
+    return dx_MI.astype(g_MO.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _tiled(t: _RowTiles, x_MI, qw: QuantizedWeight):
+    return _tiled_y(t, x_MI, qw)
+
+
+def _tiled_fwd(t: _RowTiles, x_MI, qw: QuantizedWeight):
+    # The residuals are the NF4 leaves alone: dx needs only W, which the backward decodes again.
+    return _tiled_y(t, x_MI, qw), qw
+
+
+def _tiled_bwd(t: _RowTiles, qw: QuantizedWeight, g_MO):
+    return _tiled_dx(t, qw, g_MO), None  # the frozen weight: no cotangent
+
+
+_tiled.defvjp(_tiled_fwd, _tiled_bwd)
+
+
+def nf4_matmul_tiled(x, qw: QuantizedWeight, bias=None, *, tile_rows: int | None = None):
+    """`x @ dequant(qw)^T (+ bias)` in plain jnp, decoding W in row tiles (module docstring);
+    y in x's dtype, any shape of W.
+
+    x [..., I], qw [O, I], bias [O] -> y [..., O]. Differentiable in x (dx = g @ W, decoded
+    again tile by tile) and bias; the quantized weight gets no gradient. Saved for the backward:
+    the NF4 leaves, nothing else. `tile_rows`: rows of W decoded at a time, rounded up to a
+    multiple of 64 / gcd(I, 64) (None: about TILE_WEIGHTS weights a tile).
+    """
+    x = jnp.asarray(x)
+    _check_inputs(x, qw, bias, kernel=False)
+    if tile_rows is not None:
+        _backend.require_positive_int(
+            tile_rows, "tile_rows", "pass a positive int, or None for the default tiles"
+        )
+    out_features, in_features = qw.shape
+    tiles = _row_tiles(out_features, in_features, tile_rows)
+    x_MI = x.reshape(-1, in_features)
+    y = _tiled(tiles, x_MI, jax.lax.stop_gradient(qw)).reshape(*x.shape[:-1], out_features)
+    return y if bias is None else y + _expand(bias, y)
+
+
 def quantized_linear(x, qw: QuantizedWeight, bias=None):
     """What `lmjax.ops.linear` runs for a QuantizedWeight: the kernel, compiled, on GPU and TPU
-    when in-features are a multiple of 64; otherwise `nf4_matmul_reference` (on CPU, where the
-    kernel could only be interpreted, and for weights whose quantization blocks straddle rows)."""
+    when in-features are a multiple of 64; otherwise `nf4_matmul_tiled` (on CPU, where the
+    kernel could only be interpreted, and for weights whose quantization blocks straddle rows),
+    which, like the kernel, never saves a float copy of the weight for the backward."""
     compiled = jax.default_backend() in KERNELS
     if compiled and isinstance(qw, QuantizedWeight) and qw.ndim == 2 and qw.shape[1] % BLOCK == 0:
         return nf4_matmul(x, qw, bias)
-    return nf4_matmul_reference(x, qw, bias)
+    return nf4_matmul_tiled(x, qw, bias)
 
 
 __all__ = [
@@ -542,6 +690,7 @@ __all__ = [
     "KERNELS",
     "nf4_matmul",
     "nf4_matmul_reference",
+    "nf4_matmul_tiled",
     "quantized_linear",
     "resolve_backend",
 ]
