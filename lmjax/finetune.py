@@ -42,6 +42,7 @@ from lmjax.checks import require
 from lmjax.config import RunConfig, parse_run_overrides, read_yaml
 from lmjax.errors import CheckpointError, ConfigError, TokenError
 from lmjax.lora import LoraConfig
+from lmjax.models.summary import human_bytes
 
 SPEC_FILE = "finetune.yaml"
 ADAPTERS_FILE = "adapters.safetensors"
@@ -477,8 +478,6 @@ def memory(model, lcfg: LoraConfig, qlora: bool, tx) -> dict[str, int]:
 
 def format_memory(mem: dict[str, int], lcfg: LoraConfig, qlora: bool, optimizer: str) -> str:
     """The `lmjax inspect --lora / --qlora` block."""
-    from lmjax.models.summary import _human
-
     kind = "QLoRA (NF4 base)" if qlora else "LoRA (float base)"
     rows = [
         (f"adapters, trainable ({mem['adapter_params']:,} params)", mem["params"]),
@@ -490,11 +489,11 @@ def format_memory(mem: dict[str, int], lcfg: LoraConfig, qlora: bool, optimizer:
     width = max(len(text) for text, _ in rows)
     targets = ", ".join(lcfg.targets)
     lines = [f"{kind}: r={lcfg.r}, alpha={lcfg.alpha:g}, scale={lcfg.scale:g}, targets {targets}"]
-    lines += [f"  {text:{width}}  {_human(n):>10}" for text, n in rows]
+    lines += [f"  {text:{width}}  {human_bytes(n):>10}" for text, n in rows]
     if qlora and mem["nf4_weights"]:
         bits = 8 * mem["frozen_nf4"] / mem["nf4_weights"]
         lines.append(
-            f"  NF4: {mem['nf4_weights']:,} weights in {_human(mem['frozen_nf4'])} "
-            f"({bits:.3f} bits each; {_human(mem['frozen_nf4_as_float'])} unquantized)"
+            f"  NF4: {mem['nf4_weights']:,} weights in {human_bytes(mem['frozen_nf4'])} "
+            f"({bits:.3f} bits each; {human_bytes(mem['frozen_nf4_as_float'])} unquantized)"
         )
     return "\n".join(lines)

@@ -122,7 +122,6 @@ _KNOWN: list[tuple[str, list[tuple[str, str]]]] = [
             ("local-import", "lmjax/finetune.py::_write_merged -> lmjax.train.runs"),
             ("local-import", "lmjax/finetune.py::finetune -> lmjax.train.loop"),
             ("local-import", "lmjax/finetune.py::fingerprint -> lmjax.params"),
-            ("local-import", "lmjax/finetune.py::format_memory -> lmjax.models.summary"),
             ("local-import", "lmjax/finetune.py::frozen_params -> lmjax.quant.params"),
             ("local-import", "lmjax/finetune.py::load_config -> lmjax.train.runs"),
             ("local-import", "lmjax/finetune.py::load_finetuned -> lmjax.train.checkpoint"),
@@ -193,11 +192,9 @@ _KNOWN: list[tuple[str, list[tuple[str, str]]]] = [
     (
         _LATER + ": a private name used outside its module: make it public or move it",
         [
-            ("private-name", "lmjax.finetune -> lmjax.models.summary._human"),
             ("private-name", "lmjax.finetune -> lmjax.train.loop._check_run_dir"),
             ("private-name", "lmjax.ops.fused_head -> lmjax.ops.linear._check"),
             ("private-name", "lmjax.ops.fused_head -> lmjax.ops.losses._check_ce"),
-            ("private-name", "lmjax.parallel.memory -> lmjax.models.summary._human"),
             ("sys-modules", "lmjax.testing -> lmjax.ops.attention"),
         ],
     ),

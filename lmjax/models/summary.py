@@ -94,7 +94,8 @@ def memory_estimate(
     )
 
 
-def _human(nbytes: int) -> str:
+def human_bytes(nbytes: int) -> str:
+    """`nbytes` in B, KiB, MiB or GiB (binary units, one decimal): 1536 -> "1.5 KiB"."""
     size = float(nbytes)
     for unit in ("B", "KiB", "MiB", "GiB"):
         if size < 1024 or unit == "GiB":
@@ -130,5 +131,5 @@ def format_summary(
         f"memory estimate (batch {batch}, sequence {seq_len}, attention {cfg.attention}, "
         f"remat {cfg.remat}):",
     ]
-    lines += [f"  {text:{label}}  {_human(nbytes):>10}" for text, nbytes in rows]
+    lines += [f"  {text:{label}}  {human_bytes(nbytes):>10}" for text, nbytes in rows]
     return "\n".join(lines)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from lmjax.models import ModelConfig, abstract_params, residual_bytes
-from lmjax.models.summary import MemoryEstimate, _human, memory_rows
+from lmjax.models.summary import MemoryEstimate, human_bytes, memory_rows
 from lmjax.parallel.mesh import check_batch
 from lmjax.parallel.rules import per_device_bytes, state_specs
 
@@ -48,7 +48,7 @@ def format_device_memory(
     n = mesh_shape["data"] * mesh_shape["fsdp"] * mesh_shape["model"]
     mesh = ",".join(f"{k}={v}" for k, v in mesh_shape.items())
     lines = [f"per device on mesh {mesh} ({n} devices):"]
-    lines += [f"  {text:{width}}  {_human(b):>10}  ({b:,} B)" for text, b in rows]
+    lines += [f"  {text:{width}}  {human_bytes(b):>10}  ({b:,} B)" for text, b in rows]
     if mesh_shape["model"] > 1:
         lines.append("  (activations: an upper bound; tensor parallelism splits some further)")
     return "\n".join(lines)
