@@ -193,8 +193,6 @@ _KNOWN: list[tuple[str, list[tuple[str, str]]]] = [
         _LATER + ": a private name used outside its module: make it public or move it",
         [
             ("private-name", "lmjax.finetune -> lmjax.train.loop._check_run_dir"),
-            ("private-name", "lmjax.ops.fused_head -> lmjax.ops.linear._check"),
-            ("private-name", "lmjax.ops.fused_head -> lmjax.ops.losses._check_ce"),
             ("sys-modules", "lmjax.testing -> lmjax.ops.attention"),
         ],
     ),

@@ -17,9 +17,8 @@ import jax.numpy as jnp
 from lmjax.checks import is_int
 from lmjax.errors import ShapeError
 from lmjax.ops._common import compute_dtype, transposed_gradient_dot
-from lmjax.ops.linear import Params, linear_reference
-from lmjax.ops.linear import _check as _check_linear
-from lmjax.ops.losses import _check_ce, counted_positions, cross_entropy_reference
+from lmjax.ops.linear import Params, check_linear_args, linear_reference
+from lmjax.ops.losses import check_cross_entropy_args, counted_positions, cross_entropy_reference
 
 DEFAULT_CHUNK = 512  # rows per chunk: a [512, 8192] float32 logits tile is 16 MiB
 
@@ -160,11 +159,11 @@ def linear_cross_entropy(
     """
     x, targets = jnp.asarray(x), jnp.asarray(targets)
     raw_targets = targets
-    _check_linear(params, x)
+    check_linear_args(params, x)
     if not is_int(chunk) or chunk < 1:
         raise ShapeError.describe("chunk", chunk, "a positive int", "pass chunk >= 1 rows")
     v = params["weight"].shape[0]
-    _check_ce(
+    check_cross_entropy_args(
         jax.ShapeDtypeStruct(x.shape[:-1] + (v,), jnp.float32),
         targets,
         ignore_index,

@@ -46,7 +46,8 @@ def _linear_bwd(res, g):
 _linear.defvjp(_linear_fwd, _linear_bwd)
 
 
-def _check(params: Params, x: jax.Array) -> None:
+def check_linear_args(params: Params, x: jax.Array) -> None:
+    """Raise ShapeError unless `params` is {weight [O, I], bias [O]?} and `x` is `[..., I]`."""
     unknown = set(params) - {"weight", "bias"}
     if "weight" not in params or unknown:
         raise ShapeError.describe(
@@ -96,7 +97,7 @@ def linear(params: Params, x: jax.Array) -> jax.Array:
     if isinstance(params.get("weight"), QuantizedWeight):
         return _quantized(params, x, reference=False)
     x = jnp.asarray(x)
-    _check(params, x)
+    check_linear_args(params, x)
     return _linear(dict(params), x)
 
 

@@ -96,7 +96,9 @@ def _flat_rows(logits):
     return logits.reshape(-1, logits.shape[-1]).astype(compute_dtype(logits.dtype))
 
 
-def _check_ce(logits, targets, ignore_index, time_range, raw_targets):
+def check_cross_entropy_args(logits, targets, ignore_index, time_range, raw_targets):
+    """Raise unless `cross_entropy` accepts these: float logits `[..., V]`, int targets `[...]`,
+    `time_range` an (offset, count) window inside T, concrete targets in range or ignored."""
     require_float(logits, "logits")
     require_int(targets, "targets")
     if logits.ndim < 1 or targets.shape != logits.shape[:-1]:
@@ -157,7 +159,7 @@ def cross_entropy(
     # Range-check the caller's ids before conversion: int32 would wrap an int64 2**32 + 3 to 3.
     raw_targets = targets
     logits, targets = jnp.asarray(logits), jnp.asarray(targets)
-    _check_ce(logits, targets, ignore_index, time_range, raw_targets)
+    check_cross_entropy_args(logits, targets, ignore_index, time_range, raw_targets)
     counted = counted_positions(targets, ignore_index, time_range)
     return _cross_entropy(_flat_rows(logits), targets.reshape(-1), counted.reshape(-1))
 
