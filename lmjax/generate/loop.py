@@ -313,9 +313,11 @@ def _check_stop_tokens(stop_tokens, cfg: ModelConfig) -> np.ndarray:
     for i, stop in enumerate(stop_tokens):  # before int64 conversion, which overflows
         if not 0 <= stop < cfg.vocab_size:
             raise TokenError.describe(
-                f"stop_tokens[{i}]", stop, f"an id in [0, {cfg.vocab_size})",
+                f"stop_tokens[{i}]",
+                stop,
+                f"an id in [0, {cfg.vocab_size})",
                 "pass ids of the model's vocabulary",
-            )  # fmt: skip
+            )
     stops = np.asarray(stop_tokens, dtype=np.int64).reshape(-1)
     return stops
 

@@ -24,6 +24,7 @@ from collections.abc import Mapping
 import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from lmjax.checks import is_positive_int, require
 from lmjax.errors import ConfigError
 
 AXES = ("data", "fsdp", "model")
@@ -41,18 +42,16 @@ def check_mesh_shape(
     """
     if not isinstance(shape, Mapping):
         raise ConfigError.describe(
-            where, shape, f"a mapping of axis sizes over {AXES}",
+            where,
+            shape,
+            f"a mapping of axis sizes over {AXES}",
             "write e.g. parallel: {mesh: {data: 2, fsdp: 4}}",
-        )  # fmt: skip
+        )
     for name, size in shape.items():
-        if name not in AXES:
-            raise ConfigError.describe(
-                f"{where} axis", name, f"one of {AXES}", "fix the spelling or remove it"
-            )
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ConfigError.describe(
-                f"{where}.{name}", size, "an int >= 1", "use a positive device count"
-            )
+        fix = "fix the spelling or remove it"
+        require(name in AXES, f"{where} axis", name, f"one of {AXES}", fix)
+        fix = "use a positive device count"
+        require(is_positive_int(size), f"{where}.{name}", size, "an int >= 1", fix)
     full = {name: int(shape.get(name, 1)) for name in AXES}
     product = math.prod(full.values())
     if n_devices is not None and product != n_devices:
@@ -119,9 +118,11 @@ def check_batch(batch_rows: int, shape: Mapping[str, int], where: str = "train.b
     ways = shape["data"] * shape["fsdp"]
     if batch_rows % ways:
         raise ConfigError.describe(
-            where, batch_rows, f"a multiple of data x fsdp = {ways} (per micro-batch)",
+            where,
+            batch_rows,
+            f"a multiple of data x fsdp = {ways} (per micro-batch)",
             f"use a batch of sequences per micro-batch divisible by {ways}, or change the mesh",
-        )  # fmt: skip
+        )
 
 
 def _text(shape: Mapping[str, int]) -> str:

@@ -490,15 +490,19 @@ def check_same_model(meta: dict, model, where) -> None:
     saved = meta.get("model")
     if not isinstance(saved, dict):
         raise CheckpointError.describe(
-            f"checkpoint {where} meta.model", saved, "the model config",
+            f"checkpoint {where} meta.model",
+            saved,
+            "the model config",
             "use a checkpoint written by lmjax train",
-        )  # fmt: skip
+        )
     expected = model.to_dict()
     differs = [
         f"{k}={saved.get(k)!r} (expected {v!r})" for k, v in expected.items() if saved.get(k) != v
     ]
     if differs:
         raise CheckpointError.describe(
-            f"checkpoint {where}", "a different architecture: " + ", ".join(differs),
-            "a checkpoint of this model config", "restore it with the config it was trained with",
-        )  # fmt: skip
+            f"checkpoint {where}",
+            "a different architecture: " + ", ".join(differs),
+            "a checkpoint of this model config",
+            "restore it with the config it was trained with",
+        )

@@ -80,9 +80,11 @@ def lora_flops_per_token(
     unknown = sorted(set(adapters) - set(linear))
     if unknown:
         raise ShapeError.describe(
-            "adapter layer", unknown[0], "a linear layer of the model's blocks",
+            "adapter layer",
+            unknown[0],
+            "a linear layer of the model's blocks",
             "pass adapter shapes made for this model (lmjax.lora.adapter_shapes)",
-        )  # fmt: skip
+        )
     t, d = seq_len, cfg.d_model
     total, live = 0.0, False  # live: the residual stream depends on an adapter
 

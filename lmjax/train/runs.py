@@ -121,9 +121,11 @@ def write_weights_run(out, params: dict, model: ModelConfig, tokenizer, tokenize
     out = Path(out)
     if out.exists():
         raise ConfigError.describe(
-            "output run directory", str(out), "a path that does not exist yet",
+            "output run directory",
+            str(out),
+            "a path that does not exist yet",
             "pick a new --out (nothing was overwritten)",
-        )  # fmt: skip
+        )
     train_cfg = TrainConfig(batch_size=4, seq_len=min(256, model.context_length), eval_batches=10)
     cfg = RunConfig(
         model=model.to_dict(), data=DataConfig(tokenizer=tokenizer_kind), train=train_cfg
