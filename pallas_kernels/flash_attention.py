@@ -62,6 +62,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
 from lmjax.errors import ConfigError, ShapeError
+from lmjax.ops._common import check_keep_values
 from lmjax.ops.attention import attention_reference as _ops_attention_reference
 from pallas_kernels import _backend
 from pallas_kernels._backend import (  # re-exported: KERNELS, CPU_KERNEL are in __all__
@@ -768,6 +769,7 @@ def _check_inputs(q, k, v, mask, offset) -> None:
         raise ShapeError.describe(
             "mask.shape", np.shape(mask), f"({b}, {k.shape[1]}) = [B, S] key padding", "reshape it"
         )
+    check_keep_values(mask)
     if not isinstance(offset, int | np.integer) or isinstance(offset, bool):
         raise ConfigError.describe(
             "offset",
@@ -791,9 +793,13 @@ def flash_attention_with_lse(
 ):
     """(out [B, T, H, D], lse [B, H, T] f32); both differentiable. See the module docstring.
 
-    `mask` is a `[B, S]` key-padding mask (0/1 or bool; 1 keeps the key). Causal: key u is
-    visible to query t iff u <= t + offset (`offset` a static int; a cache of S keys decoding
-    T new queries uses offset = S - T). Rows with no visible key: out 0, lse -inf.
+    `mask` is a `[B, S]` key-padding mask, bool or 0/1 (1 keeps the key), as in
+    `lmjax.ops.attention`: a concrete mask with any other value is a `ShapeError` (an additive
+    mask converts with `keep = additive == 0`); a traced one is read as "nonzero keeps", so
+    under jit pass a bool mask. Causal: key u is visible to query t iff u <= t + offset
+    (`offset` a static int; a cache of S keys decoding T new queries uses offset = S - T, which
+    is negative when T > S: the first rows then see no key). Rows with no visible key: out 0,
+    lse -inf, and exactly zero gradients (dq of the row, its share of dk and dv).
     """
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     _check_inputs(q, k, v, mask, offset)
@@ -840,6 +846,7 @@ def attention_reference(q, k, v, *, causal: bool, mask=None, offset: int = 0, re
     lse [B, H, T] if asked. `lmjax.ops.attention_reference` with the [B, S] key-padding mask
     broadcast over heads and queries; rows with no visible key: out 0, lse -inf.
     """
+    check_keep_values(mask)
     key_mask = None if mask is None else jnp.asarray(mask)[:, None, None, :]
     return _ops_attention_reference(
         q, k, v, causal=causal, offset=offset, mask=key_mask, return_lse=return_lse

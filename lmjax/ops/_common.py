@@ -72,6 +72,38 @@ def broadcast_mask(mask, shape: tuple[int, ...], what: str = "mask") -> jax.Arra
     return jnp.broadcast_to(mask != 0, shape)
 
 
+def check_keep_values(mask, what: str = "mask") -> None:
+    """Host-side: a concrete `mask` holds only booleans or 0/1 (1 keeps), else `ShapeError`.
+
+    Every public entry point that takes a mask calls this, so the rule is stated once. An
+    additive mask (0 keeps, -inf or -1e9 drops: the Hugging Face and PyTorch convention) read
+    as "nonzero keeps" would be silently inverted, so any other value is refused. A traced mask
+    (inside jit, vmap, grad) cannot be inspected and is left alone: a bool one is always safe.
+    """
+    if not is_concrete(mask):
+        return
+    mask_np = np.asarray(mask)
+    if mask_np.dtype.kind == "b":
+        return
+    fix = "pass a bool (or 0/1) keep-mask; from an additive mask use keep = additive == 0"
+    if mask_np.dtype.kind not in "iuf":
+        raise ShapeError.describe(
+            f"{what}.dtype", str(mask_np.dtype), "bool or a real number dtype holding 0/1", fix
+        )
+    bad = ~((mask_np == 0) | (mask_np == 1))  # NaN compares unequal to both: refused too
+    if bad.any():
+        where = tuple(int(i) for i in np.argwhere(bad)[0])
+        index = f"[{', '.join(map(str, where))}]" if where else ""
+        count = int(bad.sum())
+        raise ShapeError.describe(
+            f"{what}{index}",
+            mask_np[where].item(),
+            "only booleans or 0/1, since lmjax masks keep where 1 and drop where 0"
+            + (f" ({count} entries in all are neither 0 nor 1)" if count > 1 else ""),
+            fix,
+        )
+
+
 def _broadcastable(small: tuple[int, ...], big: tuple[int, ...]) -> bool:
     return all(s in (1, b) for s, b in zip(reversed(small), reversed(big), strict=False))
 

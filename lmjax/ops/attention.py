@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from lmjax.errors import ConfigError, ShapeError
 from lmjax.ops._common import (
     broadcast_mask,
+    check_keep_values,
     compute_dtype,
     inv_sqrt,
     is_int,
@@ -213,7 +214,7 @@ def attention(
 
         s[b,h,t,u] = q[b,t,h,:] . k[b,u,h,:] / sqrt(Dh)
         keep[b,h,t,u] = (not causal or u <= t + offset) and mask[b,h,t,u]
-                        (mask 0/1, broadcast from the right, e.g. [B,1,1,S] key padding)
+                        (mask bool or 0/1, broadcast from the right, e.g. [B,1,1,S] key padding)
         p = masked softmax of s over u (masked p = 0 exactly)
         out[b,t,h,:] = sum_u p[b,h,t,u] v[b,u,h,:]
       VJP of the materialized form, with dO = dL/dout (and dP = dL/dp when p is returned too):
@@ -221,9 +222,22 @@ def attention(
         ds  = p * (dP' - rowsum(dP' * p))     (0 where masked)
         dq  = ds k / sqrt(Dh)                 dk  = ds^T q / sqrt(Dh)
 
-    `offset` places query t at absolute position t + offset, so decoding one token against a
-    cache of S keys uses `offset = S - 1`. A query row with no visible key returns zeros (and
-    zero gradients) in every impl, never NaN.
+    Masks keep where 1: `mask` is bool or 0/1 (True/1 keeps a key). A concrete mask (numpy, or
+    a jax array outside jit) holding any other value is a `ShapeError`: an additive mask (0
+    keeps, -inf drops, as in Hugging Face and PyTorch) would otherwise be silently inverted;
+    convert one with `keep = additive == 0`. A traced mask (inside jit) cannot be checked and
+    is read as "nonzero keeps", so under jit pass a bool mask: a bool mask is always safe.
+
+    `offset` places query t at absolute position t + offset, i.e. key 0 sits `offset` positions
+    before query 0 (the number of earlier keys): decoding one token against a cache of S keys
+    uses `offset = S - 1`. A negative offset is defined the same way: the first -offset queries
+    precede every key (bottom-right alignment of T > S queries over S keys, offset = S - T).
+
+    A query row with no visible key (all its keys masked, or before every key) has nothing to
+    attend to: its output is exactly 0, its dq is exactly 0, and it adds exactly 0 to dk and dv,
+    in every impl, with a concrete or a traced mask (never NaN, never an error). Unlike
+    `softmax`, which refuses a concrete fully masked slice (it would have no distribution), an
+    empty weighted sum is well defined, and batched decoding with padding produces such rows.
 
     Impls: "materialized" (the custom VJP above; `return_probabilities=True` also returns p for
     inspection; causal self-attention with offset 0, no mask and T > `causal_block(T)` runs by
@@ -236,6 +250,7 @@ def attention(
     """
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     _check(q, k, v, impl, return_probabilities)
+    check_keep_values(mask)
     if impl == "flash":
         return _flash(q, k, v, causal=causal, offset=offset, mask=mask)
     if impl == "xla" and mask is None and (not causal or (is_int(offset) and offset == 0)):
@@ -303,6 +318,7 @@ def attention_reference(q, k, v, *, causal: bool, offset=0, mask=None, return_ls
     With `return_lse=True` also the per-row logsumexp `[B, H, T]` of the visible scores
     (-inf for a row with no visible key), which the flash kernel saves for its backward.
     """
+    check_keep_values(mask)
     dtype = compute_dtype(q.dtype)
     qf, kf, vf = (jnp.asarray(a).astype(dtype) for a in (q, k, v))
     s = jnp.einsum("BTHD,BSHD->BHTS", qf, kf) / jnp.sqrt(jnp.asarray(q.shape[-1], dtype))

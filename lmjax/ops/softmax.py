@@ -9,7 +9,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from lmjax.errors import MaskError, ShapeError
-from lmjax.ops._common import broadcast_mask, compute_dtype, is_concrete, require_float
+from lmjax.ops._common import (
+    broadcast_mask,
+    check_keep_values,
+    compute_dtype,
+    is_concrete,
+    require_float,
+)
 
 
 def masked_softmax(x: jax.Array, keep: jax.Array | None, axis: int) -> jax.Array:
@@ -74,7 +80,8 @@ def check_not_fully_masked(mask, shape: tuple[int, ...], axis: int, what: str = 
 def softmax(x: jax.Array, axis: int = -1, mask: jax.Array | None = None) -> jax.Array:
     """Numerically stable, optionally masked softmax along one axis.
 
-    Shapes: x `[...]`, mask broadcastable from the right to x (0/1 or bool; 1 keeps an entry),
+    Shapes: x `[...]`, mask broadcastable from the right to x (0/1 or bool; 1 keeps an entry;
+    a concrete mask holding any other value is a `ShapeError`, see `check_keep_values`),
     -> p with x's shape and dtype (computed in at least float32).
 
         m = max over kept entries of x
@@ -97,6 +104,7 @@ def softmax(x: jax.Array, axis: int = -1, mask: jax.Array | None = None) -> jax.
             "pass an existing axis (softmax of a scalar is not defined)",
         )
     axis = axis % x.ndim
+    check_keep_values(mask)
     keep = None if mask is None else broadcast_mask(mask, x.shape)
     if keep is not None and is_concrete(mask):
         check_not_fully_masked(mask, x.shape, axis)
