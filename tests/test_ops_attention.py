@@ -282,3 +282,52 @@ def test_causal_blocks_are_64_rows_and_at_most_8():
     assert sizes == {65: 64, 128: 64, 256: 64, 512: 64, 513: 128, 1024: 128, 4096: 512}
     for t, block in sizes.items():
         assert -(-t // block) <= module.CAUSAL_MAX_BLOCKS and block % 64 == 0
+
+
+# ---- rows with no visible key: output 0, dq 0, and no share of dk, dv, in every impl ----------
+
+_NO_KEYS_FOR_ROW_1 = np.asarray([[1, 1, 0, 1], [0, 0, 0, 0]], bool)[:, None, None]
+EMPTY_ROW_CASES = {
+    # offset -2: queries 0 and 1 precede every key (bottom-right alignment gives S - T < 0).
+    "negative_offset": dict(causal=True, offset=-2),
+    # Batch row 1's key-padding mask hides every key; concrete, and accepted (unlike softmax).
+    "all_keys_masked": dict(causal=False, mask=_NO_KEYS_FOR_ROW_1),
+    # offset -T: no query sees any key.
+    "every_row_empty": dict(causal=True, offset=-4),
+}
+
+
+def _np_keep(b, h, t, s, causal, offset=0, mask=None):
+    keep = _causal_keep(b, h, t, s, offset) if causal else np.ones((b, h, t, s), bool)
+    return keep if mask is None else keep & np.broadcast_to(mask, keep.shape)
+
+
+@pytest.mark.parametrize("case", list(EMPTY_ROW_CASES))
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_row_with_no_visible_key_gives_zero_and_adds_nothing_to_any_gradient(impl, case):
+    """The contract of `attention`: such a row's output and dq are exactly 0, and its cotangent
+    changes dk and dv by exactly nothing (against the same call with that cotangent set to 0).
+    Costs two tiny eager forward+backward passes per impl and case."""
+    kwargs = EMPTY_ROW_CASES[case]
+    q, k, v = _qkv(4, 4, seed=9)
+    keep = _np_keep(2, 2, 4, 4, **kwargs)
+    empty_BT = ~keep.any(axis=-1).all(axis=1)  # [B, T]: every head of the row sees no key
+    assert empty_BT.any()
+    g = np.random.default_rng(10).standard_normal(q.shape).astype(np.float32)
+    g_quiet = np.where(empty_BT[..., None, None], 0.0, g).astype(np.float32)
+
+    def vjp(cotangent):
+        out, pull = jax.vjp(lambda *a: ops.attention(*a, impl=impl, **kwargs), q, k, v)
+        return [np.asarray(x) for x in (out, *pull(jnp.asarray(cotangent)))]
+
+    out, dq, dk, dv = vjp(g)
+    _, dq_quiet, dk_quiet, dv_quiet = vjp(g_quiet)
+    assert np.all(out[empty_BT] == 0.0) and np.all(dq[empty_BT] == 0.0)
+    np.testing.assert_array_equal(dk, dk_quiet)
+    np.testing.assert_array_equal(dv, dv_quiet)
+    np.testing.assert_array_equal(dq, dq_quiet)
+    np.testing.assert_allclose(out, _np_attention(q, k, v, keep), rtol=1e-5, atol=1e-6)
+    if empty_BT.all():
+        assert not dk.any() and not dv.any()
+    else:  # the other rows are attended as usual, not zeroed along with the empty ones
+        assert np.abs(out[~empty_BT]).min() > 0 and np.abs(dk).max() > 0
