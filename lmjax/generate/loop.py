@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lmjax.checks import is_int
+from lmjax.checks import is_int, is_positive_int, require
 from lmjax.errors import ConfigError, NonFiniteError, TokenError
 from lmjax.generate.kv_cache import decode_logits, init_cache, prefill_hidden
 from lmjax.generate.paged import PageAllocator, init_paged_cache
@@ -255,10 +255,8 @@ def _check_prompts(prompts, cfg: ModelConfig) -> list[np.ndarray]:
 
 def _check_run(rows, cfg, max_new_tokens, seed, cache, page_size, num_pages) -> None:
     longest = max(len(r) for r in rows)
-    if not is_int(max_new_tokens) or max_new_tokens < 1:
-        raise ConfigError.describe(
-            "max_new_tokens", max_new_tokens, "an int >= 1", "ask for at least one token"
-        )
+    fix = "ask for at least one token"
+    require(is_positive_int(max_new_tokens), "max_new_tokens", max_new_tokens, "an int >= 1", fix)
     if longest + max_new_tokens > cfg.context_length:
         raise ConfigError.describe(
             "longest prompt + max_new_tokens",
@@ -281,14 +279,11 @@ def _check_run(rows, cfg, max_new_tokens, seed, cache, page_size, num_pages) -> 
                     "None with cache='contiguous' (pages are a paged-cache option)",
                     f"pass cache='paged' to use {what}, or leave it unset",
                 )
-    if page_size is not None and (not is_int(page_size) or page_size < 1):
-        raise ConfigError.describe(
-            "page_size", page_size, f"None (the default, {PAGE_SIZE}) or an int >= 1", "use 16"
-        )
-    if num_pages is not None and (not is_int(num_pages) or num_pages < 1):
-        raise ConfigError.describe(
-            "num_pages", num_pages, "None (the worst case) or an int >= 1", "leave it unset"
-        )
+    ok = page_size is None or is_positive_int(page_size)
+    expected = f"None (the default, {PAGE_SIZE}) or an int >= 1"
+    require(ok, "page_size", page_size, expected, "use 16")
+    ok = num_pages is None or is_positive_int(num_pages)
+    require(ok, "num_pages", num_pages, "None (the worst case) or an int >= 1", "leave it unset")
 
 
 def _check_stop_tokens(stop_tokens, cfg: ModelConfig) -> np.ndarray:

@@ -50,7 +50,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lmjax.checks import is_int
+from lmjax.checks import is_int, is_positive_int, require
 from lmjax.errors import ConfigError
 from lmjax.models import ModelConfig
 
@@ -106,8 +106,7 @@ def init_paged_cache(
     """
     capacity = cfg.context_length if capacity is None else capacity
     for what, value in (("batch", batch), ("num_pages", num_pages), ("page_size", page_size)):
-        if not is_int(value) or value < 1:
-            raise ConfigError.describe(what, value, "an int >= 1", f"pass a positive {what}")
+        require(is_positive_int(value), what, value, "an int >= 1", f"pass a positive {what}")
     if not is_int(capacity) or not 1 <= capacity <= cfg.context_length:
         raise ConfigError.describe(
             "capacity",

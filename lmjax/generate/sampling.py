@@ -21,13 +21,12 @@ compiled step): each distinct setting compiles once, and the greedy step contain
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lmjax.checks import is_int, is_real
+from lmjax.checks import is_finite_real, is_nonnegative_int, is_real, require
 from lmjax.errors import ConfigError
 
 _TINY = float(np.finfo(np.float32).tiny)  # the smallest normal float32
@@ -43,18 +42,14 @@ class Sampling:
 
     def __post_init__(self):
         t, k, p = self.temperature, self.top_k, self.top_p
-        if not (is_real(t) and math.isfinite(t) and t >= 0):
-            raise ConfigError.describe(
-                "temperature", t, "a finite float >= 0", "use 0 for greedy or e.g. 0.8 to sample"
-            )
-        if k is not None and not (is_int(k) and k >= 0):
-            raise ConfigError.describe(
-                "top_k", k, "None, 0 (off) or an int >= 1", "use e.g. 50, or None for no top-k"
-            )
-        if not (is_real(p) and 0 < p <= 1):
-            raise ConfigError.describe(
-                "top_p", p, "a float in (0, 1]", "use e.g. 0.9, or 1.0 for no nucleus filter"
-            )
+        fix = "use 0 for greedy or e.g. 0.8 to sample"
+        ok = is_finite_real(t) and t >= 0
+        require(ok, "temperature", t, "a finite float >= 0", fix)
+        fix = "use e.g. 50, or None for no top-k"
+        ok = k is None or is_nonnegative_int(k)
+        require(ok, "top_k", k, "None, 0 (off) or an int >= 1", fix)
+        fix = "use e.g. 0.9, or 1.0 for no nucleus filter"
+        require(is_real(p) and 0 < p <= 1, "top_p", p, "a float in (0, 1]", fix)
 
     @property
     def greedy(self) -> bool:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from lmjax.checks import is_int
+from lmjax.checks import is_positive_int, require
 from lmjax.errors import ShapeError
 from lmjax.ops._common import compute_dtype, transposed_gradient_dot
 from lmjax.ops.linear import Params, check_linear_args, linear_reference
@@ -160,8 +160,8 @@ def linear_cross_entropy(
     x, targets = jnp.asarray(x), jnp.asarray(targets)
     raw_targets = targets
     check_linear_args(params, x)
-    if not is_int(chunk) or chunk < 1:
-        raise ShapeError.describe("chunk", chunk, "a positive int", "pass chunk >= 1 rows")
+    fix = "pass chunk >= 1 rows"
+    require(is_positive_int(chunk), "chunk", chunk, "a positive int", fix, ShapeError)
     v = params["weight"].shape[0]
     check_cross_entropy_args(
         jax.ShapeDtypeStruct(x.shape[:-1] + (v,), jnp.float32),

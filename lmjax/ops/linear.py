@@ -7,7 +7,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from lmjax.checks import is_int
+from lmjax.checks import is_positive_int, require
 from lmjax.errors import ShapeError
 from lmjax.ops._common import expand_left, require_rank, sum_to_last, transposed_gradient_dot
 from lmjax.quant.nf4 import QuantizedWeight
@@ -147,8 +147,8 @@ def init_linear(
 ) -> Params:
     """Xavier-uniform `weight[O, I]` and (if `bias`) a zero `bias[O]`; no bias leaf otherwise."""
     for name, size in (("in_features", in_features), ("out_features", out_features)):
-        if not is_int(size) or size <= 0:
-            raise ShapeError.describe(name, size, "a positive int", f"pass {name} >= 1")
+        fix = f"pass {name} >= 1"
+        require(is_positive_int(size), name, size, "a positive int", fix, ShapeError)
     weight = xavier_uniform(key, (out_features, in_features), dtype)
     return (
         {"weight": weight, "bias": jnp.zeros((out_features,), dtype)}

@@ -8,16 +8,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lmjax.checks import is_int
+from lmjax.checks import is_positive_int, require
 from lmjax.errors import ShapeError
 
 
 def _check(length: int, dim: int) -> None:
     for name, size in (("length", length), ("dim", dim)):
-        if not is_int(size) or size <= 0:
-            raise ShapeError.describe(
-                f"sinusoidal_positions {name}", size, "a positive int", f"pass {name} >= 1"
-            )
+        ok, fix = is_positive_int(size), f"pass {name} >= 1"
+        require(ok, f"sinusoidal_positions {name}", size, "a positive int", fix, ShapeError)
 
 
 def sinusoidal_positions(length: int, dim: int, dtype=jnp.float32) -> jax.Array:
