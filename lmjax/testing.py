@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lmjax import ops
+from lmjax.ops.attention import causal_block
 
 # Tolerances, stated once. float32 comparisons are relative to max(1, largest reference
 # magnitude); the float64 finite-difference error is already relative (see below).
@@ -373,12 +374,12 @@ def _cases() -> list[OpCase]:
             (0, 1, 2),
         ),
         OpCase(
-            # The query-block path long causal self-attention takes (T > causal_block(T)), with
-            # blocks of 2 over T = 5: two full blocks and a ragged one.
+            # The query-block path long causal self-attention takes (T > causal_block(T)), at
+            # T = two full blocks of the smallest size plus a ragged block of 3 rows.
             "attention_causal_blocked",
-            lambda q, k, v: _attention_module()._attention_causal_blocked(q, k, v, 2),
+            partial(o.attention, causal=True),
             partial(o.attention_reference, causal=True),
-            _attention_args(5, 5),
+            _attention_args(2 * causal_block(1) + 3, 2 * causal_block(1) + 3),
             (0, 1, 2),
         ),
         OpCase(
@@ -417,13 +418,6 @@ def _cases() -> list[OpCase]:
         ),
     ]
     return cases
-
-
-def _attention_module():
-    """`lmjax.ops.attention` the module (the package attribute of that name is the function)."""
-    import sys
-
-    return sys.modules["lmjax.ops.attention"]
 
 
 def _reference_with_probabilities(q, k, v):

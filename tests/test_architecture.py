@@ -162,7 +162,6 @@ _KNOWN: list[tuple[str, list[tuple[str, str]]]] = [
             ("local-import", "lmjax/finetune.py::fingerprint -> hashlib"),
             ("local-import", "lmjax/finetune.py::fingerprint -> numpy"),
             ("local-import", "lmjax/parallel/multihost.py::barrier -> jax.experimental"),
-            ("local-import", "lmjax/testing.py::_attention_module -> sys"),
             ("local-import", "lmjax/tokenizers/bpe.py::BPETokenizer._engine -> tiktoken"),
             ("local-import", "lmjax/train/checkpoint.py::_ocp -> orbax.checkpoint"),
             ("local-import", "lmjax/train/data.py::_progress -> tqdm"),
@@ -193,7 +192,6 @@ _KNOWN: list[tuple[str, list[tuple[str, str]]]] = [
         _LATER + ": a private name used outside its module: make it public or move it",
         [
             ("private-name", "lmjax.finetune -> lmjax.train.loop._check_run_dir"),
-            ("sys-modules", "lmjax.testing -> lmjax.ops.attention"),
         ],
     ),
 ]
