@@ -33,8 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lmjax.checks import is_int
-from lmjax.errors import ConfigError, ShapeError
+from lmjax.checks import is_positive_int, require
+from lmjax.errors import ShapeError
 from lmjax.generate.paged import PagedKVCache
 from lmjax.models import ModelConfig, attend, cached_block, check_params, embed, head
 from lmjax.models.transformer import cast, check_tokens
@@ -77,11 +77,9 @@ def init_cache(cfg: ModelConfig, batch: int, capacity: int | None = None) -> KVC
     """
     capacity = cfg.context_length if capacity is None else capacity
     for what, value, hi in (("batch", batch, None), ("capacity", capacity, cfg.context_length)):
-        if not is_int(value) or value < 1 or (hi is not None and value > hi):
-            bound = f"an int in [1, {hi}] (context_length)" if hi else "an int >= 1"
-            raise ConfigError.describe(
-                f"cache {what}", value, bound, f"pass a {what} the model can hold"
-            )
+        ok = is_positive_int(value) and (hi is None or value <= hi)
+        bound = f"an int in [1, {hi}] (context_length)" if hi else "an int >= 1"
+        require(ok, f"cache {what}", value, bound, f"pass a {what} the model can hold")
     shape = (batch, capacity, cfg.n_heads, cfg.d_head)
     # Distinct buffers for every layer's keys and values: the steps donate each one.
     zeros = [tuple(jnp.zeros(shape, cfg.compute_dtype) for _ in range(cfg.n_layers)) for _ in "kv"]
