@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from lmjax import generate as G  # noqa: E402
 from lmjax import models  # noqa: E402
-from lmjax import params as P  # noqa: E402
+from lmjax import params as ptree  # noqa: E402
 from lmjax.io import hf_gpt2  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -62,7 +62,7 @@ def from_hf(state: dict, cfg: models.ModelConfig) -> dict:
         if k.startswith(prefix)
     }
     flat = hf_gpt2.to_lmjax(arrays, cfg)
-    return P.unflatten({name: jax.numpy.asarray(a) for name, a in flat.items()})
+    return ptree.unflatten({name: jax.numpy.asarray(a) for name, a in flat.items()})
 
 
 def run_lmjax(params, cfg, prompts, new_tokens):

@@ -74,7 +74,7 @@ from torch import nn  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
 
-from lmjax import params as P  # noqa: E402
+from lmjax import params as ptree  # noqa: E402
 from lmjax.config import OptimizerConfig, ScheduleConfig  # noqa: E402
 from lmjax.hostmem import keep_freed_memory  # noqa: E402
 from lmjax.models import ModelConfig, param_count, preset  # noqa: E402
@@ -441,8 +441,8 @@ def main(argv=None) -> dict:
 
     # lmjax state, and the torch models from the same initial weights.
     state = init_state(jax.random.PRNGKey(args.seed), cfg, tx)
-    flat0 = {n: np.array(a) for n, a in P.flatten(state.params).items()}
-    decay = P.flatten(optim.decay_mask(state.params, opt.no_decay))
+    flat0 = {n: np.array(a) for n, a in ptree.flatten(state.params).items()}
+    decay = ptree.flatten(optim.decay_mask(state.params, opt.no_decay))
     train_step = make_train_step(cfg, tx, lr)
 
     systems: dict[str, dict] = {}
@@ -461,7 +461,7 @@ def main(argv=None) -> dict:
     state, m1 = train_step(state, x0j)
     jax.block_until_ready((state, m1))
     first_step = {"lmjax": time.perf_counter() - start}
-    flat1 = {n: np.array(P.flatten(state.params)[n]) for n in WITNESS_PARAMS}
+    flat1 = {n: np.array(ptree.flatten(state.params)[n]) for n in WITNESS_PARAMS}
     state, m2 = train_step(state, x0j)
     jax.block_until_ready((state, m2))
     witness["lmjax"] = {

@@ -71,7 +71,6 @@ _KNOWN: list[tuple[str, list[tuple[str, str]]]] = [
             ("alias-P", "lmjax/lora.py -> lmjax.params"),
             ("alias-P", "lmjax/models/layout.py -> lmjax.params"),
             ("alias-P", "lmjax/quant/params.py -> lmjax.params"),
-            ("alias-P", "lmjax/train/optim.py -> lmjax.params"),
         ],
     ),
     (

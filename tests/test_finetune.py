@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from lmjax import cli, lora, models
-from lmjax import params as P
+from lmjax import params as ptree
 from lmjax.config import RunConfig
 from lmjax.errors import CheckpointError
 from lmjax.train import loop
@@ -86,7 +86,7 @@ def test_run_directory_and_frozen_base(ws, straight, capsys):
     assert [r["step"] for r in records if "val_loss" in r] == [2, 4]
     adapters, lcfg = lora.load_adapters(straight / "adapters.safetensors")
     assert (lcfg.r, lcfg.alpha, lcfg.dropout) == (4, 8.0, 0.1)
-    assert sorted(P.flatten(adapters)) == [
+    assert sorted(ptree.flatten(adapters)) == [
         f"blocks.{i}.attention.{p}.{ab}"
         for i in range(2) for p in ("query", "value") for ab in ("lora_a", "lora_b")
     ]  # fmt: skip
@@ -110,11 +110,13 @@ def test_run_directory_and_frozen_base(ws, straight, capsys):
     merged, ft = load_run(straight / "merged"), load_run(straight)
     base = load_run(ws / "base")
     assert ft.step == 4
-    for name, leaf in P.flatten(merged.params).items():
-        np.testing.assert_allclose(P.flatten(ft.params)[name], leaf, atol=1e-6, err_msg=name)
+    for name, leaf in ptree.flatten(merged.params).items():
+        np.testing.assert_allclose(ptree.flatten(ft.params)[name], leaf, atol=1e-6, err_msg=name)
     expected = lora.merge(base.params, adapters, lcfg)
-    for name, leaf in P.flatten(expected).items():
-        np.testing.assert_allclose(P.flatten(merged.params)[name], leaf, atol=1e-6, err_msg=name)
+    for name, leaf in ptree.flatten(expected).items():
+        np.testing.assert_allclose(
+            ptree.flatten(merged.params)[name], leaf, atol=1e-6, err_msg=name
+        )
     capsys.readouterr()
     texts = []
     for source in (straight, straight / "merged"):
@@ -137,8 +139,8 @@ def test_resume_equals_straight(ws, straight, monkeypatch):
     assert run_cli("finetune", str(ws / "ft.yaml"), f"run.dir={out}", *again) == 0
     a, _ = lora.load_adapters(straight / "adapters.safetensors")
     b, _ = lora.load_adapters(out / "adapters.safetensors")
-    for name, leaf in P.flatten(a).items():
-        np.testing.assert_array_equal(P.flatten(b)[name], leaf, err_msg=name)
+    for name, leaf in ptree.flatten(a).items():
+        np.testing.assert_array_equal(ptree.flatten(b)[name], leaf, err_msg=name)
     assert (out / "metrics.jsonl").read_text().count('"val_loss"') == 2
 
 
@@ -300,9 +302,9 @@ def test_qlora_run_merges_into_a_float_model(ws, capsys, caplog, monkeypatch):
     adapters, lcfg = lora.load_adapters(out / "adapters.safetensors")
     expected = lora.merge(quantize_params(load_run(ws / "base").params), adapters, lcfg)
     merged = load_run(out / "merged").params
-    assert all(isinstance(leaf, jax.Array) for leaf in P.flatten(merged).values())
-    for name, leaf in P.flatten(expected).items():
-        np.testing.assert_allclose(P.flatten(merged)[name], leaf, atol=1e-6, err_msg=name)
-    key = P.flatten(merged)["blocks.0.attention.key.weight"]  # not adapted: NF4 round-off only
-    original = P.flatten(load_run(ws / "base").params)["blocks.0.attention.key.weight"]
+    assert all(isinstance(leaf, jax.Array) for leaf in ptree.flatten(merged).values())
+    for name, leaf in ptree.flatten(expected).items():
+        np.testing.assert_allclose(ptree.flatten(merged)[name], leaf, atol=1e-6, err_msg=name)
+    key = ptree.flatten(merged)["blocks.0.attention.key.weight"]  # not adapted: NF4 round-off only
+    original = ptree.flatten(load_run(ws / "base").params)["blocks.0.attention.key.weight"]
     assert 0 < float(np.abs(np.asarray(key) - np.asarray(original)).max()) < 0.1

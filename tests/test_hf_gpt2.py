@@ -28,7 +28,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from lmjax import models
-from lmjax import params as P
+from lmjax import params as ptree
 from lmjax.errors import CheckpointError, ConfigError, FileFormatError, ShapeError
 from lmjax.io import hf_gpt2
 
@@ -163,8 +163,8 @@ def test_export_of_lmjax_params_loads_in_transformers(tmp_path):
     )  # fmt: skip
     back, back_cfg = hf_gpt2.load(tmp_path)
     assert back_cfg == cfg
-    for name, leaf in P.flatten(params).items():
-        np.testing.assert_array_equal(np.asarray(P.flatten(back)[name]), np.asarray(leaf))
+    for name, leaf in ptree.flatten(params).items():
+        np.testing.assert_array_equal(np.asarray(ptree.flatten(back)[name]), np.asarray(leaf))
 
 
 def test_hub_layout_with_lm_head_and_buffers_loads_the_same(hf_dir, imported, tmp_path):
@@ -180,8 +180,8 @@ def test_hub_layout_with_lm_head_and_buffers_loads_the_same(hf_dir, imported, tm
     safetensors.numpy.save_file(state, str(tmp_path / "model.safetensors"), {"format": "pt"})
     params, cfg = hf_gpt2.load(tmp_path / "model.safetensors", n_heads=4)  # no config.json here
     assert cfg == imported[1]
-    for name, leaf in P.flatten(imported[0]).items():
-        np.testing.assert_array_equal(np.asarray(P.flatten(params)[name]), np.asarray(leaf))
+    for name, leaf in ptree.flatten(imported[0]).items():
+        np.testing.assert_array_equal(np.asarray(ptree.flatten(params)[name]), np.asarray(leaf))
     with pytest.raises(ConfigError, match="n_heads"):
         hf_gpt2.load(tmp_path / "model.safetensors")
 
@@ -277,8 +277,8 @@ def test_sharded_index_names_plain_files_in_its_directory(hf_dir, imported, tmp_
     keys = _tensors(hf_dir / "model.safetensors").keys()
     good = _sharded(hf_dir, tmp_path / "good", {k: "shard-1.safetensors" for k in keys})
     params, _ = hf_gpt2.load(good)
-    for name, leaf in P.flatten(imported[0]).items():
-        np.testing.assert_array_equal(np.asarray(P.flatten(params)[name]), np.asarray(leaf))
+    for name, leaf in ptree.flatten(imported[0]).items():
+        np.testing.assert_array_equal(np.asarray(ptree.flatten(params)[name]), np.asarray(leaf))
     cases = [
         ({k: "../outside.safetensors" for k in keys}, "plain file name inside"),
         ({"wte.weight": "/etc/passwd"}, "plain file name inside"),
@@ -348,8 +348,8 @@ def test_import_and_export_commands_round_trip(hf_dir, hf_model, imported, tmp_p
     assert cli.main(["import-hf", str(source), "--out", str(tmp_path / "run")]) == 0
     run = train.load_run(tmp_path / "run")
     assert run.model == imported[1] and run.step is None
-    for name, value in P.flatten(run.params).items():
-        np.testing.assert_array_equal(value, P.flatten(imported[0])[name])
+    for name, value in ptree.flatten(run.params).items():
+        np.testing.assert_array_equal(value, ptree.flatten(imported[0])[name])
     assert run.tokenizer.encode("hé") == list("hé".encode())
     # The README's `lmjax generate --checkpoint RUN` on an imported run (greedy, so it must
     # print the prompt followed by transformers' greedy continuation).

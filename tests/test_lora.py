@@ -17,7 +17,7 @@ import optax
 import pytest
 
 from lmjax import lora, models
-from lmjax import params as P
+from lmjax import params as ptree
 from lmjax.errors import ConfigError, FileFormatError, ShapeError
 from lmjax.train.step import init_state, make_train_step
 
@@ -95,7 +95,7 @@ def _to_lmjax(peft_weights) -> dict:
         else:
             flat[f"blocks.{block}.{_ONE_TO_ONE[module]}.lora_a"] = a
             flat[f"blocks.{block}.{_ONE_TO_ONE[module]}.lora_b"] = b
-    return P.unflatten({k: jnp.asarray(v) for k, v in flat.items()})
+    return ptree.unflatten({k: jnp.asarray(v) for k, v in flat.items()})
 
 
 @pytest.mark.parametrize("rslora", [False, True])
@@ -198,8 +198,8 @@ def test_zero_b_is_the_base_and_merge_equals_attach(tiny):
     np.testing.assert_allclose(models.forward(merged, TOKENS, cfg), attached, atol=2e-5, rtol=0)
     assert np.abs(np.asarray(attached - base)).max() > 1e-2
     back = lora.unmerge(merged, adapters, lcfg)
-    for name, leaf in P.flatten(params).items():
-        np.testing.assert_allclose(P.flatten(back)[name], leaf, atol=1e-6, rtol=0, err_msg=name)
+    for name, leaf in ptree.flatten(params).items():
+        np.testing.assert_allclose(ptree.flatten(back)[name], leaf, atol=1e-6, rtol=0, err_msg=name)
 
 
 def test_adapter_gradient_equals_merged_weight_gradient(tiny):
@@ -213,8 +213,10 @@ def test_adapter_gradient_equals_merged_weight_gradient(tiny):
         return models.forward(lora.merge(params, ad, lcfg), TOKENS, cfg).std()
 
     ours, witness = jax.grad(via_attach)(adapters), jax.grad(via_merge)(adapters)
-    for name, g in P.flatten(ours).items():
-        np.testing.assert_allclose(g, P.flatten(witness)[name], atol=1e-5, rtol=1e-4, err_msg=name)
+    for name, g in ptree.flatten(ours).items():
+        np.testing.assert_allclose(
+            g, ptree.flatten(witness)[name], atol=1e-5, rtol=1e-4, err_msg=name
+        )
 
 
 def test_adapters_file_round_trip_and_bad_files(tiny, tmp_path):
@@ -224,8 +226,8 @@ def test_adapters_file_round_trip_and_bad_files(tiny, tmp_path):
     lora.save_adapters(path, adapters, custom)
     back, back_cfg = lora.load_adapters(path, expected=adapters)
     assert back_cfg == custom
-    for name, leaf in P.flatten(adapters).items():
-        np.testing.assert_array_equal(P.flatten(back)[name], leaf)
+    for name, leaf in ptree.flatten(adapters).items():
+        np.testing.assert_array_equal(ptree.flatten(back)[name], leaf)
     from lmjax.io import safetensors
 
     safetensors.save(adapters, tmp_path / "plain.safetensors")
@@ -253,7 +255,7 @@ def test_training_moves_only_adapters(tiny):
     before = jax.tree.map(np.array, params)
     tx = optax.adamw(1e-2)
     state = init_state(jax.random.PRNGKey(0), cfg, tx, lambda k: lora.init(k, params, lcfg))
-    n_adapter = P.count(state.params)
+    n_adapter = ptree.count(state.params)
     assert n_adapter == lora.count(lora.init(jax.random.PRNGKey(0), cfg, lcfg))
     opt_leaves = [x for x in jax.tree.leaves(state.opt_state) if x.ndim > 0]
     assert sum(x.size for x in opt_leaves) == 2 * n_adapter  # Adam's mu and nu, adapters only
@@ -265,8 +267,8 @@ def test_training_moves_only_adapters(tiny):
         state, metrics = step(state, batch, params)
         losses.append(float(metrics["loss"]))
     assert losses[-1] < losses[0] - 0.5, losses
-    for name, leaf in P.flatten(params).items():
-        np.testing.assert_array_equal(np.asarray(leaf), P.flatten(before)[name], err_msg=name)
+    for name, leaf in ptree.flatten(params).items():
+        np.testing.assert_array_equal(np.asarray(leaf), ptree.flatten(before)[name], err_msg=name)
     assert all(not leaf.is_deleted() for leaf in jax.tree.leaves(params))  # not donated
 
 

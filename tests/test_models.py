@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from lmjax import models, ops
-from lmjax import params as P
+from lmjax import params as ptree
 
 F32_RTOL = 1e-5  # float32, matmul precision highest (conftest): rounding-level differences only
 BF16_RTOL = 2e-2  # bfloat16 compute keeps 8 mantissa bits; errors compound over 2 blocks
@@ -71,7 +71,7 @@ def max_rel_error(a, b) -> float:
 
 def nonzero_leaves(grads) -> set[str]:
     scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(grads))
-    return {k for k, g in P.flatten(grads).items() if float(jnp.max(jnp.abs(g))) > 1e-4 * scale}
+    return {k for k, g in ptree.flatten(grads).items() if float(jnp.max(jnp.abs(g))) > 1e-4 * scale}
 
 
 # ---- names and counts -------------------------------------------------------------------------
@@ -110,12 +110,12 @@ def spec_names(n_layers: int, *, swiglu: bool, biases: bool, norm_bias: bool, he
 def test_parameter_names_are_the_spec_list(name, expected):
     cfg = CONFIGS[name]
     params = jax.eval_shape(lambda k: models.init(k, cfg), jax.random.key(0))
-    assert sorted(P.flatten(params)) == spec_names(cfg.n_layers, **expected)
-    assert list(P.flatten(params)) == list(models.declare(cfg)), "init follows the declaration"
+    assert sorted(ptree.flatten(params)) == spec_names(cfg.n_layers, **expected)
+    assert list(ptree.flatten(params)) == list(models.declare(cfg)), "init follows the declaration"
 
 
 def _eval_count(cfg) -> int:
-    return P.count(jax.eval_shape(lambda k: models.init(k, cfg), jax.random.key(0)))
+    return ptree.count(jax.eval_shape(lambda k: models.init(k, cfg), jax.random.key(0)))
 
 
 def test_counts_of_the_spec_configs():
@@ -162,7 +162,7 @@ def test_init_is_deterministic_and_follows_the_declaration():
     a, b = models.init(jax.random.key(3), cfg), models.init(jax.random.key(3), cfg)
     c = models.init(jax.random.key(4), cfg)
     jax.tree.map(np.testing.assert_array_equal, a, b)
-    flat_a, flat_c = P.flatten(a), P.flatten(c)
+    flat_a, flat_c = ptree.flatten(a), ptree.flatten(c)
     for name, spec in models.declare(cfg).items():
         leaf = np.asarray(flat_a[name])
         assert leaf.shape == spec.shape and leaf.dtype == np.float32, name
@@ -182,8 +182,8 @@ def test_init_is_deterministic_and_follows_the_declaration():
 
 def test_init_keys_by_name_so_other_leaves_do_not_move():
     # Adding a layer must not change the existing layers' initial values.
-    two = P.flatten(models.init(jax.random.key(0), CONFIGS["llama"]))
-    three = P.flatten(models.init(jax.random.key(0), CONFIGS["llama"].replace(n_layers=3)))
+    two = ptree.flatten(models.init(jax.random.key(0), CONFIGS["llama"]))
+    three = ptree.flatten(models.init(jax.random.key(0), CONFIGS["llama"].replace(n_layers=3)))
     for name, leaf in two.items():
         np.testing.assert_array_equal(leaf, three[name], err_msg=name)
 
@@ -208,7 +208,7 @@ def test_custom_vjp_model_gradient_equals_jax_grad_of_reference_model(name):
     np.testing.assert_allclose(loss_c, loss_r, rtol=F32_RTOL)
     assert max_rel_error(grad_c, grad_r) < F32_RTOL
     # Every leaf learns, except key biases, whose gradient is exactly zero in exact arithmetic.
-    expected = {k for k in P.flatten(params) if not k.endswith("attention.key.bias")}
+    expected = {k for k in ptree.flatten(params) if not k.endswith("attention.key.bias")}
     assert nonzero_leaves(grad_c) == expected
 
 

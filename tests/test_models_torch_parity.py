@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 import lmjax.models
 from lmjax import ops
-from lmjax import params as P
+from lmjax import params as ptree
 
 # Float32 round-off differs between the two implementations (summation order in matmuls and
 # reductions, erf/tanh/exp implementations, the fused cross-entropy VJP vs autograd). Observed
@@ -159,7 +159,7 @@ def make_case(cfg, seed: int = SEED):
     rng = np.random.default_rng(seed)
     flat = {
         name: np.asarray(leaf, np.float32)
-        for name, leaf in P.flatten(lmjax.models.init(jax.random.key(seed), cfg)).items()
+        for name, leaf in ptree.flatten(lmjax.models.init(jax.random.key(seed), cfg)).items()
     }
     for name, a in flat.items():
         # Biases away from 0, scales away from 1, everything else nudged by ~10% of its spread.
@@ -172,7 +172,7 @@ def make_case(cfg, seed: int = SEED):
 
 
 def lmjax_outputs(flat: dict, tokens: np.ndarray, targets: np.ndarray, cfg):
-    params = P.unflatten({name: jnp.asarray(a) for name, a in flat.items()})
+    params = ptree.unflatten({name: jnp.asarray(a) for name, a in flat.items()})
     tokens_j, targets_j = jnp.asarray(tokens), jnp.asarray(targets)
 
     def loss_fn(prm):
@@ -183,7 +183,7 @@ def lmjax_outputs(flat: dict, tokens: np.ndarray, targets: np.ndarray, cfg):
     lmjax.models.check_tokens(tokens_j, cfg)
     (loss, logits), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(params)
     assert logits.dtype == jnp.float32
-    flat_grads = {name: np.asarray(g) for name, g in P.flatten(grads).items()}
+    flat_grads = {name: np.asarray(g) for name, g in ptree.flatten(grads).items()}
     return np.asarray(logits), float(loss), flat_grads
 
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from lmjax import models
-from lmjax import params as P
+from lmjax import params as ptree
 from lmjax.cli import main
 from lmjax.config import parse_overrides, parse_value
 from lmjax.errors import ConfigError, ShapeError, TokenError
@@ -164,7 +164,7 @@ def test_int64_ids_beyond_int32_are_rejected_not_wrapped():
 
 
 def test_params_that_do_not_match_the_config_are_named():
-    params = P.flatten(models.init(jax.random.key(0), GPT))
+    params = ptree.flatten(models.init(jax.random.key(0), GPT))
     tokens = jnp.zeros((1, 4), jnp.int32)
     missing = dict(params)
     del missing["blocks.1.feed_forward.expand.bias"]
@@ -180,7 +180,7 @@ def test_params_that_do_not_match_the_config_are_named():
         (wrong, ("final_norm.scale.shape", "(31,)", "(32,)")),
     ):
         with pytest.raises(ShapeError) as info:
-            models.forward(P.unflatten(flat), tokens, GPT)
+            models.forward(ptree.unflatten(flat), tokens, GPT)
         assert_message(info.value, *parts)
     # Params of another config: the llama tree has no position table.
     with pytest.raises(ShapeError) as info:

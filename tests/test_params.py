@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lmjax import params as P
+from lmjax import params as ptree
 from lmjax.errors import ShapeError
 
 D, V, F = 4, 7, 8
@@ -79,14 +79,14 @@ def _assert_trees_equal(a, b) -> None:
 
 
 def test_flatten_names_in_natural_order():
-    names = list(P.flatten(small_transformer()))
+    names = list(ptree.flatten(small_transformer()))
     assert names == EXPECTED_NAMES
     assert names.index("blocks.2.attention.key.bias") < names.index("blocks.10.attention.key.bias")
 
 
 def test_flatten_values_are_the_leaves():
     tree = small_transformer()
-    flat = P.flatten(tree)
+    flat = ptree.flatten(tree)
     assert (
         flat["blocks.10.attention.query.weight"]
         is tree["blocks"]["10"]["attention"]["query"]["weight"]
@@ -102,36 +102,36 @@ def test_flatten_order_independent_of_insertion_order():
             return {k: reverse(node[k]) for k in reversed(list(node))}
         return node
 
-    assert list(P.flatten(reverse(tree))) == EXPECTED_NAMES
+    assert list(ptree.flatten(reverse(tree))) == EXPECTED_NAMES
 
 
 def test_flatten_order_same_after_tree_map():
     tree = small_transformer()
     mapped = jax.tree.map(lambda x: x * 2, tree)
-    assert list(P.flatten(mapped)) == EXPECTED_NAMES
+    assert list(ptree.flatten(mapped)) == EXPECTED_NAMES
     np.testing.assert_array_equal(
-        P.flatten(mapped)["token_embedding.weight"],
+        ptree.flatten(mapped)["token_embedding.weight"],
         2 * np.arange(V * D, dtype=np.float32).reshape(V, D),
     )
 
 
 def test_flatten_is_deterministic():
     tree = small_transformer()
-    assert list(P.flatten(tree)) == list(P.flatten(tree))
+    assert list(ptree.flatten(tree)) == list(ptree.flatten(tree))
 
 
 def test_flatten_order_ignores_insertion_for_numerically_equal_keys():
     # "1" and "01" are different valid keys with the same digit value; the module promises
     # the order "never depends on dict insertion order", so both dicts must flatten alike.
-    a = P.flatten({"1": np.zeros(1), "01": np.ones(1)})
-    b = P.flatten({"01": np.ones(1), "1": np.zeros(1)})
+    a = ptree.flatten({"1": np.zeros(1), "01": np.ones(1)})
+    b = ptree.flatten({"01": np.ones(1), "1": np.zeros(1)})
     assert list(a) == list(b)
 
 
 def test_flatten_accepts_any_dotless_str_key():
     # "²" is a non-empty str without '.', so it is a valid key (str.isdigit() is True for it,
     # but it is not a decimal digit).
-    flat = P.flatten({"x²": {"²": np.zeros(2)}, "b": np.ones(1)})
+    flat = ptree.flatten({"x²": {"²": np.zeros(2)}, "b": np.ones(1)})
     assert set(flat) == {"x².²", "b"}
 
 
@@ -148,13 +148,13 @@ def test_flatten_accepts_any_dotless_str_key():
 )
 def test_flatten_rejects_bad_keys(bad):
     with pytest.raises(ShapeError) as info:
-        P.flatten(bad)
+        ptree.flatten(bad)
     assert "expected" in str(info.value) and "Fix:" in str(info.value)
 
 
 def test_flatten_rejects_int_key_and_names_it():
     with pytest.raises(ShapeError, match="blocks"):
-        P.flatten({"blocks": {3: np.zeros(1)}})
+        ptree.flatten({"blocks": {3: np.zeros(1)}})
 
 
 # --------------------------------------------------------------------------- unflatten
@@ -162,7 +162,7 @@ def test_flatten_rejects_int_key_and_names_it():
 
 def test_unflatten_inverts_flatten():
     tree = small_transformer()
-    back = P.unflatten(P.flatten(tree))
+    back = ptree.unflatten(ptree.flatten(tree))
     _assert_trees_equal(back, tree)
     assert set(back["blocks"]) == {"0", "1", "2", "10"}
     assert set(back["blocks"]["10"]["attention"]) == {"query", "key", "value", "output"}
@@ -170,7 +170,7 @@ def test_unflatten_inverts_flatten():
 
 def test_unflatten_handmade():
     x, y, z = np.zeros(1), np.ones(2), np.full(3, 2.0)
-    out = P.unflatten({"a.b.c": x, "a.d": y, "e": z})
+    out = ptree.unflatten({"a.b.c": x, "a.d": y, "e": z})
     assert set(out) == {"a", "e"}
     assert set(out["a"]) == {"b", "d"}
     assert out["a"]["b"]["c"] is x and out["a"]["d"] is y and out["e"] is z
@@ -187,13 +187,13 @@ def test_unflatten_handmade():
 )
 def test_unflatten_rejects_leaf_that_is_also_prefix(flat):
     with pytest.raises(ShapeError):
-        P.unflatten(flat)
+        ptree.unflatten(flat)
 
 
 @pytest.mark.parametrize("name", ["a..b", ".a", "a.", ""])
 def test_unflatten_rejects_empty_parts(name):
     with pytest.raises(ShapeError):
-        P.unflatten({name: 1})
+        ptree.unflatten({name: 1})
 
 
 _KEY = st.text(alphabet="abcxyz_019", min_size=1, max_size=4)
@@ -214,14 +214,14 @@ _TREES = st.recursive(
 @settings(max_examples=50, deadline=None)
 @given(_TREES)
 def test_roundtrip_property(tree):
-    flat = P.flatten(tree)
+    flat = ptree.flatten(tree)
     # Independent leaf count: jax sees the same leaves (numpy arrays are leaves).
     assert len(flat) == len(jax.tree.leaves(tree))
     for name in flat:
         assert all(part and "." not in part for part in name.split("."))
-    back = P.unflatten(flat)
+    back = ptree.unflatten(flat)
     _assert_trees_equal(back, tree)
-    assert list(P.flatten(back)) == list(flat)
+    assert list(ptree.flatten(back)) == list(flat)
 
 
 # --------------------------------------------------------------------------- count
@@ -241,30 +241,33 @@ def test_count_real_arrays():
     tree = small_transformer()
     by_hand = sum(np.asarray(x).size for x in jax.tree.leaves(tree))
     assert by_hand == _expected_count()
-    assert P.count(tree) == by_hand
+    assert ptree.count(tree) == by_hand
 
 
 def test_count_eval_shape():
     abstract = jax.eval_shape(small_transformer)
     assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(abstract))
-    assert P.count(abstract) == _expected_count()
+    assert ptree.count(abstract) == _expected_count()
 
 
 def test_count_scalars_and_empty():
-    assert P.count({"a": jnp.zeros(()), "b": {"c": jnp.zeros((0, 5)), "d": jnp.zeros((2, 3))}}) == 7
-    assert P.count({}) == 0
+    assert (
+        ptree.count({"a": jnp.zeros(()), "b": {"c": jnp.zeros((0, 5)), "d": jnp.zeros((2, 3))}})
+        == 7
+    )
+    assert ptree.count({}) == 0
 
 
 # --------------------------------------------------------------------------- mask
 
 
 def _true_names(m) -> set[str]:
-    return {name for name, v in P.flatten(m).items() if v}
+    return {name for name, v in ptree.flatten(m).items() if v}
 
 
 def _check_mask(pattern, expected: set[str]) -> None:
     tree = small_transformer()
-    m = P.mask(tree, pattern)
+    m = ptree.mask(tree, pattern)
     assert jax.tree.structure(m) == jax.tree.structure(tree)
     assert all(type(v) is bool or isinstance(v, np.bool_) for v in jax.tree.leaves(m))
     assert _true_names(m) == expected
@@ -297,7 +300,7 @@ def test_mask_list_of_patterns():
 
 def test_mask_single_string_equals_one_element_list():
     tree = small_transformer()
-    assert P.mask(tree, "blocks.10.*") == P.mask(tree, ["blocks.10.*"])
+    assert ptree.mask(tree, "blocks.10.*") == ptree.mask(tree, ["blocks.10.*"])
     _check_mask("blocks.10.*", {f"blocks.10.{leaf}" for leaf in BLOCK_LEAVES})
 
 
@@ -309,9 +312,9 @@ def test_mask_is_case_sensitive_and_exact():
 
 def test_mask_usable_with_tree_map():
     tree = small_transformer()
-    m = P.mask(tree, "*.bias")
+    m = ptree.mask(tree, "*.bias")
     zeroed = jax.tree.map(lambda x, keep: x * 0 if keep else x, tree, m)
-    flat = P.flatten(zeroed)
+    flat = ptree.flatten(zeroed)
     assert float(jnp.abs(flat["blocks.2.attention.key.bias"]).sum()) == 0.0
     np.testing.assert_array_equal(flat["blocks.2.attention.key.weight"], np.full((D, D), 2.0 + 3))
 
@@ -319,33 +322,33 @@ def test_mask_usable_with_tree_map():
 def test_mask_require_match_raises_naming_pattern():
     tree = small_transformer()
     with pytest.raises(ShapeError) as info:
-        P.mask(tree, ["*.bias", "blocks.*.atention.*"], require_match=True)
+        ptree.mask(tree, ["*.bias", "blocks.*.atention.*"], require_match=True)
     assert "blocks.*.atention.*" in str(info.value)
     with pytest.raises(ShapeError, match="nope"):
-        P.mask(tree, "nope", require_match=True)
+        ptree.mask(tree, "nope", require_match=True)
 
 
 def test_mask_require_match_ok_when_all_match():
     tree = small_transformer()
-    m = P.mask(tree, ["*.bias", "token_embedding.weight"], require_match=True)
+    m = ptree.mask(tree, ["*.bias", "token_embedding.weight"], require_match=True)
     assert "token_embedding.weight" in _true_names(m)
     # Without require_match a non-matching pattern is silently fine.
-    assert _true_names(P.mask(tree, "nope")) == set()
+    assert _true_names(ptree.mask(tree, "nope")) == set()
 
 
 def test_matches_helper():
-    assert P.matches("blocks.3.attention.query.bias", "*.bias")
-    assert P.matches("blocks.3.attention.query.bias", ("x", "blocks.?.attention.*"))
-    assert not P.matches("blocks.3.attention_norm.bias", "blocks.*.attention.*")
+    assert ptree.matches("blocks.3.attention.query.bias", "*.bias")
+    assert ptree.matches("blocks.3.attention.query.bias", ("x", "blocks.?.attention.*"))
+    assert not ptree.matches("blocks.3.attention_norm.bias", "blocks.*.attention.*")
 
 
 def test_natural_key_orders_numbers():
     names = ["b10", "b2", "a", "b1", "b"]
-    assert sorted(names, key=P.natural_key) == ["a", "b", "b1", "b2", "b10"]
+    assert sorted(names, key=ptree.natural_key) == ["a", "b", "b1", "b2", "b10"]
 
 
 def test_mask_keeps_empty_subtrees_so_structures_match():
     tree = {"a": {}, "b": {"weight": jnp.ones(2)}}
-    m = P.mask(tree, "*.weight")
+    m = ptree.mask(tree, "*.weight")
     assert jax.tree.structure(m) == jax.tree.structure(tree)
     assert m == {"a": {}, "b": {"weight": True}}

@@ -24,7 +24,7 @@ import pytest
 from _background import Worker
 
 from lmjax import finetune, lora, models
-from lmjax import params as P
+from lmjax import params as ptree
 
 nf4 = pytest.importorskip("lmjax.quant.nf4")
 quant_params = pytest.importorskip("lmjax.quant.params")
@@ -116,9 +116,9 @@ def test_qlora_training_lowers_loss_on_real_text_and_keeps_nf4_bytes(quantized):
     # random embeddings) took it from 5.60 to 5.17 when this test was written.
     print(f"held-out loss {start:.3f} -> {end:.3f}")
     assert end < start - 0.3, (start, end)
-    for name, leaf in P.flatten(jax.tree.map(np.asarray, frozen)).items():
+    for name, leaf in ptree.flatten(jax.tree.map(np.asarray, frozen)).items():
         leaves = jax.tree.leaves(leaf)
-        expected = jax.tree.leaves(P.flatten(before)[name])
+        expected = jax.tree.leaves(ptree.flatten(before)[name])
         for got, want in zip(leaves, expected, strict=True):
             np.testing.assert_array_equal(got, want, err_msg=name)
 

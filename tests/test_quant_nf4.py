@@ -33,7 +33,7 @@ import pytest
 import torch
 
 from lmjax import models
-from lmjax import params as P
+from lmjax import params as ptree
 from lmjax.errors import NonFiniteError, ShapeError
 from lmjax.quant import QuantizedWeight, dequantize, nf4, quantize, storage_bytes
 from lmjax.quant.params import LINEAR_WEIGHTS, quantize_params, weight_bytes
@@ -297,10 +297,10 @@ def test_quantize_params_replaces_only_block_projections():
     )
     params = models.init(jax.random.key(0), cfg)
     quantized = quantize_params(params)
-    flat, before = P.flatten(quantized), P.flatten(params)
+    flat, before = ptree.flatten(quantized), ptree.flatten(params)
     assert flat.keys() == before.keys()
     nf4_names = sorted(n for n, leaf in flat.items() if isinstance(leaf, QuantizedWeight))
-    assert nf4_names == sorted(n for n in before if P.matches(n, LINEAR_WEIGHTS))
+    assert nf4_names == sorted(n for n in before if ptree.matches(n, LINEAR_WEIGHTS))
     assert len(nf4_names) == 2 * 6  # q, k, v, output, expand, project per block
     for name, leaf in flat.items():
         if name not in nf4_names:
@@ -310,8 +310,8 @@ def test_quantize_params_replaces_only_block_projections():
     assert sizes["quantized_params"] == n_quant
     assert sizes["quantized"] == sum(storage_bytes(before[n].size) for n in nf4_names)
     assert sizes["quantized_as_float"] == 4 * n_quant
-    assert sizes["float"] == 4 * (P.count(params) - n_quant)
-    assert P.count(quantized) == P.count(params)  # counts see the original shapes
+    assert sizes["float"] == 4 * (ptree.count(params) - n_quant)
+    assert ptree.count(quantized) == ptree.count(params)  # counts see the original shapes
 
 
 def test_quantize_params_rejects_patterns_that_miss_or_hit_non_linear_leaves():

@@ -19,7 +19,7 @@ import safetensors.torch
 import torch
 
 from lmjax import models
-from lmjax import params as P
+from lmjax import params as ptree
 from lmjax.errors import CheckpointError, ConfigError, FileFormatError, ShapeError
 from lmjax.io import safetensors as st
 
@@ -37,7 +37,7 @@ def test_round_trip_names_values_dtypes_metadata(params, tmp_path):
     path = tmp_path / "p.safetensors"
     st.save(params, path, metadata={"step": "7"})
     back = st.load(path, expected=CFG)
-    flat, flat_back = P.flatten(params), P.flatten(back)
+    flat, flat_back = ptree.flatten(params), ptree.flatten(back)
     assert list(flat_back) == list(flat) == list(models.declare(CFG))
     for name, leaf in flat.items():
         assert flat_back[name].dtype == leaf.dtype
@@ -69,13 +69,13 @@ def test_bf16_and_adapter_trees_round_trip(tmp_path):
 
 
 def test_load_names_every_mismatch_against_the_model(params, tmp_path):
-    flat = dict(P.flatten(params))
+    flat = dict(ptree.flatten(params))
     del flat["blocks.0.attention.query.bias"]  # missing
     flat["blocks.1.attention.key.weight"] = jnp.zeros((3, 8))  # wrong shape
     flat["final_norm.scale"] = flat["final_norm.scale"].astype(jnp.float16)  # wrong dtype
     flat["language_model_head.weight"] = jnp.zeros((50, 8))  # unexpected (the head is tied)
     path = tmp_path / "bad.safetensors"
-    st.save(P.unflatten(flat), path)
+    st.save(ptree.unflatten(flat), path)
     with pytest.raises(CheckpointError) as err:
         st.load(path, expected=CFG)
     message = str(err.value)
@@ -268,9 +268,9 @@ def test_header_over_the_size_cap_is_rejected(tmp_path, monkeypatch):
 
 
 def test_one_mismatch_is_singular(params, tmp_path):
-    flat = dict(P.flatten(params))
+    flat = dict(ptree.flatten(params))
     del flat["final_norm.bias"]
     path = tmp_path / "one.safetensors"
-    st.save(P.unflatten(flat), path)
+    st.save(ptree.unflatten(flat), path)
     with pytest.raises(CheckpointError, match=r": 1 parameter mismatch = missing final_norm\.bias"):
         st.load(path, expected=CFG)

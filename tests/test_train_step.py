@@ -11,7 +11,7 @@ import optax
 import pytest
 
 from lmjax import models
-from lmjax import params as P
+from lmjax import params as ptree
 from lmjax.config import RunConfig
 from lmjax.train import init_state, make_train_step, optim
 from lmjax.train.step import loss_fn
@@ -31,7 +31,7 @@ def batch(accum: int, micro: int, seed: int = 0, t: int = 16) -> dict:
 
 def test_llama_decay_mask_exempts_rms_scales_and_decays_the_untied_head():
     params = models.abstract_params(models.preset("llama"))
-    mask = P.flatten(optim.decay_mask(params, run_cfg().optimizer.no_decay))
+    mask = ptree.flatten(optim.decay_mask(params, run_cfg().optimizer.no_decay))
     exempt = {name for name, decayed in mask.items() if not decayed}
     expected = {"token_embedding.weight", "final_norm.scale"} | {
         f"blocks.{i}.{n}_norm.scale" for i in range(2) for n in ("attention", "feed_forward")
@@ -43,7 +43,9 @@ def test_default_decay_mask_exempts_biases_norm_scales_and_embeddings():
     cfg = MODEL.replace(norm="layernorm", bias=True, tie_embeddings=False)
     params = models.abstract_params(cfg)
     decayed = {
-        n for n, d in P.flatten(optim.decay_mask(params, run_cfg().optimizer.no_decay)).items() if d
+        n
+        for n, d in ptree.flatten(optim.decay_mask(params, run_cfg().optimizer.no_decay)).items()
+        if d
     }
     # Expected from SPEC section 3's names: every linear weight and the head, nothing else.
     expected = {
@@ -77,9 +79,9 @@ def test_adamw_applies_weight_decay_only_where_the_mask_says():
     params = models.init(jax.random.PRNGKey(0), MODEL)
     zeros = jax.tree.map(jnp.zeros_like, params)
     updates, _ = tx.update(zeros, tx.init(params), params)
-    mask = P.flatten(optim.decay_mask(params, cfg.optimizer.no_decay))
-    for name, u in P.flatten(updates).items():
-        p = P.flatten(params)[name]
+    mask = ptree.flatten(optim.decay_mask(params, cfg.optimizer.no_decay))
+    for name, u in ptree.flatten(updates).items():
+        p = ptree.flatten(params)[name]
         np.testing.assert_allclose(u, -0.05 * p if mask[name] else 0 * p, rtol=1e-6, atol=0)
 
 
@@ -142,15 +144,15 @@ def test_train_step_equals_a_plain_reference_step():
     assert float(lr(0)) == pytest.approx(
         cfg.optimizer.lr
     )  # no warmup: the update is not trivially zero
-    for name, value in P.flatten(new.params).items():
+    for name, value in ptree.flatten(new.params).items():
         if name.endswith("attention.key.bias"):
             # Its gradient is zero in exact arithmetic (a key bias shifts every score of a row
             # equally, which softmax ignores), so both gradients are rounding noise and Adam's
             # g / (|g| + eps) turns noise into steps of up to lr: only that bound is comparable.
-            assert np.abs(P.flatten(grads)[name]).max() < 1e-6
-            assert np.abs(value - P.flatten(state_before.params)[name]).max() <= 1.01 * 3e-4
+            assert np.abs(ptree.flatten(grads)[name]).max() < 1e-6
+            assert np.abs(value - ptree.flatten(state_before.params)[name]).max() <= 1.01 * 3e-4
             continue
-        np.testing.assert_allclose(value, P.flatten(expected)[name], rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(value, ptree.flatten(expected)[name], rtol=1e-5, atol=1e-7)
     assert int(new.step) == 1
 
 
@@ -178,8 +180,8 @@ def test_gradient_accumulation_equals_the_large_batch(sgd_step):
     a, ma = step(fresh(), big)
     b, mb = step(fresh(), split)
     assert float(ma["loss"]) == pytest.approx(float(mb["loss"]), rel=1e-6)
-    for name, value in P.flatten(a.params).items():
-        np.testing.assert_allclose(value, P.flatten(b.params)[name], rtol=1e-5, atol=1e-7)
+    for name, value in ptree.flatten(a.params).items():
+        np.testing.assert_allclose(value, ptree.flatten(b.params)[name], rtol=1e-5, atol=1e-7)
 
 
 def test_state_is_donated(sgd_step):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import optax
 
-from lmjax import params as P
+from lmjax import params as ptree
 from lmjax.config import OptimizerConfig, RunConfig, ScheduleConfig
 
 
@@ -45,7 +45,7 @@ def schedule(sched: ScheduleConfig, peak_lr: float, total_steps: int) -> optax.S
 
 def decay_mask(params, no_decay) -> dict:
     """True for every leaf that gets weight decay: names matching none of the `no_decay` globs."""
-    return P.map_with_names(lambda name, _: not P.matches(name, no_decay), params)
+    return ptree.map_with_names(lambda name, _: not ptree.matches(name, no_decay), params)
 
 
 def optimizer(opt: OptimizerConfig, lr: optax.Schedule) -> optax.GradientTransformation:
