@@ -18,6 +18,11 @@ Forward, per batch row b and head h, with c = 1/sqrt(D) (D the head dim *before*
 The forward saves only (q, k, v, mask, out, lse): O(T) memory, no [T, S] probabilities.
 Dtypes: float32, bfloat16 or float16 inputs; matmul operands stay in the input dtype (p and ds
 are rounded to it before their matmuls), every accumulator and softmax statistic is float32.
+Float16 on the TPU kernel: Mosaic has no float16 vector loads (libtpu 0.0.42 refuses them,
+"Invalid vector type for load"), so the wrapper upcasts q, k, v to float32 (exact), runs the
+float32 kernel and rounds out (and dq, dk, dv) to float16; lse stays float32. Its results are
+the float32 kernel's rounded once to float16, closer to exact than float16 operands would be,
+at float32's VMEM and matmul cost (interpreted too, so the CPU tests check these numerics).
 
 Backward (FlashAttention-2), given dO = dL/dout and dlse = dL/dlse (zero unless lse is used):
 
@@ -43,8 +48,9 @@ Padding (done in the wrapper, undone on the way out, so callers never see it):
 
 Backends: `backend="gpu"` (grid (query blocks, B, H), fori_loop over key blocks in the kernel)
 or `backend="tpu"` (grid (B, H, query blocks, key blocks), key axis sequential, VMEM scratch
-accumulators). `backend=None` follows `jax.default_backend()`; on CPU it runs the GPU kernel
-(`CPU_KERNEL`) in interpret mode. Both kernels run interpreted on CPU (`interpret=True`).
+accumulators). `backend=None` follows the platform compiled for (`jax.default_device`'s, e.g. a
+compile-only TPU device on a CPU host, else `jax.default_backend()`); on CPU it runs the GPU
+kernel (`CPU_KERNEL`) in interpret mode. Both kernels run interpreted on CPU (`interpret=True`).
 """
 
 from __future__ import annotations
@@ -78,6 +84,8 @@ from pallas_kernels._backend import require_positive_int as _require_positive_in
 from pallas_kernels._backend import round_up as _round_up
 
 INPUT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+# Input dtypes the TPU kernel runs in another dtype (module docstring: Mosaic loads no float16).
+_TPU_COMPUTE_DTYPE = {jnp.dtype(jnp.float16): jnp.dtype(jnp.float32)}
 # Masked scores before the max: finite, so `m - m_new` never forms inf - inf.
 _MASKED = -1e30
 _LOG2E = math.log2(math.e)
@@ -811,7 +819,17 @@ def flash_attention_with_lse(
         q.shape, k.shape, sizes, kernel, interpret, bool(causal), int(offset), mask is not None
     )
     kmask = None if mask is None else (jnp.asarray(mask) != 0).astype(jnp.int32)
-    return _flash_padded(plan, q, k, v, kmask)
+    compute = _compute_dtype(kernel, q.dtype)
+    q_c, k_c, v_c = (x.astype(compute) for x in (q, k, v))  # no-ops unless float16 on TPU
+    out, lse = _flash_padded(plan, q_c, k_c, v_c, kmask)
+    return out.astype(q.dtype), lse
+
+
+def _compute_dtype(kernel: str, dtype) -> jnp.dtype:
+    """The dtype `kernel` computes inputs of `dtype` in: float16 on the TPU kernel runs as
+    float32 (module docstring); everything else as itself."""
+    dtype = jnp.dtype(dtype)
+    return _TPU_COMPUTE_DTYPE.get(dtype, dtype) if kernel == "tpu" else dtype
 
 
 def flash_attention(

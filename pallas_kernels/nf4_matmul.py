@@ -22,7 +22,10 @@ Decoding a 4-bit code: a tree of 15 selects on its four bits with the 16 NF4 con
 gather: TPUs have no vector gather, and a select tree lowers everywhere). The decoded tile is
 NF4 * absmax' in float32, rounded to x's dtype, and both matmuls accumulate in float32. Float32
 matmuls inside the kernel follow `jax_default_matmul_precision` (on GPUs JAX's default is TF32;
-the tests set `highest`).
+the tests set `highest`). Float16 x on the TPU kernel: Mosaic cannot pack float16 vectors
+(libtpu 0.0.42: "failed to legalize operation 'tpu.pack_subelements'"), so the wrapper upcasts x
+to float32 (exact), the kernel decodes the tiles in float32 (no float16 rounding of the weight)
+and y (and dx) are rounded to float16 once at the end, interpreted too.
 
 Input gradient (`jax.custom_vjp`): dx = g @ dequant(W), computed by a second kernel that decodes
 the same tiles, again as even and odd column halves that the wrapper interleaves. The quantized
@@ -40,7 +43,8 @@ padded x columns are 0, so they add exactly nothing.
 Backends: `backend="gpu"` (Triton; grid (M blocks, O blocks), a loop over I inside the forward;
 grid (M blocks, I blocks), a loop over O inside the dx kernel) or `backend="tpu"` (Mosaic; the
 reduction axis is the last, sequential grid axis with a VMEM float32 accumulator). None follows
-`jax.default_backend()`; on CPU the GPU kernel runs interpreted (interpret=None -> True on CPU).
+the platform compiled for (`jax.default_device`'s, else `jax.default_backend()`); on CPU the GPU
+kernel runs interpreted (interpret=None -> True on CPU).
 
 The XLA path (`nf4_matmul_tiled`, what `quantized_linear` runs on CPU and for in-features that
 are not a multiple of 64): the same y and dx in plain jnp, decoding W in tiles of whole rows,
@@ -87,6 +91,8 @@ from pallas_kernels._backend import require_platform as _require_platform
 from pallas_kernels._backend import round_up as _round_up
 
 INPUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+# x dtypes the TPU kernel runs in another dtype (module docstring: Mosaic packs no float16).
+_TPU_COMPUTE_DTYPE = {jnp.dtype(jnp.float16): jnp.dtype(jnp.float32)}
 _HALF_BLOCK = BLOCK // 2  # packed bytes per quantization block
 
 
@@ -523,8 +529,17 @@ def nf4_matmul(
     qw = jax.lax.stop_gradient(qw)
     packed = qw.packed.reshape(out_features, in_features // 2)
     scales = block_absmax(qw).reshape(out_features, in_features // BLOCK)
-    y = _nf4_padded(plan, x_MI, packed, scales).reshape(*x.shape[:-1], out_features)
+    x_MI = x_MI.astype(_compute_dtype(kernel, x.dtype))  # a no-op unless float16 on TPU
+    y = _nf4_padded(plan, x_MI, packed, scales).astype(x.dtype)
+    y = y.reshape(*x.shape[:-1], out_features)
     return y if bias is None else y + _expand(bias, y)
+
+
+def _compute_dtype(kernel: str, dtype) -> jnp.dtype:
+    """The dtype `kernel` computes x of `dtype` in: float16 on the TPU kernel runs as float32
+    (module docstring); everything else as itself."""
+    dtype = jnp.dtype(dtype)
+    return _TPU_COMPUTE_DTYPE.get(dtype, dtype) if kernel == "tpu" else dtype
 
 
 def _expand(bias, y):
@@ -678,7 +693,7 @@ def quantized_linear(x, qw: QuantizedWeight, bias=None):
     when in-features are a multiple of 64; otherwise `nf4_matmul_tiled` (on CPU, where the
     kernel could only be interpreted, and for weights whose quantization blocks straddle rows),
     which, like the kernel, never saves a float copy of the weight for the backward."""
-    compiled = jax.default_backend() in KERNELS
+    compiled = _backend.platform() in KERNELS  # the default device's, e.g. compiling for a TPU
     if compiled and isinstance(qw, QuantizedWeight) and qw.ndim == 2 and qw.shape[1] % BLOCK == 0:
         return nf4_matmul(x, qw, bias)
     return nf4_matmul_tiled(x, qw, bias)
