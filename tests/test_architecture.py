@@ -578,15 +578,19 @@ _BAD = {
     "lmjax/a.py": "from lmjax import b\n\n_hidden = 1\n",
     "lmjax/b.py": "def f():\n    from . import a\n\n    return a\n",
     "lmjax/c.py": "from lmjax.a import _hidden\nimport lmjax.a as m\n\nx = m._hidden + _hidden\n",
-    "lmjax/d.py": "import sys\n\nfrom lmjax.sub._impl import y\n\nz = sys.modules['lmjax.a']\n",
+    "lmjax/d.py": "import sys\n\nfrom lmjax.sub import _impl\nfrom lmjax.sub._impl import y\n\n"
+    "z = sys.modules['lmjax.a']\n",
     "lmjax/sub/__init__.py": "from lmjax.sub._impl import y\n",
     "lmjax/sub/_impl.py": "y = 2\n",
     "lmjax/sub/e.py": "from ._impl import y\n",
     "lmjax/ops/__init__.py": "",
     "lmjax/ops/x.py": "from lmjax import errors\nfrom lmjax import a\n\nlora = 1\n",
+    "lmjax/ops/y.py": "from lmjax.checks import require\nfrom lmjax.ops import x\n",
     "lmjax/errors.py": "",
+    "lmjax/checks.py": "",
+    "lmjax/cli.py": "def main():\n    from lmjax import a\n\n    return a\n",  # allowed here
     "lmjax/params.py": "",
-    "lmjax/long.py": "from lmjax import params as P\n\n\ndef f():\n" + "    x = 1\n" * 81,
+    "lmjax/long.py": "from lmjax import params as P\n\n\ndef f():\n" + "    x = 1\n" * 80,
     "lmjax/table.py": "def cases():\n    t = [\n" + "        1,\n" * 90 + "    ]\n    return t\n",
     "lmjax/big.py": "x = 1\n" * 501,
 }
@@ -596,8 +600,8 @@ _MENDED = _BAD | {
     "lmjax/d.py": "from lmjax.sub import y\n",
     "lmjax/ops/x.py": "from lmjax import errors\n\nlow_rank = 1\n",
     "lmjax/long.py": "from jax.sharding import PartitionSpec as P\n\n\ndef f():\n"
-    + "    x = 1\n" * 77,
-    "lmjax/big.py": "x = 1\n" * 500,
+    + "    x = 1\n" * 79,  # 80 lines: the limit
+    "lmjax/big.py": "x = 1\n" * 500,  # the limit
 }
 
 
@@ -624,6 +628,7 @@ def test_the_checker_catches_each_rule_on_a_small_tree(tmp_path):
     }, found
     assert "lmjax/c.py:1" in found["private-name", "lmjax.c -> lmjax.a._hidden"]
     assert "lmjax/c.py:4" in found["private-name", "lmjax.c -> lmjax.a._hidden"]  # m._hidden
+    assert found["private-module", "lmjax.d -> lmjax.sub._impl"] == "lmjax/d.py:3; lmjax/d.py:4"
     assert violations(_write(tmp_path / "mended", _MENDED)) == {}
 
 
