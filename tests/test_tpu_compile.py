@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import topologies
 
 from lmjax.errors import ShapeError
 from lmjax.quant import nf4
@@ -59,8 +60,6 @@ def tpu_device():
     assert importlib.util.find_spec("libtpu") is not None, (
         "libtpu is missing: it comes with the test extra, pip install -e '.[test]'"
     )
-    from jax.experimental import topologies
-
     cache = {}
 
     def get(name: str):
