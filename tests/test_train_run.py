@@ -4,6 +4,7 @@ overwritten)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -443,3 +444,24 @@ def test_generate_command_batches_and_pages(workspace, straight, monkeypatch, ca
             workspace, monkeypatch, capsys, *args, "--prompt", prompt, "--cache", "paged"
         )
         assert code == 0 and f"--- {prompt!r}\n{alone}" in batched  # same text, batched or not
+
+
+def test_a_run_shorter_than_its_warmup_runs_on_the_warmup_ramp(workspace, capsys, monkeypatch):
+    """`train.steps` at most the warmup, with the decay length left to the run (the issue's
+    `lmjax train configs/tiny-shakespeare.yaml train.steps=3` under 50 warmup steps): the run
+    trains, one line says the learning rate stays on the warmup ramp, and every step's lr is
+    the ramp's `lr (s + 1) / W` (worked out here from the config, not read from lmjax)."""
+    monkeypatch.chdir(workspace)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(workspace / "cache"))
+    argv = ["train", "tiny.yaml", "run.dir=short", "train.steps=3", "train.eval_every=3"]
+    argv += ["schedule.warmup_steps=50", "schedule.decay_steps=null", "checkpoint.every=3"]
+    assert cli.main(argv) == 0, capsys.readouterr().err[-2000:]
+    err = capsys.readouterr().err
+    notes = [line for line in err.splitlines() if "warmup ramp" in line]
+    assert len(notes) == 1 and "train.steps = 3 <= schedule.warmup_steps = 50" in notes[0], err
+    metrics = (workspace / "short/metrics.jsonl").read_text().splitlines()
+    rows = [json.loads(line) for line in metrics]
+    lrs = {row["step"]: row["lr"] for row in rows if "lr" in row}
+    assert sorted(lrs) == [1, 2, 3], lrs
+    for step, lr in lrs.items():  # metrics count steps from 1: step n is update s = n - 1
+        assert lr == pytest.approx(0.01 * step / 50, rel=1e-6), (step, lr)

@@ -128,6 +128,8 @@ def train(
     cfg = resolve(cfg, prepared)
     cfg = _resumed_config(run_dir, cfg) if resume else _pin_schedule(cfg)
     preflight(cfg, prepared)
+    if note := warmup_only_note(cfg):
+        print(note, file=out)
     if cfg.parallel.mesh is not None and trainable.frozen is not None:
         raise ConfigError.describe(
             "parallel.mesh", cfg.parallel.mesh, "no mesh for a fine-tune (not supported yet)",
@@ -154,10 +156,27 @@ def train(
 
 
 def _pin_schedule(cfg: RunConfig) -> RunConfig:
-    """Write the decay length into the config, so extending a run keeps its schedule."""
+    """Write the decay length into the config, so extending a run keeps its schedule.
+
+    A run no longer than its warmup (a smoke run, `train.steps=3` under 50 warmup steps) pins
+    the decay to start right after the warmup: every step it takes is on the warmup ramp."""
     if cfg.schedule.decay_steps is not None:
         return cfg
-    return cfg.replace(schedule=dataclasses.replace(cfg.schedule, decay_steps=cfg.train.steps))
+    decay_steps = max(cfg.train.steps, cfg.schedule.warmup_steps + 1)
+    return cfg.replace(schedule=dataclasses.replace(cfg.schedule, decay_steps=decay_steps))
+
+
+def warmup_only_note(cfg: RunConfig) -> str | None:
+    """The line that says a run ends inside its warmup (the learning rate never reaches its
+    peak), or None when the run is longer than the warmup."""
+    steps, warmup = cfg.train.steps, cfg.schedule.warmup_steps
+    if steps > warmup:
+        return None
+    return (
+        f"note: train.steps = {steps} <= schedule.warmup_steps = {warmup}: the learning rate "
+        f"follows the warmup ramp for the whole run, reaching {steps}/{warmup} of optimizer.lr "
+        f"= {cfg.optimizer.lr:g}"
+    )
 
 
 def preflight(cfg: RunConfig, prepared: D.Prepared) -> None:
