@@ -13,9 +13,18 @@ environment variables:
 
 Anything else (ranks without a coordinator, both modes, another LMJAX_DISTRIBUTED value, an
 address without a port) is a `ConfigError`: a half-configured host would otherwise train alone
-as process 0 and write the shared run directory. If a process dies, the others block at their
-next collective until jax's coordination service declares it dead (no heartbeat for
-`heartbeat_timeout_seconds`, 100 s by default; not tested here: one machine, one process).
+as process 0 and write the shared run directory.
+
+A lost process (killed, preempted, its host gone): `LMJAX_HEARTBEAT_TIMEOUT=S` (seconds, default
+50). Every process beats into jax's coordination key-value store every S/10 s and watches the
+others' beats (`Watchdog`); one silent for S s, or a coordinator unreachable for S s, makes each
+survivor print one line (`lmjax train: error: heartbeat of process 1 of 2 = none for 5 s ...`) and
+exit with status `EXIT_LOST` (75, EX_TEMPFAIL: run it again with --resume). A collective that
+fails because a peer's connection closed (gloo's `Connection closed by peer`) ends the same way
+at once (`exit_if_peer_lost`). jax's own heartbeat timeout is 2 S (its default 100 s when S is
+unset), so lmjax's line comes first: jax's would abort the process with a C++ stack trace. The
+exit skips jax's shutdown barrier, which with a dead peer waits and logs the failure again.
+Tested with real processes in tests/test_multiprocess.py.
 
 Data: every host computes the same random crop starts (a pure function of seed and step) but
 reads only the rows its own devices hold (`host_batch`), then the global batch is assembled
@@ -27,22 +36,54 @@ so the checkpoint directory must be one all hosts share (e.g. an NFS or gcsfuse 
 
 from __future__ import annotations
 
+import atexit
 import os
+import sys
+import threading
+import time
 
 import jax
 import numpy as np
+from jax._src import distributed as jax_distributed  # the client orbax uses too; not public
 
-from lmjax.errors import ConfigError
+from lmjax.errors import ConfigError, LMJaxError
 
 ENV_COORDINATOR = "LMJAX_COORDINATOR"
 ENV_NUM_PROCESSES = "LMJAX_NUM_PROCESSES"
 ENV_PROCESS_ID = "LMJAX_PROCESS_ID"
 ENV_AUTO = "LMJAX_DISTRIBUTED"
+ENV_HEARTBEAT = "LMJAX_HEARTBEAT_TIMEOUT"
+DEFAULT_HEARTBEAT_S = 50  # half jax's default heartbeat timeout (100 s), which stays 2 S
+EXIT_LOST = 75  # sysexits' EX_TEMPFAIL: the run stopped whole; run it again with --resume
+BEAT_KEY = "lmjax/heartbeat"
 
 
 def distributed_args(env: dict[str, str] | None = None) -> dict | None:
-    """The `jax.distributed.initialize` keyword arguments the environment asks for, or None."""
+    """The `jax.distributed.initialize` keyword arguments the environment asks for, or None.
+
+    With `LMJAX_HEARTBEAT_TIMEOUT=S` set they include jax's heartbeat timeout, 2 S (see the
+    module docstring); unset, jax keeps its default (100 s = 2 x `DEFAULT_HEARTBEAT_S`)."""
     env = os.environ if env is None else env
+    kwargs = _cluster_args(env)
+    if kwargs is not None and env.get(ENV_HEARTBEAT):
+        kwargs["heartbeat_timeout_seconds"] = 2 * heartbeat_seconds(env)
+    return kwargs
+
+
+def heartbeat_seconds(env: dict[str, str] | None = None) -> int:
+    """`LMJAX_HEARTBEAT_TIMEOUT`: seconds of silence after which a process is declared lost."""
+    env = os.environ if env is None else env
+    text = env.get(ENV_HEARTBEAT) or str(DEFAULT_HEARTBEAT_S)
+    if not text.isdigit() or int(text) < 1:
+        raise ConfigError.describe(
+            ENV_HEARTBEAT, text, "a whole number of seconds >= 1",
+            f"export {ENV_HEARTBEAT}={DEFAULT_HEARTBEAT_S} (the default), or unset it",
+        )  # fmt: skip
+    return int(text)
+
+
+def _cluster_args(env) -> dict | None:
+    """Who the processes are: coordinator and ranks, `{}` (jax detects them) or None (one)."""
     auto, address = env.get(ENV_AUTO), env.get(ENV_COORDINATOR)
     ranks = [name for name in (ENV_NUM_PROCESSES, ENV_PROCESS_ID) if env.get(name)]
     if auto:
@@ -90,11 +131,18 @@ def distributed_args(env: dict[str, str] | None = None) -> dict | None:
 
 
 def initialize_from_env(env: dict[str, str] | None = None) -> bool:
-    """Call `jax.distributed.initialize` if the environment says so; True if it did."""
+    """Call `jax.distributed.initialize` if the environment says so, and start the `Watchdog`
+    of the other processes; True if it did."""
     kwargs = distributed_args(env)
     if kwargs is None:
         return False
+    seconds = heartbeat_seconds(env)
     jax.distributed.initialize(**kwargs)
+    client = jax_distributed.global_state.client
+    if client is not None and jax.process_count() > 1:
+        watchdog = Watchdog(client, jax.process_index(), jax.process_count(), seconds)
+        watchdog.start()
+        atexit.register(watchdog.stop)  # runs before jax's own shutdown (registered earlier)
     return True
 
 
@@ -140,3 +188,128 @@ def host_batch(read_rows, shape: tuple[int, ...], sharding):
         return jax.make_array_from_callback(tuple(shape), sharding, piece)
 
     return jax.tree.map(assemble, read_rows(rows))
+
+
+def silent_processes(last_heard: dict[int, float], now: float, timeout_s: float) -> list[int]:
+    """The processes not heard from for more than `timeout_s` (times on one local clock)."""
+    return sorted(p for p, heard in last_heard.items() if now - heard > timeout_s)
+
+
+def lost_message(lost: list[int], count: int, timeout_s: float, coordinator: bool) -> str:
+    """The one line a survivor prints; `coordinator`: the key-value store itself is gone."""
+    setting = f"{ENV_HEARTBEAT}={timeout_s:g}"
+    if coordinator:
+        return _lost_text(
+            "the coordinator (process 0)", f"no answer for {timeout_s:g} s ({setting})"
+        )
+    ranks = ", ".join(map(str, lost))
+    what = f"heartbeat of process{'es' * (len(lost) > 1)} {ranks} of {count}"
+    return _lost_text(what, f"none for {timeout_s:g} s ({setting})")
+
+
+def _lost_text(what: str, value: str) -> str:
+    return str(
+        LMJaxError.describe(
+            what,
+            _Raw(value),
+            "every process of the run alive (one was killed, preempted, crashed or hung; this "
+            f"one stops too, with status {EXIT_LOST})",
+            "run the same lmjax train command with --resume on every host: it continues from "
+            "the newest complete checkpoint",
+        )  # fmt: skip
+    )
+
+
+def stop_lost(message: str) -> None:
+    """Print `lmjax train: error: message` and end this process with `EXIT_LOST`, at once: a
+    normal exit would wait in jax's shutdown barrier for the dead process."""
+    sys.stdout.flush()
+    print(f"lmjax train: error: {message}", file=sys.stderr, flush=True)
+    os._exit(EXIT_LOST)
+
+
+def exit_if_peer_lost(err: BaseException) -> None:
+    """A collective that failed because another process's connection closed: `stop_lost`.
+    Anything else returns (the caller re-raises it)."""
+    text = str(err).strip()
+    if jax.process_count() > 1 and "Connection closed by peer" in text:
+        first = text.splitlines()[0][:300]
+        stop_lost(_lost_text("a collective with the other processes", f"failed ({first})"))
+
+
+class Watchdog:
+    """Heartbeats between the processes of a run, through jax's coordination key-value store.
+
+    A beating thread writes `BEAT_KEY/<rank>` (a counter) every `timeout_s / 10` seconds and
+    reads every process's key; a judging thread (apart, so that an RPC stuck on a dead
+    coordinator cannot hide it) checks that each counter moved, and the store answered, within
+    `timeout_s` on this process's clock, else calls `on_lost(message)` (`stop_lost`). A process
+    that wrote `exited` (`stop`, at a normal exit) is no longer watched.
+    """
+
+    def __init__(self, client, rank: int, count: int, timeout_s: float, on_lost=stop_lost):
+        self.client, self.rank, self.count = client, rank, count
+        self.timeout_s, self.interval_s = timeout_s, max(timeout_s / 10, 0.05)
+        self.on_lost = on_lost
+        start = time.monotonic()
+        self.last_heard = {p: start for p in range(count) if p != rank}
+        self.last_answer, self.seen = start, {}
+        self.done = threading.Event()
+
+    def start(self) -> None:
+        for target, name in ((self._beat, "beat"), (self._judge, "judge")):
+            threading.Thread(target=target, name=f"lmjax-{name}", daemon=True).start()
+
+    def stop(self) -> None:
+        """Leave the watch: the others stop expecting this process's beats."""
+        self.done.set()
+        try:
+            self.client.key_value_set(f"{BEAT_KEY}/{self.rank}", "exited", allow_overwrite=True)
+        except Exception:  # noqa: BLE001  (the store may be gone already: nothing to tell)
+            pass
+
+    def _beat(self) -> None:
+        beat = 0
+        while not self.done.is_set():
+            beat += 1
+            try:
+                self.client.key_value_set(
+                    f"{BEAT_KEY}/{self.rank}", str(beat), allow_overwrite=True
+                )
+                values = self.client.key_value_dir_get(BEAT_KEY)
+            except Exception:  # noqa: BLE001  (an unreachable store: the judge times it out)
+                values = None
+            if values is not None:
+                self.heard(dict(values), time.monotonic())
+            self.done.wait(self.interval_s)
+
+    def heard(self, values: dict[str, str], now: float) -> None:
+        """Record one answer of the store: `{BEAT_KEY/<rank>: counter or "exited"}` at `now`."""
+        self.last_answer = now
+        for key, value in values.items():
+            rank = int(key.rsplit("/", 1)[1])
+            if value == "exited":
+                self.last_heard.pop(rank, None)
+            elif rank in self.last_heard and self.seen.get(rank) != value:
+                self.seen[rank], self.last_heard[rank] = value, now
+
+    def verdict(self, now: float) -> str | None:
+        """The line to stop with at `now`, or None while every watched process is heard."""
+        if now - self.last_answer > self.timeout_s:
+            return lost_message([0], self.count, self.timeout_s, coordinator=True)
+        lost = silent_processes(self.last_heard, now, self.timeout_s)
+        return lost_message(lost, self.count, self.timeout_s, coordinator=False) if lost else None
+
+    def _judge(self) -> None:
+        while not self.done.wait(self.interval_s):
+            message = self.verdict(time.monotonic())
+            if message and not self.done.is_set():
+                self.on_lost(message)
+                return
+
+
+class _Raw(str):
+    """A value shown as is in an error message (not as a quoted repr)."""
+
+    def __repr__(self) -> str:
+        return str(self)

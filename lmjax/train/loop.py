@@ -360,6 +360,9 @@ class _Trainer:
             self.bar.close()
             self._save_on_interrupt()
             raise
+        except Exception as err:  # a dead peer's collective: one line, exit 75 (multihost)
+            parallel.multihost.exit_if_peer_lost(err)
+            raise
         self.bar.close()
         if start >= t.steps and val_loss is None:
             val_loss = self.evaluate_params(self.state.params)
