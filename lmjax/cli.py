@@ -3,7 +3,8 @@
 Subcommands: `prepare` (corpus -> token files), `train` (a YAML run config), `eval` (a run's
 validation loss), `generate` (sample from a run), `import-hf` / `export-hf` (Hugging Face GPT-2
 directories), `inspect` (parameter table, counts, memory estimate), `gradcheck` (every
-primitive's hand-written VJP against `jax.grad` and finite differences). Library errors
+primitive's hand-written VJP against `jax.grad` and finite differences), `compile` (a config's
+sharded step compiled for a TPU topology by libtpu, its memory against the HBM). Library errors
 (`lmjax.errors`) print one line on stderr and exit 2; Ctrl-C exits 130.
 """
 
@@ -550,6 +551,7 @@ def build_parser() -> argparse.ArgumentParser:
     insp.set_defaults(run=_inspect)
     _add_training_commands(sub)
     _add_finetune_command(sub)
+    _add_compile_command(sub)
     return parser
 
 
@@ -776,6 +778,71 @@ def _check_output_file(path: str) -> None:
             f"a file path (but {blocker} is {'a directory' if blocker == out else 'a file'})",
             "pass a file name such as results/bench.json",
         )  # fmt: skip
+
+
+# ---- lmjax compile -------------------------------------------------------------------------------
+
+
+def _add_compile_command(sub) -> None:
+    comp = sub.add_parser(
+        "compile",
+        help="compile a run config's sharded train step for a TPU topology (no TPU needed)",
+        description="Build CONFIG's train step (with section.field=value overrides) sharded "
+        "over a mesh of TOPOLOGY's devices, and compile it with the real TPU compiler (libtpu: "
+        "pip install 'lmjax[tpu]'); nothing is allocated or run, so any machine will do. Prints "
+        "the compiled step's per-device memory (arguments, outputs, temporaries, generated "
+        "code) against the HBM a device may use, its FLOPs and the compile time. Exits 0 only "
+        "if the step compiled and fits: check a config this way before creating a TPU VM.",
+    )
+    comp.add_argument("config", help="a YAML run config, e.g. configs/tpu-gpt2-124m.yaml")
+    comp.add_argument("overrides", nargs="*", help="section.field=value overrides")
+    comp.add_argument(
+        "--topology",
+        required=True,
+        metavar="NAME",
+        help="a TPU slice as GENERATION:SHAPE: v2:2x2, v3:2x2, v4:2x2x1, v5e:2x2, v5e:4x4, "
+        "v5p:2x2x1, v6e:2x2, ... (v4 and v5p in megacore mode: one device per chip)",
+    )
+    comp.add_argument(
+        "--mesh",
+        default=None,
+        metavar="data=D,fsdp=F,model=M",
+        help="the device mesh (default: the config's parallel.mesh, else fsdp over every "
+        "device); its product must be the topology's device count",
+    )
+    comp.add_argument("--output", default=None, help="also write the report as JSON here")
+    comp.set_defaults(run=_compile)
+
+
+def _compile(args: argparse.Namespace) -> int:
+    import json
+    import os
+
+    import jax
+
+    from lmjax.config import load_run_config
+    from lmjax.parallel.mesh import parse_mesh_text
+    from lmjax.train import tpu_compile
+
+    # jax itself stays on the CPU on a host without a TPU (jax's import set TPU_SKIP_MDS_QUERY):
+    # probing for one with libtpu installed logs errors and is slow. The compile needs no backend.
+    if "JAX_PLATFORMS" not in os.environ and os.environ.get("TPU_SKIP_MDS_QUERY"):
+        jax.config.update("jax_platforms", "cpu")
+    tpu_compile.parse_topology(args.topology)  # the cheap checks first, in the order of the line
+    mesh = parse_mesh_text(args.mesh) if args.mesh else None
+    if args.output:
+        _check_output_file(args.output)
+    run = load_run_config(args.config, args.overrides)
+    report = tpu_compile.compile_train_step(run, args.topology, mesh)
+    print(f"{args.config}: " + tpu_compile.format_report(report))
+    if args.output:
+        from pathlib import Path
+
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+        print(f"wrote {args.output}")
+    tpu_compile.check_fits(report)
+    return 0
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
