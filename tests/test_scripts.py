@@ -9,6 +9,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -138,12 +139,19 @@ def _command(cmd: list[str]) -> str:
 
 FAKE_GCLOUD = """#!/usr/bin/env bash
 # Records each call; the log-streaming ssh fails while $FAIL_LOGS_FILE holds a count > 0,
-# and any command containing $FAIL_ON fails.
+# and any command containing $FAIL_ON fails. Each fetch of train.rc takes the next status from
+# $RC_FILE's lines (else $FAKE_RC); a status "gone" is a preempted VM: that fetch and every
+# ssh/scp after it fail until the next create.
 echo "$*" >> "$GCLOUD_LOG"
 if [[ -n "${FAIL_ON:-}" && "$*" == *"$FAIL_ON"* ]]; then exit 7; fi
-if [[ "$*" == *train.rc* ]]; then  # fetch: the training's exit status
+if [[ "$*" == *" create "* ]]; then rm -f "$GCLOUD_LOG.gone"; fi
+if [[ -f "$GCLOUD_LOG.gone" && ( "$*" == *" ssh "* || "$*" == *" scp "* ) ]]; then exit 255; fi
+if [[ "$*" == *" scp "*train.rc* ]]; then  # fetch: the training's exit status
+    rc="$FAKE_RC"
+    if [[ -s "${RC_FILE:-}" ]]; then rc="$(head -n 1 "$RC_FILE")"; sed -i 1d "$RC_FILE"; fi
+    if [[ "$rc" == gone ]]; then touch "$GCLOUD_LOG.gone"; exit 255; fi
     for a in "$@"; do
-        if [[ "$a" == */ && "$a" != *:* ]]; then echo "$FAKE_RC" > "$a/train.rc"; fi
+        if [[ "$a" == */ && "$a" != *:* ]]; then echo "$rc" > "$a/train.rc"; fi
     done
 fi
 if [[ "$*" == *"--worker=0"* && "$*" == *"tail"* ]]; then
@@ -169,14 +177,19 @@ def fake_env(tmp_path, scripts: dict, **env: str) -> dict:
     }
 
 
-def run_with_fake_gcloud(tmp_path, fail_logs: int, fail_on: str = "", rc: int = 0):
-    """tpu.sh all for real (DRY_RUN=0) against a fake gcloud on PATH; its calls, in order."""
+def run_with_fake_gcloud(tmp_path, fail_logs: int, fail_on: str = "", rc: int = 0,
+                         rcs: tuple = (), calls: list | None = None, **env):  # fmt: skip
+    """tpu.sh all for real (DRY_RUN=0) against a fake gcloud on PATH; its calls, in order
+    (the verbs; `calls`, if given, gets the whole lines). `rcs`: each attempt's train.rc."""
     bin_dir = tmp_path / "bin"
+    (tmp_path / "calls.log").unlink(missing_ok=True)  # this run's calls only
     (tmp_path / "fails").write_text(str(fail_logs))
+    (tmp_path / "rcs").write_text("".join(f"{r}\n" for r in rcs))
     # A no-op sleep: no real waits between log retries.
     fakes = {bin_dir / "gcloud": FAKE_GCLOUD, bin_dir / "sleep": "#!/usr/bin/env bash\n"}
     env = fake_env(tmp_path, fakes, FAIL_LOGS_FILE=str(tmp_path / "fails"), FAIL_ON=fail_on,
-                   FAKE_RC=str(rc), TMPDIR=str(tmp_path))  # fmt: skip
+                   FAKE_RC=str(rc), TMPDIR=str(tmp_path), RC_FILE=str(tmp_path / "rcs"),
+                   **env)  # fmt: skip
     done = subprocess.run(
         ["bash", str(TPU), "all", "configs/tpu-gpt2-124m.yaml"],
         env=env,
@@ -184,8 +197,10 @@ def run_with_fake_gcloud(tmp_path, fail_logs: int, fail_on: str = "", rc: int = 
         capture_output=True,
         text=True,
     )
-    calls = (tmp_path / "calls.log").read_text().splitlines()
-    verbs = [c.split()[3] + (" logs" if "tail" in c else "") for c in calls]
+    lines = (tmp_path / "calls.log").read_text().splitlines()
+    if calls is not None:
+        calls.extend(lines)
+    verbs = [c.split()[3] + (" logs" if "tail" in c else "") for c in lines]
     return done, verbs
 
 
@@ -214,6 +229,81 @@ def test_tpu_all_fails_when_the_training_failed(tmp_path):
     assert done.returncode == 1 and "ended with status 2" in done.stderr
     assert verbs == ["create", "scp", "ssh", "ssh", "ssh logs", "scp", "scp", "delete"]
     assert (tmp_path / "runs" / "tpu" / "tpu-run" / "train.rc").read_text().strip() == "2"
+
+
+ATTEMPT = ["ssh", "ssh logs", "scp", "scp"]  # launch, follow, fetch train.log+rc, fetch the run
+SETUP = ["create", "scp", "ssh"]  # create, copy the source, install
+
+
+def test_tpu_all_recreates_a_failed_or_preempted_tpu_and_resumes(tmp_path):
+    """A worker that failed (status 75: a process was lost) or was preempted (the VM answers
+    nothing) gets the TPU deleted, created, installed and the training relaunched with
+    --resume; the second relaunch succeeds, so `all` ends 0 and deletes the TPU once more."""
+    calls: list[str] = []
+    done, verbs = run_with_fake_gcloud(tmp_path, 0, rcs=("75", "gone", "0"), calls=calls)
+    assert done.returncode == 0, done.stderr
+    assert verbs == SETUP + ATTEMPT + (["delete"] + SETUP + ATTEMPT) * 2 + ["delete"], verbs
+    assert done.stderr.count("recreating lmjax-tpu and resuming") == 2, done.stderr
+    assert "status 75" in done.stderr and "status unknown" in done.stderr
+    launches = [c for c in calls if " ssh " in c and "nohup" in c]
+    assert len(launches) == 3
+    assert "--resume" not in launches[0] and "RESUME_DIR=runs/tpu-run" not in launches[0]
+    assert all("RESUME_DIR=runs/tpu-run" in c and "--resume" in c for c in launches[1:])
+
+
+def test_tpu_all_restarts_a_bounded_number_of_times(tmp_path):
+    done, verbs = run_with_fake_gcloud(tmp_path, 0, rcs=("75",) * 5, RESTARTS="1")
+    assert done.returncode == 1 and "after 1 restart(s) of 1" in done.stderr, done.stderr
+    assert verbs == SETUP + ATTEMPT + ["delete"] + SETUP + ATTEMPT + ["delete"], verbs
+    done, verbs = run_with_fake_gcloud(tmp_path, 0, rcs=("75",), RESTARTS="0")
+    assert done.returncode == 1 and verbs.count("create") == 1
+    done = subprocess.run(["bash", str(TPU), "all", "configs/tpu-gpt2-124m.yaml"],
+                          env={**os.environ, "DRY_RUN": "1", "RESTARTS": "many"},
+                          capture_output=True, text=True, cwd=ROOT)  # fmt: skip
+    assert done.returncode == 2 and "RESTARTS=many" in done.stderr and not done.stdout
+
+
+def test_tpu_all_copies_a_run_on_the_vm_disk_back_before_resuming(tmp_path):
+    """RUN_DIR relative to ~/lmjax lives on the VM: the copy fetched after the failed attempt
+    goes back onto the new VM before the relaunch (a shared absolute RUN_DIR needs no copy)."""
+    run = tmp_path / "runs" / "tpu" / "tpu-run"
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text("train: {}\n")  # as the first attempt's fetch left it
+    calls: list[str] = []
+    done, verbs = run_with_fake_gcloud(tmp_path, 0, rcs=("75", "0"), calls=calls)
+    assert done.returncode == 0, done.stderr
+    upload = ["ssh", "scp"]  # mkdir -p lmjax/runs, then the copy
+    assert verbs == SETUP + ATTEMPT + ["delete"] + SETUP + upload + ATTEMPT + ["delete"], verbs
+    copy = next(c for c in calls if " scp --recurse runs/tpu/tpu-run " in c)
+    assert "lmjax-tpu:lmjax/runs/" in copy and "--worker=all" in copy
+    calls.clear()
+    shutil.rmtree(tmp_path / "runs")
+    done, verbs = run_with_fake_gcloud(tmp_path, 0, rcs=("75", "0"), RUN_DIR="/mnt/shared/r")
+    assert verbs == SETUP + ATTEMPT + ["delete"] + SETUP + ATTEMPT + ["delete"], verbs  # no copy
+
+
+def test_tpu_launch_resumes_only_a_run_the_worker_has(tmp_path):
+    """RESUME=1 (a relaunch) adds --resume where RUN_DIR/config.yaml exists on the worker, so a
+    run that never got as far as writing it starts afresh instead of failing; HEARTBEAT sets
+    LMJAX_HEARTBEAT_TIMEOUT for the workers."""
+    home, bin_dir = tmp_path / "home", tmp_path / "bin"
+    lmjax = '#!/usr/bin/env bash\necho "fake lmjax: $* heartbeat=$LMJAX_HEARTBEAT_TIMEOUT"\n'
+    fakes = {bin_dir / "gcloud": REMOTE_GCLOUD, home / "lmjax" / ".venv" / "bin" / "lmjax": lmjax}
+    env = fake_env(tmp_path, fakes, FAKE_HOME=str(home), RUN_NAME="r5", RESUME="1", HEARTBEAT="30")
+
+    def launch_and_wait() -> str:
+        done = subprocess.run(["bash", str(TPU), "launch", "c.yaml"], env=env, capture_output=True)
+        assert done.returncode == 0, done.stderr
+        for _ in range(100):
+            if (home / "lmjax" / "train.rc").is_file():
+                break
+            time.sleep(0.05)
+        return (home / "lmjax" / "train.log").read_text()
+
+    assert launch_and_wait().strip() == "fake lmjax: train c.yaml run.dir=runs/r5 heartbeat=30"
+    (home / "lmjax" / "runs" / "r5").mkdir(parents=True)
+    (home / "lmjax" / "runs" / "r5" / "config.yaml").write_text("train: {}\n")
+    assert "run.dir=runs/r5 --resume heartbeat=30" in launch_and_wait()
 
 
 REMOTE_GCLOUD = """#!/usr/bin/env bash
