@@ -77,7 +77,16 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
 from lmjax.errors import ConfigError, ShapeError
-from lmjax.quant.nf4 import BLOCK, NF4, QuantizedWeight, block_absmax, dequantize, unpack_codes
+from lmjax.quant.nf4 import (
+    BLOCK,
+    BLOCK2,
+    NF4,
+    QuantizedWeight,
+    absmax_from_codes,
+    block_absmax,
+    dequantize,
+    unpack_codes,
+)
 from pallas_kernels import _backend
 from pallas_kernels._backend import (  # re-exported: KERNELS, CPU_KERNEL are in __all__
     CPU_KERNEL,
@@ -559,7 +568,7 @@ def nf4_matmul_reference(x, qw: QuantizedWeight, bias=None):
 
 # ---- the XLA path: row tiles decoded in plain jnp, an input-only custom VJP ---------------------
 
-TILE_WEIGHTS = 2**20  # weights decoded at a time by default (4 MiB in float32; module docstring)
+TILE_WEIGHTS = 2**18  # weights decoded at a time by default (1 MiB in float32; module docstring)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -586,67 +595,94 @@ class _RowTiles:
 
 def _row_tiles(o: int, i: int, tile_rows: int | None) -> _RowTiles:
     """Tiles of about `tile_rows` rows (None: TILE_WEIGHTS weights), each a multiple of
-    64 / gcd(I, 64) rows, so every tile starts on a byte and on a quantization block; the count
-    is the fewest tiles of that size, then the rows are spread evenly to pad O as little as
-    possible."""
+    64 / gcd(I, 64) rows, so every tile starts on a byte and on a quantization block.
+
+    At least two tiles, O padded if need be: XLA inlines a loop of one step, and the decoded
+    weight, then free of the loop, may be computed at any time, every layer's together.
+    The count is the fewest tiles of that size, the rows spread evenly to pad O little.
+    """
     align = BLOCK // math.gcd(i, BLOCK)
     if tile_rows is None:  # rounded down: a default tile stays within TILE_WEIGHTS when it can
         cap = max(align, TILE_WEIGHTS // i // align * align)
     else:
         cap = _round_up(tile_rows, align)
-    count = -(-o // cap)
+    count = max(2, -(-o // cap))
     return _RowTiles(o, i, _round_up(-(-o // count), align), count)
 
 
-def _tiled_leaves(t: _RowTiles, qw: QuantizedWeight):
-    """The NF4 leaves -> (codes uint8 [count, tile_bytes], scales f32 [count, tile_blocks]).
+def _zero_after(ref) -> jax.Array:
+    """A float32 +0.0 that XLA cannot compute before `ref` (any array) exists, whatever its
+    values (NaN and inf included: d = r - r is 0 or NaN, and d == 0 picks d = +0, else 0).
 
-    The padding rows decode to exactly 0: bytes 0x77 (code 7 in both nibbles, NF4 value 0.0)
-    and scale 0. For N = O I odd, the last real byte's low nibble is already code 7.
+    The buffers the tile loops start from (y and the dx accumulator, padded codes) would
+    otherwise be constants, and XLA's CPU scheduler allocates those at the start of the
+    program: every layer's at once, alive until its loop runs.
     """
-    packed = qw.packed.reshape(-1)
-    packed = jnp.pad(packed, (0, t.count * t.tile_bytes - packed.shape[0]), constant_values=0x77)
-    scales = block_absmax(qw)
-    scales = jnp.pad(scales, (0, t.count * t.tile_blocks - scales.shape[0]))
-    return packed.reshape(t.count, t.tile_bytes), scales.reshape(t.count, t.tile_blocks)
+    r = ref.reshape(-1)[0].astype(jnp.float32)
+    d = r - r
+    return jnp.where(d == 0, d, 0.0)
 
 
-def _decode_rows(t: _RowTiles, packed_B, scales_Q, dtype):
-    """One tile: codes uint8 [rows I / 2], scales f32 [rows I / 64] -> W tile [rows, I] in dtype:
-    `NF4[code] * absmax'` in float32 (the values of lmjax.quant.dequantize), then cast."""
+def _tiled_codes(t: _RowTiles, qw: QuantizedWeight, ref):
+    """The NF4 codes cut into tiles: (packed uint8 [count, tile_bytes], qabsmax uint8
+    [count, tile_blocks]); a free reshape unless O is padded (then made after `ref` exists).
+
+    Padding rows get bytes 0x77 (code 7 in both nibbles, NF4 value 0.0) and a scale masked to 0
+    (`_decode_rows`), so they decode to exactly 0. For N = O I odd the last real byte's low
+    nibble is already code 7.
+    """
+    packed, qabsmax = qw.packed.reshape(-1), qw.qabsmax.reshape(-1)
+    if t.o_pad > t.o:
+        fill = _zero_after(ref).astype(jnp.uint8)
+        packed = jnp.pad(
+            packed, (0, t.count * t.tile_bytes - packed.shape[0]), constant_values=fill + 0x77
+        )
+        qabsmax = jnp.pad(
+            qabsmax, (0, t.count * t.tile_blocks - qabsmax.shape[0]), constant_values=fill
+        )
+    return packed.reshape(t.count, t.tile_bytes), qabsmax.reshape(t.count, t.tile_blocks)
+
+
+def _decode_rows(t: _RowTiles, qw: QuantizedWeight, index, packed_B, qabsmax_Q, dtype):
+    """Row tile `index`: codes uint8 [rows I / 2] and [rows I / 64] -> W tile [rows, I] in dtype:
+    `NF4[code] * absmax'` in float32 (the values of lmjax.quant.dequantize), then cast. The
+    block scales are decoded here too, so nothing of the weight's size is built outside."""
+    block_Q = index * t.tile_blocks + lax.iota(jnp.int32, t.tile_blocks)
+    absmax2_Q = qw.absmax2[jnp.minimum(block_Q // BLOCK2, qw.absmax2.shape[0] - 1)]
+    scale_Q = absmax_from_codes(qabsmax_Q, absmax2_Q, qw.offset)
+    scale_Q = jnp.where(block_Q < qw.qabsmax.shape[0], scale_Q, 0.0)  # padding rows
     codes = unpack_codes(packed_B, 2 * t.tile_bytes)
-    w_QB = jnp.asarray(NF4)[codes].reshape(t.tile_blocks, BLOCK) * scales_Q[:, None]
+    w_QB = jnp.asarray(NF4)[codes].reshape(t.tile_blocks, BLOCK) * scale_Q[:, None]
     return w_QB.reshape(t.rows, t.i).astype(dtype)
 
 
 def _tiled_y(t: _RowTiles, x_MI, qw: QuantizedWeight):
-    """y [M, O] = x @ W^T, one row tile of W decoded per lax.map step."""
-    packed_TB, scales_TQ = _tiled_leaves(t, qw)
+    """y [M, O] = x @ W^T: a loop over row tiles k, each decoded and written to y[:, tile k]."""
+    packed_TB, qabsmax_TQ = _tiled_codes(t, qw, x_MI)
 
-    def tile_y(tile):
-        w_RI = _decode_rows(t, *tile, x_MI.dtype)
+    def tile_y(k, y_MP):
+        w_RI = _decode_rows(t, qw, k, packed_TB[k], qabsmax_TQ[k], x_MI.dtype)
         y_MR = jnp.einsum("mi,ri->mr", x_MI, w_RI, preferred_element_type=jnp.float32)
-        return y_MR.astype(x_MI.dtype)
+        return lax.dynamic_update_slice(y_MP, y_MR.astype(x_MI.dtype), (0, k * t.rows))
 
-    y_TMR = lax.map(tile_y, (packed_TB, scales_TQ))
-    return jnp.moveaxis(y_TMR, 0, 1).reshape(x_MI.shape[0], t.o_pad)[:, : t.o]
+    m = x_MI.shape[0]
+    y_MP = jnp.broadcast_to(_zero_after(x_MI).astype(x_MI.dtype), (m, t.o_pad))
+    return lax.fori_loop(0, t.count, tile_y, y_MP)[:, : t.o]
 
 
 def _tiled_dx(t: _RowTiles, qw: QuantizedWeight, g_MO):
-    """dx [M, I] = g @ W = sum over row tiles of g[:, tile] @ W[tile], accumulated in float32."""
-    packed_TB, scales_TQ = _tiled_leaves(t, qw)
+    """dx [M, I] = g @ W = sum over row tiles k of g[:, tile k] @ W[tile k], in float32."""
+    packed_TB, qabsmax_TQ = _tiled_codes(t, qw, g_MO)
     m = g_MO.shape[0]
-    g_MO = jnp.pad(g_MO, ((0, 0), (0, t.o_pad - t.o)))  # padded rows decode to 0 anyway
-    g_TMR = jnp.moveaxis(g_MO.reshape(m, t.count, t.rows), 1, 0)
+    g_MP = jnp.pad(g_MO, ((0, 0), (0, t.o_pad - t.o)))  # padded rows decode to 0 anyway
 
-    def step(dx_MI, tile):
-        packed_B, scales_Q, g_MR = tile
-        w_RI = _decode_rows(t, packed_B, scales_Q, g_MO.dtype)
-        return dx_MI + jnp.einsum("mr,ri->mi", g_MR, w_RI, preferred_element_type=jnp.float32), None
+    def step(k, dx_MI):
+        w_RI = _decode_rows(t, qw, k, packed_TB[k], qabsmax_TQ[k], g_MO.dtype)
+        g_MR = lax.dynamic_slice_in_dim(g_MP, k * t.rows, t.rows, axis=1)
+        return dx_MI + jnp.einsum("mr,ri->mi", g_MR, w_RI, preferred_element_type=jnp.float32)
 
-    zeros = jnp.zeros((m, t.i), jnp.float32)
-    dx_MI, _ = lax.scan(step, zeros, (packed_TB, scales_TQ, g_TMR))
-    return dx_MI.astype(g_MO.dtype)
+    dx_MI = jnp.broadcast_to(_zero_after(g_MO), (m, t.i))
+    return lax.fori_loop(0, t.count, step, dx_MI).astype(g_MO.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

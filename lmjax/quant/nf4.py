@@ -282,8 +282,14 @@ def block_absmax(qw: QuantizedWeight) -> jax.Array:
 def _block_absmax(qabsmax, absmax2, offset):
     nb = qabsmax.shape[0]
     scale2 = jnp.repeat(absmax2, BLOCK2, total_repeat_length=absmax2.shape[0] * BLOCK2)
+    return absmax_from_codes(qabsmax, scale2[:nb], offset)
+
+
+def absmax_from_codes(qabsmax, absmax2_of_block, offset):
+    """`DYNAMIC[qabsmax] * absmax2_of_block + offset` (f32, qabsmax's shape): the dequantized
+    scales of any run of blocks, given each block's group scale `absmax2[b // 256]`."""
     code = qabsmax.astype(jnp.int32)
-    scaled = jnp.asarray(DYNAMIC)[code] * scale2[:nb]
+    scaled = jnp.asarray(DYNAMIC)[code] * absmax2_of_block
     # Two roundings, as bitsandbytes (multiply, then add). Fused by XLA, the pair would become
     # one multiply-add that rounds once; a select between them (a no-op in value: DYNAMIC at
     # the zero code is 0) keeps them apart.
@@ -323,6 +329,7 @@ __all__ = [
     "DYNAMIC",
     "NF4",
     "QuantizedWeight",
+    "absmax_from_codes",
     "block_absmax",
     "dequantize",
     "dynamic_map_signed",
