@@ -157,7 +157,6 @@ _KNOWN: list[tuple[str, list[tuple[str, str]]]] = [
         [
             ("local-import", "lmjax/config.py::_unique_key_loader -> yaml"),
             ("local-import", "lmjax/config.py::read_yaml -> yaml"),
-            ("local-import", "lmjax/files.py::atomic_dir -> shutil"),
             ("local-import", "lmjax/finetune.py::fingerprint -> hashlib"),
             ("local-import", "lmjax/finetune.py::fingerprint -> numpy"),
             ("local-import", "lmjax/parallel/multihost.py::barrier -> jax.experimental"),

@@ -71,6 +71,62 @@ def test_prepare_refuses_to_overwrite_a_different_directory(corpus, tmp_path):
         D.prepare(str(corpus), stray, progress=False)
 
 
+def _prepare_while_a_twin_appears(corpus, out, monkeypatch, damage=lambda twin: None):
+    """`prepare(corpus, out)` during which another writer prepares the same `out` and renames
+    it into place: after this one found `out` absent, before its own rename (as when two hosts
+    of one run prepare the same cache). `damage` alters the twin before this one finishes."""
+    encode = D._encode_to_file
+
+    def encode_while_the_twin_lands(*args):
+        monkeypatch.setattr(D, "_encode_to_file", encode)  # the twin (and the rest) as usual
+        D.prepare(str(corpus), out, tokenizer="char", progress=False)
+        damage(out)
+        return encode(*args)
+
+    monkeypatch.setattr(D, "_encode_to_file", encode_while_the_twin_lands)
+    return D.prepare(str(corpus), out, tokenizer="char", progress=False)
+
+
+def _files(directory):
+    return {str(p.relative_to(directory)): p.read_bytes() for p in directory.rglob("*.*")}
+
+
+def test_a_complete_twin_that_lands_first_is_used(corpus, tmp_path, monkeypatch):
+    """Before: OSError [Errno 39] Directory not empty from atomic_dir's rename."""
+    out = tmp_path / "cache" / "data"
+    assert _prepare_while_a_twin_appears(corpus, out, monkeypatch) == out
+    assert sorted(p.name for p in out.parent.iterdir()) == ["data"]  # our copy was dropped
+    alone = D.prepare(str(corpus), tmp_path / "alone", tokenizer="char", progress=False)
+    assert _files(out) == _files(alone) and D.open_prepared(out).vocab_size > 0
+
+
+def test_an_incomplete_twin_is_refused_and_left_alone(corpus, tmp_path, monkeypatch):
+    """A twin is checked as `open_prepared` checks a directory: a truncated token file is a
+    FileFormatError naming it; nothing is overwritten and no temporary copy is left."""
+    out = tmp_path / "cache" / "data"
+
+    def truncate(twin):
+        with open(twin / "train.bin", "r+b") as handle:
+            handle.truncate(6)
+
+    with pytest.raises(FileFormatError, match="train.bin = '6 bytes'"):
+        _prepare_while_a_twin_appears(corpus, out, monkeypatch, truncate)
+    assert sorted(p.name for p in out.parent.iterdir()) == ["data"]
+    assert (out / "train.bin").stat().st_size == 6
+
+
+def test_a_twin_with_other_settings_is_refused(corpus, tmp_path, monkeypatch):
+    out = tmp_path / "cache" / "data"
+
+    def other_settings(twin):
+        meta = json.loads((twin / "meta.json").read_text())
+        (twin / "meta.json").write_text(json.dumps({**meta, "val_fraction": 0.5}))
+
+    with pytest.raises(ConfigError, match="already prepared with val_fraction = 0.5"):
+        _prepare_while_a_twin_appears(corpus, out, monkeypatch, other_settings)
+    assert sorted(p.name for p in out.parent.iterdir()) == ["data"]
+
+
 def test_bad_corpora(tmp_path):
     with pytest.raises(ConfigError, match="data.corpus = .*nope.txt"):
         D.prepare(str(tmp_path / "nope.txt"), tmp_path / "a", progress=False)

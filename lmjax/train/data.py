@@ -10,6 +10,9 @@
 ids are stored as uint16 when the vocabulary fits (V <= 65,536), else uint32, and read back as
 a `numpy.memmap`, so a corpus larger than memory is fine. The directory appears atomically (it
 is built under a temporary name and renamed), and an existing directory is never overwritten.
+Several processes may prepare the same directory at once (the hosts of a multi-host run): the
+first to finish publishes it, the others check that it is complete and has their settings, and
+use it.
 
 Batches are random crops that are a pure function of (seed, step): crop starts come from
 `numpy.random.default_rng((seed, stream, step))` with stream 0 for training and 1 for
@@ -129,7 +132,9 @@ def prepare(
             "use a longer corpus",
         )
     tok = given or _build_tokenizer(tokenizer, text[:split], text, vocab_size)
-    with atomic_dir(out) as tmp:  # the directory appears complete or not at all
+    # The directory appears complete or not at all; a twin that another process (another host
+    # of the same run, another shell) renamed into place first is reused if it has our settings.
+    with atomic_dir(out, twin=lambda twin: _check_twin(twin, settings)) as tmp:
         dtype = "uint16" if tok.vocab_size <= 1 << 16 else "uint32"
         bar = _progress(len(text), f"tokenizing {path.name}", progress)
         counts = {}
@@ -237,6 +242,14 @@ def _check_reusable(out: Path, settings: dict) -> None:
             f"a new directory or one prepared with {key} = {new!r}",
             "pick another output directory (nothing was overwritten)",
         )
+
+
+def _check_twin(out: Path, settings: dict) -> None:
+    """`out`, which another process prepared while this one did, is what this one built: the
+    same settings (as when an existing directory is reused) and every file complete (as when it
+    is opened). Raises ConfigError / FileFormatError otherwise."""
+    _check_reusable(out, settings)
+    open_prepared(out)
 
 
 def _read_meta(directory: Path) -> dict:
