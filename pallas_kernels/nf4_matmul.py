@@ -49,15 +49,19 @@ kernel runs interpreted (interpret=None -> True on CPU).
 The XLA path (`nf4_matmul_tiled`, what `quantized_linear` runs on CPU and for in-features that
 are not a multiple of 64): the same y and dx in plain jnp, decoding W in tiles of whole rows,
 
-    y[:, tile] = x @ W[tile]^T   (a lax.map over tiles)      dx = sum_tiles g[:, tile] @ W[tile]
+    y[:, tile k] = x @ W[tile k]^T       dx = sum_k g[:, tile k] @ W[tile k]    (fori_loops)
 
-each tile `NF4[code] * absmax'` in float32 (exactly `lmjax.quant.dequantize`'s values), cast to
-x's dtype, one float32-accumulated matmul. A custom VJP keeps only the NF4 leaves (codes and
-block statistics) for the backward, which decodes the tiles again: no float copy of the weight
-is saved, and none larger than one tile exists at any time. A tile is a multiple of
-64 / gcd(I, 64) rows, so it holds whole bytes and whole quantization blocks of the flattened
-weight (1 row for I a multiple of 64, 16 for I = 100, 64 for odd I); O is padded to whole tiles
-with code 7 (0.0) and scale 0, and the padded rows of y are dropped. `nf4_matmul_reference`
+each tile `NF4[code] * absmax'` in float32 (exactly `lmjax.quant.dequantize`'s values, block
+scales decoded per tile too), cast to x's dtype, one float32-accumulated matmul. A custom VJP
+keeps only the NF4 leaves (codes and block statistics) for the backward, which decodes the tiles
+again: no float copy of the weight is saved, and none larger than one tile exists at any time.
+A tile is a multiple of 64 / gcd(I, 64) rows, so it holds whole bytes and whole quantization
+blocks of the flattened weight (1 row for I a multiple of 64, 16 for I = 100, 64 for odd I);
+O is padded to whole tiles with code 7 (0.0) and scale 0, and padded rows of y are dropped.
+Two rules keep XLA from undoing the tiling (its CPU scheduler runs anything that depends on
+parameters alone at the start of the program, every layer's at once): at least two tiles (a
+one-step loop is inlined, and its decode with it), and the loops' initial buffers and padded
+codes are made from the layer's input (`_zero_after`), not constants. `nf4_matmul_reference`
 keeps the plain form (the whole weight dequantized, jax.grad) as the oracle the tests compare
 every path with.
 """
