@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -67,11 +68,12 @@ def test_a_failing_body_leaves_no_temporary(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-# Each process waits for the same start signal, then prepares with a slowed encoder, so every
-# one of them has checked that the output is absent before any has renamed its copy into place.
+# Each process says it is ready (JAX imported), waits for the same start signal, then prepares
+# with a slowed encoder, so every one of them has found the output absent before any has
+# renamed its copy into place.
 WORKER = textwrap.dedent(
     """
-    import sys, time
+    import os, sys, time
     from pathlib import Path
     from lmjax.train import data
 
@@ -83,6 +85,7 @@ WORKER = textwrap.dedent(
         return encode(*args, **kwargs)
 
     data._encode_to_file = slow_encode
+    Path(go + f".ready-{os.getpid()}").touch()
     while not Path(go).exists():
         time.sleep(0.01)
     print(data.prepare(corpus, out, tokenizer="char", progress=False))
@@ -104,9 +107,13 @@ def test_processes_preparing_one_cache_at_once_all_succeed_with_one_result(tmp_p
     out, go = tmp_path / "cache" / "prepared", tmp_path / "go"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     argv = [sys.executable, "-c", WORKER, str(corpus), str(out), str(go)]
-    procs = [subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for _ in range(3)]  # fmt: skip
+    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+    procs = [subprocess.Popen(argv, env=env, **pipes) for _ in range(3)]
     try:
+        for _ in range(6000):  # at most 60 s for the three to start
+            if len(list(tmp_path.glob("go.ready-*"))) == len(procs):
+                break
+            time.sleep(0.01)
         go.touch()
         results = [proc.communicate(timeout=120) for proc in procs]
     finally:
