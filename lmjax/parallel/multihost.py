@@ -21,9 +21,13 @@ others' beats (`Watchdog`); one silent for S s, or a coordinator unreachable for
 survivor print one line (`lmjax train: error: heartbeat of process 1 of 2 = none for 5 s ...`) and
 exit with status `EXIT_LOST` (75, EX_TEMPFAIL: run it again with --resume). A collective that
 fails because a peer's connection closed (gloo's `Connection closed by peer`) ends the same way
-at once (`exit_if_peer_lost`). jax's own heartbeat timeout is 2 S (its default 100 s when S is
+at once, and any other error of the train loop (not lmjax's own) first waits for the watchdog's
+verdict (`exit_if_peer_lost`). jax's own heartbeat timeout is 2 S (its default 100 s when S is
 unset), so lmjax's line comes first: jax's would abort the process with a C++ stack trace. The
 exit skips jax's shutdown barrier, which with a dead peer waits and logs the failure again.
+When process 0 itself dies (it hosts the coordination service), jax's agent on the others
+aborts them at once (status 134, its own log): jaxlib 0.10.2 has no hook before that abort
+(its `missed_heartbeat_callback` cannot be given from Python: calling it throws bad_cast).
 Tested with real processes in tests/test_multiprocess.py.
 
 Data: every host computes the same random crop starts (a pure function of seed and step) but
@@ -56,6 +60,7 @@ ENV_HEARTBEAT = "LMJAX_HEARTBEAT_TIMEOUT"
 DEFAULT_HEARTBEAT_S = 50  # half jax's default heartbeat timeout (100 s), which stays 2 S
 EXIT_LOST = 75  # sysexits' EX_TEMPFAIL: the run stopped whole; run it again with --resume
 BEAT_KEY = "lmjax/heartbeat"
+WATCHING: list = []  # the Watchdog initialize_from_env started in this process, if any
 
 
 def distributed_args(env: dict[str, str] | None = None) -> dict | None:
@@ -142,6 +147,7 @@ def initialize_from_env(env: dict[str, str] | None = None) -> bool:
     if client is not None and jax.process_count() > 1:
         watchdog = Watchdog(client, jax.process_index(), jax.process_count(), seconds)
         watchdog.start()
+        WATCHING.append(watchdog)
         atexit.register(watchdog.stop)  # runs before jax's own shutdown (registered earlier)
     return True
 
@@ -229,12 +235,19 @@ def stop_lost(message: str) -> None:
 
 
 def exit_if_peer_lost(err: BaseException) -> None:
-    """A collective that failed because another process's connection closed: `stop_lost`.
-    Anything else returns (the caller re-raises it)."""
+    """After an error in a run of several processes: `stop_lost` if a peer is gone, else return
+    (the caller re-raises `err`). A failed gloo collective (`Gloo all-reduce failed: ...
+    Connection closed by peer`) says so at once; any other error waits for the `Watchdog`'s
+    verdict (at most its timeout and two beats), which stops this process if a peer is silent."""
+    if jax.process_count() == 1 or isinstance(err, LMJaxError):  # lmjax's own: every host's
+        return
     text = str(err).strip()
-    if jax.process_count() > 1 and "Connection closed by peer" in text:
-        first = text.splitlines()[0][:300]
+    if "Gloo" in text or "Connection closed by peer" in text:
+        first = (text.splitlines() or [type(err).__name__])[0][:300]
         stop_lost(_lost_text("a collective with the other processes", f"failed ({first})"))
+    if WATCHING:
+        dog = WATCHING[-1]
+        dog.done.wait(dog.timeout_s + 2 * dog.interval_s)  # its judge exits meanwhile if lost
 
 
 class Watchdog:

@@ -1,0 +1,372 @@
+"""Several real processes, one run: `lmjax train` under `jax.distributed` on loopback.
+
+JAX's CPU backend runs cross-process collectives over gloo, so N local processes started with
+LMJAX_COORDINATOR=127.0.0.1:PORT / LMJAX_NUM_PROCESSES / LMJAX_PROCESS_ID (and
+`--xla_force_host_platform_device_count` devices each) are a real multi-controller cluster:
+a coordination service, collectives between processes, orbax writing one checkpoint from all.
+
+The runs (one corpus prepared once; each a fresh `lmjax train` subprocess):
+
+    1x4     one process, 4 devices, data=2,fsdp=2, 4 steps          (the baseline of 2x2)
+    2x2     two processes x 2 devices, the same global mesh, 4 steps
+    resume  2x2's checkpoint 2 resumed by two new processes, then process 1 SIGKILLed
+    1x8     2x2's checkpoint 2 resumed by one process on 8 devices, data=2,fsdp=4
+    2x4     the same resumed by two processes x 4 devices, data=2,fsdp=4
+
+Every process runs WORKER: `lmjax train` with the batch rows it read (`train_batch`'s `rows`)
+and every file it wrote (a `sys.addaudithook` on open/rename/mkdir) recorded.
+
+Tolerance (rtol 1e-6 on losses and gradient norms, atol 1e-6 on parameters, float32): the
+processes run the same partitioned program, but a reduction over devices in two processes runs
+through gloo's all-reduce while one process sums its devices in XLA's in-process collective, in
+another order: the losses differ in the last bit (seen: 3.6162589 vs 3.6162586). Resuming on
+the same processes and mesh repeats every operation in order, so it is checked bit for bit.
+
+Cost: about 3 minutes on 2 cores (4 two-process and 2 one-process starts, each importing jax
+and compiling a 1-layer model); every process is killed at the end, also on failure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from lmjax import cli
+from lmjax.errors import ConfigError
+from lmjax.parallel import multihost
+from lmjax.train import data as D
+from lmjax.train.checkpoint import Checkpoints
+from lmjax.train.runs import load_run
+
+ROOT = Path(__file__).resolve().parent.parent
+STEPS, BATCH, HEARTBEAT_S = 4, 8, 6
+RUN_LIMIT_S = 240  # one launch, compile included, on a loaded 2-core machine
+
+CONFIG = """
+model: {{preset: llama, vocab_size: null, context_length: 16, n_layers: 1}}
+data: {{corpus: {corpus}, tokenizer: char, dir: {data}}}
+schedule: {{warmup_steps: 1}}
+train: {{steps: {steps}, batch_size: {batch}, seq_len: 8, eval_every: {steps}, eval_batches: 1}}
+checkpoint: {{every: 1, keep: 100}}
+logging: {{every: 1, progress: false, sample_tokens: 2, sample_prompt: T, peak_flops: 1.0e+12}}
+parallel: {{mesh: "data=2,fsdp=2"}}
+"""
+
+# One process of a run: `lmjax train ARGS`, recording (in RECORD, as JSON) the batch rows each
+# train_batch call read and every path under RUN it opened for writing, renamed or made.
+WORKER = r"""
+import json, os, sys
+run, record_path, args = os.path.realpath(sys.argv[1]), sys.argv[2], sys.argv[3:]
+record = {"rows": [], "writes": []}
+WRITE = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
+
+def mine(path):
+    if isinstance(path, (str, os.PathLike)):
+        path = os.path.realpath(os.fspath(path))
+        if path.startswith(run + os.sep):
+            record["writes"].append(os.path.relpath(path, run))
+
+def audit(event, details):
+    if event == "open" and isinstance(details[2], int) and details[2] & WRITE:
+        mine(details[0])
+    elif event in ("os.rename", "os.replace"):
+        mine(details[1])
+    elif event == "os.mkdir":
+        mine(details[0])
+
+sys.addaudithook(audit)
+from lmjax import cli
+from lmjax.errors import ConfigError
+from lmjax.train import data
+
+real = data.train_batch
+def train_batch(tokens, seed, step, *rest):
+    rows = rest[3] if len(rest) > 3 else None
+    record["rows"].append([int(step), None if rows is None else [int(r) for r in rows]])
+    return real(tokens, seed, step, *rest)
+
+data.train_batch = train_batch
+code = cli.main(args)
+with open(record_path, "w") as f:
+    json.dump(record, f)
+sys.exit(code)
+"""
+
+PROCESSES: list[subprocess.Popen] = []  # every process started here: all killed at the end
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _kill_every_process():
+    yield
+    for proc in PROCESSES:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Run:
+    """One `lmjax train` over `processes` processes of `devices` CPU devices each."""
+
+    def __init__(self, root: Path, name: str, processes: int, devices: int, args, env=None):
+        self.dir, self.logs = root / name, root / f"{name}.logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        port = free_port()
+        self.procs = []
+        for i in range(processes):
+            ranks = {} if processes == 1 else {
+                "LMJAX_COORDINATOR": f"127.0.0.1:{port}",
+                "JAX_COORDINATOR_BIND_ADDRESS": f"127.0.0.1:{port}",  # loopback only
+                "LMJAX_NUM_PROCESSES": str(processes),
+                "LMJAX_PROCESS_ID": str(i),
+            }  # fmt: skip
+            full_env = {
+                **os.environ, "JAX_PLATFORMS": "cpu", **ranks, **(env or {}),
+                "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+            }  # fmt: skip
+            with open(self.logs / f"{i}.err", "w") as err:
+                command = [sys.executable, "-c", WORKER, str(self.dir), str(self.record_path(i))]
+                proc = subprocess.Popen(
+                    [*command, "train", *args, f"run.dir={self.dir}"],
+                    cwd=ROOT, env=full_env, stdout=subprocess.DEVNULL, stderr=err,
+                )  # fmt: skip
+            PROCESSES.append(proc)
+            self.procs.append(proc)
+
+    def record_path(self, i: int) -> Path:
+        return self.logs / f"{i}.json"
+
+    def stderr(self, i: int) -> str:
+        return (self.logs / f"{i}.err").read_text()
+
+    def wait(self, limit_s: float = RUN_LIMIT_S) -> list[int]:
+        deadline = time.monotonic() + limit_s
+        codes = []
+        for proc in self.procs:
+            try:
+                codes.append(proc.wait(timeout=max(deadline - time.monotonic(), 0.1)))
+            except subprocess.TimeoutExpired:
+                for p in self.procs:
+                    p.kill()
+                pytest.fail(f"{self.dir.name}: still running after {limit_s} s")
+        return codes
+
+    def finish(self) -> Run:
+        codes = self.wait()
+        errors = [self.stderr(i)[-3000:] for i, c in enumerate(codes) if c != 0]
+        assert codes == [0] * len(codes), errors
+        return self
+
+    def record(self, i: int) -> dict:
+        return json.loads(self.record_path(i).read_text())
+
+    def metrics(self) -> dict[int, dict]:
+        lines = (self.dir / "metrics.jsonl").read_text().splitlines()
+        return {r["step"]: r for r in map(json.loads, lines) if "loss" in r}
+
+    def params(self, step: int):
+        return load_run(self.dir, step).params
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """The corpus, prepared once (every process then reads the same data directory)."""
+    root = tmp_path_factory.mktemp("multiprocess")
+    text = "To be, or not to be, that is the question: whether tis nobler in the mind\n"
+    (root / "corpus.txt").write_text(text * 60)
+    D.prepare(str(root / "corpus.txt"), root / "data", tokenizer="char", progress=False)
+    config = CONFIG.format(corpus=root / "corpus.txt", data=root / "data", steps=STEPS, batch=BATCH)
+    (root / "c.yaml").write_text(config)
+    return root
+
+
+@pytest.fixture(scope="module")
+def straight(corpus):
+    """The 1x4 baseline and the 2x2 run, started together (their waits on each other overlap)."""
+    config = str(corpus / "c.yaml")
+    runs = {"1x4": Run(corpus, "1x4", 1, 4, [config]), "2x2": Run(corpus, "2x2", 2, 2, [config])}
+    return {name: run.finish() for name, run in runs.items()}
+
+
+def resumed_copy(source: Path, target: Path, step: int) -> Path:
+    """A copy of a run directory whose checkpoints after `step` are gone (as if it stopped)."""
+    shutil.copytree(source, target)
+    for later in (target / "checkpoints").iterdir():
+        if later.name.isdigit() and int(later.name) > step:
+            shutil.rmtree(later)
+    return target
+
+
+@pytest.fixture(scope="module")
+def other_mesh(corpus, straight):
+    """2x2's checkpoint 2 resumed on data=2,fsdp=4: by one process (8 devices) and by two (4)."""
+    args = [str(corpus / "c.yaml"), "--resume", "parallel.mesh=data=2,fsdp=4",
+            "logging.sample_tokens=0"]  # fmt: skip
+    for name in ("1x8", "2x4"):
+        resumed_copy(straight["2x2"].dir, corpus / name, 2)
+    runs = {"1x8": Run(corpus, "1x8", 1, 8, args), "2x4": Run(corpus, "2x4", 2, 4, args)}
+    return {name: run.finish() for name, run in runs.items()}
+
+
+def assert_same_training(got: Run, want: Run, steps, exact: bool = False):
+    """Losses, gradient norms and parameters at `steps[-1]` equal (see the module docstring)."""
+    mine, theirs = got.metrics(), want.metrics()
+    for step in steps:
+        for key in ("loss", "grad_norm"):
+            a, b = mine[step][key], theirs[step][key]
+            assert a == b if exact else np.isclose(a, b, rtol=1e-6, atol=0), (step, key, a, b)
+    mine, theirs = got.params(steps[-1]), want.params(steps[-1])
+    for a, b in zip(jax.tree.leaves(mine), jax.tree.leaves(theirs), strict=True):
+        if exact:
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        else:
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)
+
+
+def test_two_processes_train_as_one_over_the_same_mesh(straight):
+    assert_same_training(straight["2x2"], straight["1x4"], range(1, STEPS + 1))
+
+
+def test_two_processes_of_four_devices_resume_as_one_process_of_eight(other_mesh):
+    """The 2x2 checkpoint restores on another mesh (data=2,fsdp=4), in one process and in two,
+    and they go on training alike."""
+    assert_same_training(other_mesh["2x4"], other_mesh["1x8"], [3, 4])
+    assert other_mesh["2x4"].metrics()[4]["lr"] == other_mesh["1x8"].metrics()[4]["lr"]
+
+
+@pytest.mark.parametrize(("name", "start"), [("2x2", 0), ("2x4", 2)])
+def test_each_process_reads_only_its_own_rows(straight, other_mesh, name, start):
+    """The batch is split over data x fsdp (all devices, in process order): process i holds
+    rows [i B/2, (i+1) B/2) of each step's batch and reads nothing else."""
+    run = {**straight, **other_mesh}[name]
+    half = BATCH // 2
+    for i in range(2):
+        rows = run.record(i)["rows"]
+        assert [step for step, _ in rows] == list(range(start, STEPS))
+        assert all(r == list(range(i * half, (i + 1) * half)) for _, r in rows), rows
+    # The one-process baseline reads every row.
+    baseline = straight["1x4"].record(0)["rows"]
+    assert all(r == list(range(BATCH)) for _, r in baseline), baseline
+
+
+def test_only_process_zero_writes_config_metrics_samples_and_plots(straight):
+    run = straight["2x2"]
+    written = [set(run.record(i)["writes"]) for i in range(2)]
+    outside = [{w for w in ws if not w.startswith("checkpoints")} for ws in written]
+    assert outside[1] == set(), outside[1]
+    tops = {w.split(os.sep)[0] for w in outside[0]}
+    assert {"config.yaml", "metrics.jsonl", "samples.txt", "loss.png", "tokenizer"} <= tops, tops
+    assert (run.dir / "samples.txt").read_text().count("===== step") == 1
+    # The checkpoint is written by both: each process writes files of its own under it.
+    assert all(any(w.startswith("checkpoints") for w in ws) for ws in written), written
+    steps = Checkpoints(run.dir / "checkpoints", create=False).steps()
+    assert steps == list(range(1, STEPS + 1))
+
+
+def test_the_checkpoint_restores_in_one_process_for_eval_and_generate(straight, capsys):
+    run = straight["2x2"]
+    assert cli.main(["eval", str(run.dir)]) == 0
+    out = capsys.readouterr().out
+    val = next(json.loads(x) for x in (run.dir / "metrics.jsonl").read_text().splitlines()
+               if "val_loss" in x)  # fmt: skip
+    assert f"step {STEPS}: validation loss {val['val_loss']:.4f}" in out, out
+    args = ["generate", "--run", str(run.dir), "--prompt", "To", "--max-new-tokens", "3"]
+    assert cli.main([*args, "--temperature", "0"]) == 0
+    assert capsys.readouterr().out.startswith("To")
+
+
+@pytest.fixture(scope="module")
+def killed(corpus, straight):
+    """2x2's checkpoint 2 resumed by two new processes with no end in sight; process 1 is
+    SIGKILLed once checkpoint 5 is complete; process 0 must stop by itself."""
+    target = resumed_copy(straight["2x2"].dir, corpus / "killed", 2)
+    args = [str(corpus / "c.yaml"), "--resume", "train.steps=100000", "logging.sample_tokens=0"]
+    run = Run(corpus, "killed", 2, 2, args, env={"LMJAX_HEARTBEAT_TIMEOUT": str(HEARTBEAT_S)})
+    deadline = time.monotonic() + RUN_LIMIT_S
+    while not (target / "checkpoints" / "5").is_dir():
+        codes = [p.poll() for p in run.procs]
+        assert codes == [None, None] and time.monotonic() < deadline, run.stderr(0)[-3000:]
+        time.sleep(0.2)
+    run.procs[1].send_signal(signal.SIGKILL)
+    killed_at = time.monotonic()
+    code = run.procs[0].wait(timeout=4 * HEARTBEAT_S + 30)
+    return run, code, time.monotonic() - killed_at
+
+
+def test_resume_in_two_new_processes_continues_exactly(straight, killed):
+    run, _, _ = killed
+    assert_same_training(run, straight["2x2"], [3, 4], exact=True)
+
+
+class FakeClient:
+    def key_value_set(self, key, value, allow_overwrite=False):
+        pass
+
+
+def test_the_watchdog_names_a_silent_process_or_a_silent_coordinator():
+    """Its verdicts on a fake clock: heard beats reset a process's silence, `exited` drops it
+    from the watch, and a store that stops answering is the coordinator's loss."""
+    dog = multihost.Watchdog(FakeClient(), rank=0, count=3, timeout_s=5)
+    t0 = dog.last_answer
+    dog.heard({"lmjax/heartbeat/1": "7", "lmjax/heartbeat/2": "3"}, t0 + 4)
+    assert dog.verdict(t0 + 8) is None
+    dog.heard({"lmjax/heartbeat/1": "8", "lmjax/heartbeat/2": "3"}, t0 + 8)  # 2 did not beat
+    assert dog.verdict(t0 + 8.5) is None
+    message = dog.verdict(t0 + 9.5)
+    assert message.startswith("heartbeat of process 2 of 3 = none for 5 s"), message
+    assert "LMJAX_HEARTBEAT_TIMEOUT=5" in message and "--resume" in message
+    dog.heard({"lmjax/heartbeat/1": "9", "lmjax/heartbeat/2": "exited"}, t0 + 9.5)
+    assert dog.verdict(t0 + 10) is None  # 2 finished and left
+    assert dog.verdict(t0 + 15) is not None and "coordinator" in dog.verdict(t0 + 15)
+
+
+def test_the_heartbeat_timeout_is_a_setting():
+    env = {"LMJAX_COORDINATOR": "127.0.0.1:1", "LMJAX_NUM_PROCESSES": "2", "LMJAX_PROCESS_ID": "1"}
+    assert "heartbeat_timeout_seconds" not in multihost.distributed_args(env)  # jax's 100 s
+    assert multihost.heartbeat_seconds(env) == multihost.DEFAULT_HEARTBEAT_S == 50
+    env["LMJAX_HEARTBEAT_TIMEOUT"] = "7"
+    assert multihost.distributed_args(env)["heartbeat_timeout_seconds"] == 14
+    for bad in ("0", "-1", "2.5", "soon"):
+        with pytest.raises(ConfigError, match="LMJAX_HEARTBEAT_TIMEOUT"):
+            multihost.heartbeat_seconds({"LMJAX_HEARTBEAT_TIMEOUT": bad})
+
+
+def test_a_killed_process_stops_the_others_with_one_line(killed):
+    run, code, waited_s = killed
+    ours = [x for x in run.stderr(0).splitlines() if not x.startswith(("[Gloo]", "W", "E", " "))]
+    assert code == multihost.EXIT_LOST, "\n".join(ours)[-5000:]
+    assert waited_s < 3 * HEARTBEAT_S + 10, waited_s
+    err = run.stderr(0)
+    lines = [line for line in err.splitlines() if "lmjax" in line and "error" in line]
+    assert len(lines) == 1 and lines[0] == err.strip().splitlines()[-1], err[-3000:]
+    assert lines[0].startswith("lmjax train: error: ")
+    # Either way of noticing: gloo's closed connection in a collective (at once), or the
+    # watchdog's missing heartbeats (after HEARTBEAT_S), whichever the survivor meets first.
+    noticed = ("heartbeat of process 1 of 2", "Connection closed by peer")
+    assert any(w in lines[0] for w in noticed) and "--resume" in lines[0], lines[0]
+    assert "Traceback" not in err and "Check failure" not in err
+
+
+def test_the_last_complete_checkpoint_of_a_killed_run_loads(killed):
+    run, _, _ = killed
+    latest = Checkpoints(run.dir / "checkpoints", create=False).latest_step()
+    assert latest >= 5
+    loaded = load_run(run.dir)
+    assert loaded.step == latest
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(loaded.params))
