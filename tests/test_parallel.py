@@ -1,11 +1,13 @@
-"""lmjax.parallel without extra devices: mesh config validation, the rules on sizes alone,
-multi-host start-up from the environment, and a non-zero process writing nothing.
+"""lmjax.parallel on the devices jax sees, one or several (it passes with and without
+XLA_FLAGS=--xla_force_host_platform_device_count=8): mesh config validation, the rules on
+sizes alone, multi-host start-up from the environment, and a non-zero process writing nothing.
 (The 8-device tests are in test_parallel_mesh.py.)"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import jax
 import pytest
 from jax.sharding import PartitionSpec as PS
 
@@ -268,6 +270,8 @@ def test_a_mesh_the_devices_do_not_fit_is_refused_before_the_run_directory_is_wr
     run = tmp_path / "run"
     (tmp_path / "c.yaml").write_text(CONFIG.format(corpus=tmp_path / "corpus.txt", run=run))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    assert cli.main(["train", str(tmp_path / "c.yaml"), "parallel.mesh=data=2"]) == 2
-    assert "product equals the 1 devices" in capsys.readouterr().err
+    n = jax.device_count()  # 1 here, 8 under XLA_FLAGS=--xla_force_host_platform_device_count=8
+    mesh = [f"parallel.mesh=data={2 * n}", f"train.batch_size={2 * n}"]  # the batch fits it
+    assert cli.main(["train", str(tmp_path / "c.yaml"), *mesh]) == 2
+    assert f"product equals the {n} devices" in capsys.readouterr().err
     assert not run.exists() or not any(run.iterdir())

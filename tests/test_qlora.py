@@ -25,9 +25,8 @@ from _background import Worker
 
 from lmjax import finetune, lora, models
 from lmjax import params as ptree
-
-nf4 = pytest.importorskip("lmjax.quant.nf4")
-quant_params = pytest.importorskip("lmjax.quant.params")
+from lmjax.quant import nf4
+from lmjax.quant import params as quant_params
 
 TEXT = "".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics))
 DATA = np.frombuffer(TEXT.encode("utf-8"), np.uint8)
