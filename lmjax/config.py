@@ -78,7 +78,7 @@ class ScheduleConfig:
 
     warmup_steps: int = 100
     decay: str = "cosine"  # cosine | linear | constant
-    decay_steps: int | None = None  # warmup + decay length; null = train.steps
+    decay_steps: int | None = None  # warmup + decay; null = train.steps (>= warmup_steps + 1)
     final_lr_ratio: float = 0.1
 
 
@@ -472,8 +472,8 @@ def _validate_run(cfg: RunConfig) -> None:
         "schedule.decay_steps",
         s.decay_steps,
         f"null or > warmup_steps = {s.warmup_steps}",
-        "lengthen it (null means train.steps) or lower schedule.warmup_steps, e.g. "
-        "schedule.warmup_steps=0 for a short run",
+        "lengthen it, or leave it null (train.steps; a run no longer than its warmup then "
+        "stays on the warmup ramp), or lower schedule.warmup_steps",
     )
     ratio = s.final_lr_ratio
     _check(0 <= ratio <= 1, "schedule.final_lr_ratio", ratio, "a float in [0, 1]", "e.g. 0.1")

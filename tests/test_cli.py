@@ -92,3 +92,19 @@ def test_unknown_subcommand_exits_nonzero(capsys):
         main(["frobnicate"])
     assert info.value.code not in (0, None)
     capsys.readouterr()
+
+
+def test_an_explicit_decay_inside_the_warmup_is_still_refused(tmp_path, capsys, monkeypatch):
+    """The issue's smoke run with `schedule.decay_steps` given and contradicting the warmup (a
+    run of at most its warmup trains on the ramp only when the decay is left null): exit 2, one
+    line naming the value and the warmup, nothing written. Costs no compile (~0.1 s)."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("to be or not to be\n" * 50)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    args = ["train", str(ROOT / "configs/tiny-shakespeare.yaml"), "train.steps=3"]
+    args += [f"data.corpus={corpus}", f"run.dir={tmp_path / 'run'}", "schedule.decay_steps=3"]
+    assert main(args) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1, err
+    assert "schedule.decay_steps = 3; expected null or > warmup_steps = 50" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt"]

@@ -6,6 +6,7 @@
     shape(u) = (1 + cos(pi u)) / 2 (cosine) | 1 - u (linear) | 1 (constant, lr_end unused)
 
 with W = warmup_steps, S = decay_steps (default train.steps), lr_end = lr_peak * final_lr_ratio.
+A run of at most W steps (`lmjax train` pins S = W + 1 then) takes every step on the warmup ramp.
 Step s is the (s+1)-th update, so warmup's first step already moves (lr_peak / W) and the W-th
 reaches the peak.
 The gradient transformation is `clip_by_global_norm(clip_norm)` followed by the optimizer; AdamW
