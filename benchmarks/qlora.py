@@ -8,21 +8,36 @@
 2. A small measured CPU run: a tiny GPT-2-style model on real English text (Python's own
    documentation topics, as bytes), a few AdamW steps of each method from the same random base,
    reporting the median seconds per step after the compiling step and the first and last loss.
+3. Measured peak memory of one train step of `gpt2-124m` on CPU, LoRA against QLoRA (and
+   QLoRA through the dequantize-then-matmul reference, the fallback before
+   `nf4_matmul_tiled`, which kept a float copy of every NF4 weight for the backward): each in
+   a fresh process that builds its frozen base (QLoRA: quantizes it and frees the float one)
+   and adapters, compiles the step, then resets the kernel's peak-RSS counter
+   (`/proc/self/clear_refs`) and runs one step; the peak resident set (VmHWM) is then the
+   step's, with the frozen base, the adapters and their AdamW state resident. Linux only.
+   glibc's mmap threshold is pinned (MALLOC_MMAP_THRESHOLD_) so freed buffers go back to the
+   system and a freed float base does not stay resident by accident.
 
     python benchmarks/qlora.py                # -> benchmarks/results/qlora.json
     python benchmarks/qlora.py --quick        # tiny shapes, 3 steps (what the test runs)
 
-Timings on a shared machine are noisy; the memory figures are exact.
+Timings on a shared machine are noisy; the traced memory figures are exact, the measured RSS
+ones are what the kernel reports (they include the JAX runtime, the same in every process).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
+import gc
 import json
 import os
 import platform
 import pydoc_data.topics
+import re
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -39,6 +54,8 @@ from lmjax.train.step import init_state, make_train_step  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 METHODS = ("full", "lora", "qlora")
+RSS_METHODS = ("lora", "qlora", "qlora_dequantize")
+RSS_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}  # section 3 of the docstring
 TEXT = "".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics))
 
 
@@ -111,26 +128,118 @@ def measured_run(model, lcfg, steps: int, batch: int, seq_len: int, lr: float) -
     return out
 
 
+# ---- 3. measured peak RSS of one step, each method in its own process ---------------------------
+
+
+def _status_bytes(field: str) -> int:
+    """A `/proc/self/status` memory line (VmRSS, VmHWM: kB) in bytes."""
+    text = Path("/proc/self/status").read_text()
+    return int(re.search(rf"^{field}:\s+(\d+) kB", text, re.M).group(1)) * 1024
+
+
+def _release_freed_memory() -> None:
+    """Collect Python garbage and return glibc's free heap pages to the system."""
+    gc.collect()
+    libc = ctypes.util.find_library("c")
+    if libc:
+        ctypes.CDLL(libc).malloc_trim(0)
+
+
+def rss_step(method: str, model, lcfg, batch: int, seq_len: int) -> dict:
+    """In this (fresh) process: frozen base + adapters of `method`, the step compiled, then the
+    peak RSS of one step (bytes): `rss_before_step` (all state resident), `peak_step` (VmHWM
+    after the reset, so the step's own peak), `peak_process` (ru_maxrss: the whole run,
+    the float base before quantization included)."""
+    import resource
+
+    from lmjax.quant.params import quantize_params
+    from pallas_kernels import nf4_matmul as nm
+
+    if method == "qlora_dequantize":  # the fallback before nf4_matmul_tiled, for comparison
+        nm.quantized_linear = nm.nf4_matmul_reference
+    base = models.init(jax.random.PRNGKey(0), model)
+    frozen = base if method == "lora" else quantize_params(base)
+    del base  # for QLoRA the float projections go; the shared embeddings and norms stay
+    jax.block_until_ready(frozen)
+    tx = optax.adamw(1e-4)
+    init = lambda k: lora.init(k, frozen, lcfg)  # noqa: E731
+    state = init_state(jax.random.PRNGKey(1), model, tx, init)
+    step = make_train_step(model, tx, lambda s: 1e-4, loss=lora.objective(model, lcfg))
+    data = np.frombuffer(TEXT.encode("utf-8"), np.uint8)
+    inputs, targets = _batches(np.random.default_rng(0), data, 1, batch, seq_len)
+    b = {"inputs": jnp.asarray(inputs[0][None]), "targets": jnp.asarray(targets[0][None])}
+    compiled = step.lower(state, b, frozen).compile()
+    _release_freed_memory()
+    before = _status_bytes("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS (Linux >= 4.0)
+    start = time.perf_counter()
+    state, metrics = compiled(state, b, frozen)
+    loss = float(metrics["loss"])  # waits for the step
+    seconds = time.perf_counter() - start
+    return {
+        "rss_before_step": before,
+        "peak_step": _status_bytes("VmHWM"),
+        "peak_process": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "step_s": seconds,
+        "loss": loss,
+    }
+
+
+def _tiny(quick: bool):
+    """The small GPT-2-style model of the measured run (--quick: a smaller one)."""
+    if quick:
+        return models.preset("gpt2", vocab_size=256, context_length=16, d_model=64, n_heads=4,
+                             n_layers=1, d_ff=128)  # fmt: skip
+    return models.preset("gpt2", vocab_size=256, context_length=128, d_model=256,
+                         n_heads=8, n_layers=4, d_ff=1024)  # fmt: skip
+
+
+def _rss_shapes(quick: bool):
+    """(model, batch, seq_len) of the RSS measurement: gpt2-124m, or a tiny model for --quick."""
+    if quick:
+        return _tiny(True), 1, 16
+    return models.preset("gpt2"), 1, 256
+
+
+def measured_rss(quick: bool) -> dict:
+    """`rss_step` of each of RSS_METHODS, each in a fresh process (this script, --rss-worker)."""
+    out = {}
+    for method in RSS_METHODS:
+        argv = [sys.executable, __file__, "--rss-worker", method] + (["--quick"] * quick)
+        env = dict(os.environ, **RSS_ENV)
+        done = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"--rss-worker {method} failed:\n{done.stderr[-3000:]}")
+        out[method] = json.loads(done.stdout.strip().splitlines()[-1])
+    return out
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny shapes and 3 steps (for tests)")
     ap.add_argument("--steps", type=int, default=None, help="measured steps per method")
     ap.add_argument("--results-dir", type=Path, default=RESULTS)
+    ap.add_argument("--rss-worker", choices=RSS_METHODS, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
+
+
+LCFG = lora.LoraConfig(r=8, alpha=16, targets="all-linear")
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    lcfg = lora.LoraConfig(r=8, alpha=16, targets="all-linear")
+    lcfg = LCFG
+    if args.rss_worker:  # one measurement, in the fresh process measured_rss started
+        rss_model, rss_batch, rss_seq = _rss_shapes(args.quick)
+        print(json.dumps(rss_step(args.rss_worker, rss_model, lcfg, rss_batch, rss_seq)))
+        return {}
     big = models.preset("gpt2")
+    tiny = _tiny(args.quick)
     if args.quick:
-        tiny = models.preset("gpt2", vocab_size=256, context_length=16, d_model=64, n_heads=4,
-                             n_layers=1, d_ff=128)  # fmt: skip
         steps, batch, seq_len = args.steps or 3, 2, 16
     else:
-        tiny = models.preset("gpt2", vocab_size=256, context_length=128, d_model=256,
-                             n_heads=8, n_layers=4, d_ff=1024)  # fmt: skip
         steps, batch, seq_len = args.steps or 30, 8, 128
+    rss_model, rss_batch, rss_seq = _rss_shapes(args.quick)
     result = {
         "machine": {
             "platform": platform.platform(),
@@ -138,7 +247,8 @@ def main(argv=None) -> dict:
             "cpu_count": os.cpu_count(),
             "jax": jax.__version__,
             "backend": jax.default_backend(),
-            "note": "timings on a shared machine are noisy; memory figures are exact",
+            "note": "timings on a shared machine are noisy; traced memory figures are exact, "
+            "RSS figures are measured (rss.note)",
         },
         "lora": lcfg.to_dict(),
         "memory": {"model": "gpt2 (124M)", "optimizer": "adamw", "bytes": memory_table(big, lcfg)},
@@ -151,6 +261,16 @@ def main(argv=None) -> dict:
             "optimizer": "adam, lr 3e-3",
             "data": "Python documentation topics (pydoc_data), UTF-8 bytes",
             "methods": measured_run(tiny, lcfg, steps, batch, seq_len, 3e-3),
+        },
+        "rss": {
+            "model": "gpt2 (124M)" if not args.quick else tiny.to_dict(),
+            "batch": rss_batch,
+            "seq_len": rss_seq,
+            "optimizer": "adamw",
+            "env": RSS_ENV,
+            "note": "bytes; one step after compiling, each method in a fresh process; "
+            "peak_step is VmHWM after resetting it just before the step",
+            "methods": measured_rss(args.quick),
         },
     }
     args.results_dir.mkdir(parents=True, exist_ok=True)
@@ -183,6 +303,19 @@ def format_table(result: dict) -> str:
         lines.append(
             f"| {method} | {'-' if med is None else f'{med:.4f}'} | {r['loss_first']:.3f} | "
             f"{r['loss_last']:.3f} |"
+        )
+    rss = result["rss"]
+    name = rss["model"] if isinstance(rss["model"], str) else "tiny model"
+    lines += [
+        "",
+        f"| {name}, CPU, batch {rss['batch']} x {rss['seq_len']} | RSS before the step MiB | "
+        "peak of the step MiB | step s |",
+        "| --- | ---: | ---: | ---: |",
+    ]
+    for method, r in rss["methods"].items():
+        lines.append(
+            f"| {method} | {mib(r['rss_before_step'])} | {mib(r['peak_step'])} | "
+            f"{r['step_s']:.2f} |"
         )
     return "\n".join(lines)
 
