@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import re
 import sys
 import threading
 import time
@@ -237,17 +238,26 @@ def stop_lost(message: str) -> None:
 def exit_if_peer_lost(err: BaseException) -> None:
     """After an error in a run of several processes: `stop_lost` if a peer is gone, else return
     (the caller re-raises `err`). A failed gloo collective (`Gloo all-reduce failed: ...
-    Connection closed by peer`) says so at once; any other error waits for the `Watchdog`'s
-    verdict (at most its timeout and two beats), which stops this process if a peer is silent."""
-    if jax.process_count() == 1 or isinstance(err, LMJaxError):  # lmjax's own: every host's
+    Connection closed by peer`, also wrapped in a `CheckpointError` by a save) says so at once;
+    another error that is not lmjax's waits for the `Watchdog`'s verdict (at most its timeout
+    and two beats), which stops this process if a peer is silent."""
+    if jax.process_count() == 1:
         return
     text = str(err).strip()
+    # Also inside lmjax's own errors: a checkpoint save reports its failed gloo all-gather.
     if "Gloo" in text or "Connection closed by peer" in text:
-        first = (text.splitlines() or [type(err).__name__])[0][:300]
-        stop_lost(_lost_text("a collective with the other processes", f"failed ({first})"))
-    if WATCHING:
+        stop_lost(_lost_text("a collective with the other processes", _gloo_failure(text)))
+    if WATCHING and not isinstance(err, LMJaxError):  # lmjax's own errors happen on every host
         dog = WATCHING[-1]
         dog.done.wait(dog.timeout_s + 2 * dog.interval_s)  # its judge exits meanwhile if lost
+
+
+def _gloo_failure(text: str) -> str:
+    """`Gloo AllGather failed: [pair.cc:547] Connection closed by peer [h]:p` -> `failed (Gloo
+    AllGather failed: Connection closed by peer)`: what failed and why, without the source line."""
+    found = re.search(r"(Gloo [\w-]+ failed)[^\]]*\]\s*([^\[;'\n]*)", text)
+    why = f"{found[1]}: {found[2].strip()}" if found else "Connection closed by peer"
+    return f"failed ({why})"
 
 
 class Watchdog:
