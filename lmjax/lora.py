@@ -16,7 +16,7 @@ model starts equal to its base. Dropout acts on the adapter's input only.
 
 Integration. `attach` returns the base tree with each adapted layer's dict extended by a
 `"lora"` entry, an `Adapter` pytree (A, B, optional dropout key; scale and rate static).
-`lmjax.ops.linear` recognises that entry and computes `linear(base) + adapter(x)`, so the base
+`lmjax.models.project` recognises that entry and computes `linear(base) + adapter(x)`, so the base
 weight may be a float array or an NF4 `QuantizedWeight` (QLoRA): the adapter never touches it,
 and the float weight of a quantized layer is never materialized. Gradients are taken with
 respect to the adapters only (`jax.grad` of a function of `adapters` with the base an ordinary,

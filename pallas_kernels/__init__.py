@@ -5,6 +5,6 @@ kernel and a TPU (Mosaic) kernel (interpreted on CPU), its `BlockSizes` and its 
 `attention_reference`; `lmjax.ops.attention(impl="flash")` dispatches to it.
 `pallas_kernels.nf4_matmul` holds the NF4 quantized matmul (`y = x @ dequant(W)^T`, tiles decoded
 on chip, an input-only VJP): a GPU and a TPU kernel, its `BlockSizes` and `nf4_matmul_reference`;
-`lmjax.ops.linear` dispatches a `lmjax.quant.QuantizedWeight` to it. Nothing is re-exported
+`lmjax.models.project` dispatches a `lmjax.quant.QuantizedWeight` to it. Nothing is re-exported
 here: a function named like its module would shadow the module.
 """

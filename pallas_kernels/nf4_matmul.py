@@ -513,7 +513,7 @@ def _check_inputs(x, qw, bias, *, kernel: bool) -> None:
             "weight in-features",
             in_features,
             f"a multiple of {BLOCK}, so each NF4 block lies in one row of the weight",
-            "use nf4_matmul_reference (or lmjax.ops.linear, which does) for this weight",
+            "use nf4_matmul_tiled (or lmjax.models.project, which does) for this weight",
         )
 
 
@@ -729,7 +729,7 @@ def nf4_matmul_tiled(x, qw: QuantizedWeight, bias=None, *, tile_rows: int | None
 
 
 def quantized_linear(x, qw: QuantizedWeight, bias=None):
-    """What `lmjax.ops.linear` runs for a QuantizedWeight: the kernel, compiled, on GPU and TPU
+    """What `lmjax.models.project` runs for a QuantizedWeight: the kernel, compiled, on GPU and TPU
     when in-features are a multiple of 64; otherwise `nf4_matmul_tiled` (on CPU, where the
     kernel could only be interpreted, and for weights whose quantization blocks straddle rows),
     which, like the kernel, never saves a float copy of the weight for the backward."""

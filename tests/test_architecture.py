@@ -140,7 +140,6 @@ _KNOWN: list[tuple[str, list[tuple[str, str]]]] = [
             ("local-import", "lmjax/lora.py::save_adapters -> lmjax.io.safetensors"),
             ("local-import", "lmjax/models/summary.py::residual_bytes -> lmjax.models.transformer"),
             ("local-import", "lmjax/ops/attention.py::_flash -> pallas_kernels.flash_attention"),
-            ("local-import", "lmjax/ops/linear.py::_quantized -> pallas_kernels.nf4_matmul"),
             ("local-import", "lmjax/train/bench.py::run_config_model -> lmjax.tokenizers.gpt2"),
             ("local-import", "lmjax/train/data.py::gpt2_tokenizer -> lmjax.tokenizers.gpt2"),
             ("local-import", "lmjax/train/loop.py::_resumed_config -> lmjax.train.runs"),
@@ -173,9 +172,6 @@ _KNOWN: list[tuple[str, list[tuple[str, str]]]] = [
         _LATER + ": primitives stay (params, x) -> y: models/ chooses dense / NF4 / LoRA / Pallas",
         [
             ("ops-imports", "lmjax.ops.attention -> pallas_kernels.flash_attention"),
-            ("ops-imports", "lmjax.ops.linear -> lmjax.quant.nf4"),
-            ("ops-imports", "lmjax.ops.linear -> pallas_kernels.nf4_matmul"),
-            ("ops-mentions", "lmjax/ops/linear.py"),
         ],
     ),
     (

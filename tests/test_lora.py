@@ -323,21 +323,19 @@ def test_lora_flops_equal_the_compiled_steps_dot_flops(preset, targets):
 
 
 def test_dropout_acts_on_the_adapter_input_only_and_only_with_a_key(tiny):
-    """In `ops.linear`: with B = 0 a dropout key changes nothing (the base projection sees the
+    """In `models.project`: with B = 0 a dropout key changes nothing (the base projection sees the
     whole input); with B != 0 it changes y; without a key (what evaluation and sampling attach)
     y = x W^T + b + s (x A^T) B^T exactly. The objective attaches keys only when given one."""
     cfg, params, _, adapters = tiny
-    from lmjax import ops
-
     layer = params["blocks"]["0"]["attention"]["query"]
     a, b = lora.adapter_layers(adapters)["blocks.0.attention.query"]
     x = jax.random.normal(jax.random.PRNGKey(3), (2, 5, D))
     key = jax.random.PRNGKey(9)
-    base = ops.linear(layer, x)
+    base = models.project(layer, x)
     zero_b = lora.Adapter(a, jnp.zeros_like(b), key, 2.0, 0.5)
-    np.testing.assert_array_equal(ops.linear({**layer, "lora": zero_b}, x), base)
-    dropped = ops.linear({**layer, "lora": lora.Adapter(a, b, key, 2.0, 0.5)}, x)
-    plain = ops.linear({**layer, "lora": lora.Adapter(a, b, None, 2.0, 0.5)}, x)
+    np.testing.assert_array_equal(models.project({**layer, "lora": zero_b}, x), base)
+    dropped = models.project({**layer, "lora": lora.Adapter(a, b, key, 2.0, 0.5)}, x)
+    plain = models.project({**layer, "lora": lora.Adapter(a, b, None, 2.0, 0.5)}, x)
     by_hand = base + 2.0 * np.einsum("btr,or->bto", np.einsum("bti,ri->btr", x, a), b)
     np.testing.assert_allclose(plain, by_hand, atol=1e-5, rtol=0)
     assert float(jnp.abs(dropped - plain).max()) > 1e-2

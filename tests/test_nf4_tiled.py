@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 import torch
 
-from lmjax import ops
+from lmjax import models
 from lmjax.quant import nf4, quantize
 from pallas_kernels import nf4_matmul as nm
 
@@ -98,15 +98,15 @@ def test_no_float_array_of_the_weights_size_forward_or_backward(o, i):
     assert max(a.size for a in float_avals(plain(jnp.ones((2, i))).jaxpr)) >= o * i
 
 
-def test_default_tiles_through_lmjax_ops_linear():
-    """ops.linear on CPU with the default tiles (TILE_WEIGHTS weights): a weight of 1.1 M
-    weights is never decoded whole (traced only)."""
+def test_default_tiles_through_lmjax_models_project():
+    """models.project (what a model runs for an NF4 layer) on CPU with the default tiles
+    (TILE_WEIGHTS weights): a weight of 1.1 M weights is never decoded whole (traced only)."""
     o, i = 1100, 1000
     assert o * i > nm.TILE_WEIGHTS
     qw = abstract_weight(o, i)
 
     def loss(x, qw):
-        return ops.linear({"weight": qw}, x).sum()
+        return models.project({"weight": qw}, x).sum()
 
     jaxpr = jax.make_jaxpr(jax.grad(loss))(jnp.ones((4, i)), qw)
     assert max(a.size for a in float_avals(jaxpr.jaxpr)) <= nm.TILE_WEIGHTS

@@ -22,6 +22,7 @@ from lmjax.models.config import (
     preset,
 )
 from lmjax.models.layout import ParamSpec, abstract_params, check_params, declare, init
+from lmjax.models.projection import project
 from lmjax.models.summary import (
     MemoryEstimate,
     format_summary,
@@ -73,6 +74,7 @@ __all__ = [
     "param_count",
     "param_table",
     "preset",
+    "project",
     "project_qkv",
     "residual_bytes",
 ]

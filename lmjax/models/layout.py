@@ -144,7 +144,7 @@ def abstract_params(cfg: ModelConfig) -> dict:
 def check_params(params, cfg: ModelConfig) -> None:
     """Raise `ShapeError` naming the first leaf that is missing, unexpected or mis-shaped."""
     specs, flat = declare(cfg), P.flatten(params)
-    # A LoRA adapter rides in its layer's dict (`lmjax.lora.attach`); ops.linear applies it.
+    # A LoRA adapter rides in its layer's dict (`lmjax.lora.attach`); models.project applies it.
     flat = {name: leaf for name, leaf in flat.items() if not name.endswith(".lora")}
     fix = "build the params with lmjax.models.init(key, cfg) for this same config"
     extra = sorted(flat.keys() - specs.keys(), key=P.natural_key)

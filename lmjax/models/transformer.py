@@ -28,6 +28,7 @@ from lmjax import ops
 from lmjax.errors import ShapeError
 from lmjax.models.config import REMAT_POLICIES, ModelConfig
 from lmjax.models.layout import check_params
+from lmjax.models.projection import project
 from lmjax.ops._common import check_token_ids, is_concrete, require_int
 from lmjax.quant.nf4 import QuantizedWeight
 
@@ -35,6 +36,11 @@ from lmjax.quant.nf4 import QuantizedWeight
 def _op(cfg: ModelConfig, name: str):
     """The primitive `name` from the op set the config selects (custom VJP or reference)."""
     return getattr(ops, name if cfg.ops == "custom" else f"{name}_reference")
+
+
+def _linear(cfg: ModelConfig):
+    """The projection of the config's op set, for any layer kind (`models.project`)."""
+    return functools.partial(project, reference=cfg.ops != "custom")
 
 
 def _norm(cfg: ModelConfig, p: dict, x_BTD: jax.Array) -> jax.Array:
@@ -56,7 +62,7 @@ def project_qkv(cfg: ModelConfig, p: dict, h_BTD: jax.Array, positions_BT=None) 
     passes each token's absolute position so cached keys keep the rotation of their own slot.
     """
     b, t, _ = h_BTD.shape
-    linear = _op(cfg, "linear")
+    linear = _linear(cfg)
     q_BTHK, k_BTHK, v_BTHK = (
         linear(p[name], h_BTD).reshape(b, t, cfg.n_heads, cfg.d_head)
         for name in ("query", "key", "value")
@@ -82,11 +88,11 @@ def _attention(cfg: ModelConfig, p: dict, h_BTD: jax.Array, positions_BT, attend
     q_BTHK, k_BTHK, v_BTHK = project_qkv(cfg, p, h_BTD, positions_BT)
     out_BTHK, aux = attend_fn(cfg, q_BTHK, k_BTHK, v_BTHK)
     b, t, _ = h_BTD.shape
-    return _op(cfg, "linear")(p["output"], out_BTHK.reshape(b, t, cfg.d_model)), aux
+    return _linear(cfg)(p["output"], out_BTHK.reshape(b, t, cfg.d_model)), aux
 
 
 def _feed_forward(cfg: ModelConfig, p: dict, x_BTD: jax.Array) -> jax.Array:
-    linear = _op(cfg, "linear")
+    linear = _linear(cfg)
     if cfg.activation == "swiglu":
         h_BTF = _op(cfg, "swiglu")(linear(p["gate"], x_BTD), linear(p["up"], x_BTD))
         return linear(p["down"], h_BTF)
@@ -158,7 +164,7 @@ def head_params(p: dict, cfg: ModelConfig) -> dict:
 def head(p: dict, x_BTD: jax.Array, cfg: ModelConfig) -> jax.Array:
     """Final norm and the language-model head (the token table when tied): `[B,T,D] -> [B,T,V]`."""
     x_BTD = _norm(cfg, p["final_norm"], x_BTD)
-    return _op(cfg, "linear")(head_params(p, cfg), x_BTD)
+    return _linear(cfg)(head_params(p, cfg), x_BTD)
 
 
 def check_tokens(tokens, cfg: ModelConfig) -> jax.Array:
@@ -227,7 +233,7 @@ def forward(params: dict, tokens, cfg: ModelConfig, *, dropout_key=None) -> jax.
     are concrete (under `jit` the caller checks ids at its host-side boundary).
     """
     p, x_BTD = features(params, tokens, cfg, dropout_key=dropout_key)
-    return _op(cfg, "linear")(head_params(p, cfg), x_BTD).astype(jnp.float32)
+    return _linear(cfg)(head_params(p, cfg), x_BTD).astype(jnp.float32)
 
 
 def features(params: dict, tokens, cfg: ModelConfig, *, dropout_key=None) -> tuple:

@@ -10,7 +10,6 @@ import jax.numpy as jnp
 from lmjax.checks import is_positive_int, require
 from lmjax.errors import ShapeError
 from lmjax.ops._common import expand_left, require_rank, sum_to_last, transposed_gradient_dot
-from lmjax.quant.nf4 import QuantizedWeight
 
 Params = dict[str, jax.Array]
 
@@ -54,7 +53,15 @@ def check_linear_args(params: Params, x: jax.Array) -> None:
             "linear params keys",
             sorted(params),
             "{'weight'} or {'weight', 'bias'}",
-            "build the params with lmjax.ops.init_linear",
+            "build the params with lmjax.ops.init_linear (an adapted layer runs through "
+            "lmjax.models.project)",
+        )
+    if not hasattr(params["weight"], "ndim"):
+        raise ShapeError.describe(
+            "linear weight",
+            type(params["weight"]).__name__,
+            "an array [out, in]",
+            "run a layer with an NF4 weight through lmjax.models.project",
         )
     require_rank(params["weight"], 2, "weight", "[out, in]")
     out_features, in_features = params["weight"].shape
@@ -86,16 +93,9 @@ def linear(params: Params, x: jax.Array) -> jax.Array:
         db = sum_n g_n              [O]
 
     Init (`init_linear`): Xavier-uniform weight, `U(-a, a)` with `a = sqrt(6 / (I + O))`, zero bias.
-    A `"lora"` entry (an `lmjax.lora.Adapter`, added by `lmjax.lora.attach`) adds its low-rank
-    term `s (x A^T) B^T` to y.
-    A `lmjax.quant.QuantizedWeight` (NF4) runs `pallas_kernels.nf4_matmul.quantized_linear`:
-    the Pallas kernel on GPU/TPU (in-features a multiple of 64), else its plain-jnp reference;
-    dx and db only, the frozen weight gets no gradient.
+    Adapted and quantized layers run through `lmjax.models.project`, which calls this for a
+    dense weight.
     """
-    if "lora" in params:  # an adapted layer (lmjax.lora.attach): the base plus its adapter
-        return _with_adapter(linear, params, x)
-    if isinstance(params.get("weight"), QuantizedWeight):
-        return _quantized(params, x, reference=False)
     x = jnp.asarray(x)
     check_linear_args(params, x)
     return _linear(dict(params), x)
@@ -103,36 +103,7 @@ def linear(params: Params, x: jax.Array) -> jax.Array:
 
 def linear_reference(params: Params, x: jax.Array) -> jax.Array:
     """Same equation in plain jnp, differentiated by `jax.grad`."""
-    if "lora" in params:
-        return _with_adapter(linear_reference, params, x)
-    if isinstance(params.get("weight"), QuantizedWeight):
-        return _quantized(params, x, reference=True)
     return _affine(params, x)
-
-
-def _quantized(params: Params, x: jax.Array, *, reference: bool) -> jax.Array:
-    """An NF4 weight (lmjax.quant): the kernel dispatch or its reference."""
-    # Imported here: pallas_kernels imports lmjax, so a module-level import would be circular.
-    from pallas_kernels import nf4_matmul as nf4mm
-
-    unknown = set(params) - {"weight", "bias"}
-    if unknown:
-        raise ShapeError.describe(
-            "linear params keys",
-            sorted(params),
-            "{'weight'} or {'weight', 'bias'}",
-            "drop the rest",
-        )
-    run = nf4mm.nf4_matmul_reference if reference else nf4mm.quantized_linear
-    return run(x, params["weight"], params.get("bias"))
-
-
-def _with_adapter(base_linear, params: Params, x: jax.Array) -> jax.Array:
-    """`base_linear(W, b; x) + adapter(x)`: the adapter (`lmjax.lora.Adapter`) is called on x and
-    never combined with W, so a quantized W is never dequantized here."""
-    base = {k: v for k, v in params.items() if k != "lora"}
-    y = base_linear(base, x)
-    return y + params["lora"](jnp.asarray(x)).astype(y.dtype)
 
 
 def xavier_uniform(key: jax.Array, shape_OI: tuple[int, int], dtype=jnp.float32) -> jax.Array:
