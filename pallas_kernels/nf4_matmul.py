@@ -513,7 +513,8 @@ def _check_inputs(x, qw, bias, *, kernel: bool) -> None:
             "weight in-features",
             in_features,
             f"a multiple of {BLOCK}, so each NF4 block lies in one row of the weight",
-            "use nf4_matmul_tiled (or lmjax.models.project, which does) for this weight",
+            "use nf4_matmul_tiled or nf4_matmul_reference (lmjax.models.project takes the tiled "
+            "path) for this weight",
         )
 
 

@@ -24,7 +24,7 @@ from _pallas import (
     skip_unless_runnable,
 )
 
-from lmjax import ops
+from lmjax import models
 from lmjax.errors import ConfigError, ShapeError
 from lmjax.quant import dequantize, quantize
 from pallas_kernels import nf4_matmul as nm
@@ -162,15 +162,15 @@ def test_matches_reference_product(case):
     assert_matches(case)
 
 
-# ---- the frozen weight and lmjax.ops.linear -----------------------------------------------------
+# ---- the frozen weight and lmjax.models.project -------------------------------------------------
 
 
 def test_linear_dispatches_quantized_weights():
-    """On CPU, ops.linear runs nf4_matmul_reference for a QuantizedWeight (the kernel runs
+    """On CPU, models.project runs nf4_matmul_tiled for a QuantizedWeight (the kernel runs
     compiled on GPU/TPU only); values and gradients against float64 on the dequantized weight."""
     qw, x, bias, g = inputs(Case((2, 3), 24, 128, True, "float32", "gpu", G16), seed=2)
     y, dx, db, d_absmax2, _ = _value_and_grads(
-        lambda x, w, b: ops.linear({"weight": w, "bias": b}, x), qw, x, bias, g
+        lambda x, w, b: models.project({"weight": w, "bias": b}, x), qw, x, bias, g
     )
     w = np.asarray(dequantize(qw), np.float64)
     x64, g64 = np.asarray(x, np.float64), np.asarray(g, np.float64)
@@ -179,14 +179,14 @@ def test_linear_dispatches_quantized_weights():
     assert_close(db, g64.sum(axis=(0, 1)), F32_RTOL, "db")
     assert not np.asarray(d_absmax2).any()
     params = {"weight": qw, "bias": bias}
-    assert_close(ops.linear_reference(params, x), y, F32_RTOL, "linear_reference")
+    assert_close(models.project(params, x, reference=True), y, F32_RTOL, "linear_reference")
     # In-features that are not a multiple of 64 take the reference path (blocks span rows).
     ragged = quantize(np.asarray(jax.random.normal(jax.random.key(0), (8, 100))))
     x100 = jnp.ones((3, 100))
     expected = np.asarray(x100, np.float64) @ np.asarray(dequantize(ragged), np.float64).T
-    assert_close(ops.linear({"weight": ragged}, x100), expected, F32_RTOL, "ragged")
+    assert_close(models.project({"weight": ragged}, x100), expected, F32_RTOL, "ragged")
     with pytest.raises(ShapeError, match="linear params keys"):
-        ops.linear({"weight": qw, "scale": bias}, x)
+        models.project({"weight": qw, "scale": bias}, x)
 
 
 # ---- the compiled paths at least lower on this host --------------------------------------------
@@ -345,12 +345,12 @@ def test_gradients_over_a_tree_holding_a_quantized_weight():
     params = {"weight": qw, "bias": bias}
 
     def loss(p, x):
-        return jnp.sum(ops.linear(p, x) ** 2)
+        return jnp.sum(models.project(p, x) ** 2)
 
     grads = jax.grad(loss, allow_int=True)(params, x)
     assert grads["weight"].packed.dtype == grads["weight"].qabsmax.dtype == jax.dtypes.float0
     assert not np.asarray(grads["weight"].absmax2).any() and float(grads["weight"].offset) == 0
-    y = ops.linear(params, x)
+    y = models.project(params, x)
     np.testing.assert_allclose(grads["bias"], 2 * np.asarray(y).sum(axis=0), rtol=1e-6)
     value, dx = jax.jit(jax.value_and_grad(loss, argnums=1))(params, x)
     assert float(value) == pytest.approx(float(loss(params, x)), rel=1e-6)
@@ -359,3 +359,15 @@ def test_gradients_over_a_tree_holding_a_quantized_weight():
     assert_close(dx, 2 * y64 @ w, F32_RTOL, "dx under jit")
     with pytest.raises(TypeError, match="allow_int"):
         jax.grad(loss)(params, x)
+
+
+def test_ops_linear_refuses_an_nf4_weight_and_points_at_models_project():
+    """ops.linear is the dense primitive only: an NF4 weight (or a LoRA entry) is one ShapeError
+    naming models.project, the one place that runs adapted and quantized layers."""
+    from lmjax import ops
+
+    qw, x, _, _ = inputs(Case((2,), 8, 64, False, "float32", "gpu", G16), seed=4)
+    with pytest.raises(ShapeError, match="models.project"):
+        ops.linear({"weight": qw}, x)
+    with pytest.raises(ShapeError, match="models.project"):
+        ops.linear({"weight": jnp.ones((8, 64)), "lora": None}, x)

@@ -6,6 +6,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from lmjax.checks import is_positive_int, require
 from lmjax.errors import ShapeError
@@ -56,7 +57,7 @@ def check_linear_args(params: Params, x: jax.Array) -> None:
             "build the params with lmjax.ops.init_linear (an adapted layer runs through "
             "lmjax.models.project)",
         )
-    if not hasattr(params["weight"], "ndim"):
+    if not isinstance(params["weight"], jax.Array | np.ndarray):
         raise ShapeError.describe(
             "linear weight",
             type(params["weight"]).__name__,
