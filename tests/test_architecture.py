@@ -94,7 +94,6 @@ _KNOWN: list[tuple[str, list[tuple[str, str]]]] = [
             ("file-lines", "lmjax/train/checkpoint.py"),
             ("file-lines", "lmjax/train/loop.py"),
             ("file-lines", "pallas_kernels/flash_attention.py"),
-            ("file-lines", "pallas_kernels/nf4_matmul.py"),
         ],
     ),
     (
@@ -177,8 +176,6 @@ _KNOWN: list[tuple[str, list[tuple[str, str]]]] = [
     (
         _LATER + ": ops._common used outside ops: make what it shares public",
         [
-            ("private-module", "lmjax.generate.loop -> lmjax.ops._common"),
-            ("private-module", "lmjax.models.transformer -> lmjax.ops._common"),
             ("private-module", "pallas_kernels.flash_attention -> lmjax.ops._common"),
         ],
     ),

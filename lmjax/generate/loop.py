@@ -33,14 +33,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lmjax.checks import is_int, is_positive_int, require
+from lmjax.checks import check_token_ids, is_int, is_positive_int, require
 from lmjax.errors import ConfigError, NonFiniteError, TokenError
 from lmjax.generate.kv_cache import decode_logits, init_cache, prefill_hidden
 from lmjax.generate.paged import PageAllocator, init_paged_cache
 from lmjax.generate.sampling import Sampling, sample
 from lmjax.models import ModelConfig, check_params, head
 from lmjax.models.transformer import cast
-from lmjax.ops._common import check_token_ids
 
 CACHES = ("contiguous", "paged")
 MIN_BUCKET = 8

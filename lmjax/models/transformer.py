@@ -25,11 +25,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from lmjax import ops
+from lmjax.checks import check_token_ids, is_concrete, require
 from lmjax.errors import ShapeError
 from lmjax.models.config import REMAT_POLICIES, ModelConfig
 from lmjax.models.layout import check_params
 from lmjax.models.projection import project
-from lmjax.ops._common import check_token_ids, is_concrete, require_int
 from lmjax.quant.nf4 import QuantizedWeight
 
 
@@ -179,7 +179,9 @@ def check_tokens(tokens, cfg: ModelConfig) -> jax.Array:
     fix_shape = "pass token ids as a [batch, time] integer array"
     if tokens.ndim != 2:
         raise ShapeError.describe("tokens.shape", tokens.shape, "rank 2, [batch, time]", fix_shape)
-    require_int(tokens, "tokens")
+    integer = jnp.issubdtype(tokens.dtype, jnp.integer)
+    fix_dtype = "cast tokens with .astype(jnp.int32)"
+    require(integer, "tokens.dtype", tokens.dtype, "an integer dtype", fix_dtype, ShapeError)
     b, t = tokens.shape
     if b == 0 or t == 0:
         raise ShapeError.describe(

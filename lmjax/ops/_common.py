@@ -12,8 +12,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lmjax.checks import is_int, is_real  # noqa: F401 (ops/attention.py imports them from here)
-from lmjax.errors import ShapeError, TokenError
+# Re-exported for the ops modules: the array checks live in lmjax.checks (every layer uses them).
+from lmjax.checks import (  # noqa: F401
+    check_keep_values,
+    check_token_ids,
+    is_concrete,
+    is_int,
+    is_real,
+)
+from lmjax.errors import ShapeError
 
 
 def compute_dtype(dtype) -> jnp.dtype:
@@ -54,11 +61,6 @@ def transposed_gradient_dot(a_NM: jax.Array, b_NK: jax.Array, acc_dtype=None) ->
     return barrier(out_KM).T
 
 
-def is_concrete(x) -> bool:
-    """True when `x` holds values now (not a tracer inside jit/vmap/grad's traced arguments)."""
-    return x is not None and not isinstance(x, jax.core.Tracer)
-
-
 def broadcast_mask(mask, shape: tuple[int, ...], what: str = "mask") -> jax.Array:
     """0/1 (or bool) `mask`, broadcastable from the right, -> bool array of exactly `shape`."""
     mask = jnp.asarray(mask)
@@ -70,38 +72,6 @@ def broadcast_mask(mask, shape: tuple[int, ...], what: str = "mask") -> jax.Arra
             "insert size-1 axes where the mask does not vary",
         )
     return jnp.broadcast_to(mask != 0, shape)
-
-
-def check_keep_values(mask, what: str = "mask") -> None:
-    """Host-side: a concrete `mask` holds only booleans or 0/1 (1 keeps), else `ShapeError`.
-
-    Every public entry point that takes a mask calls this, so the rule is stated once. An
-    additive mask (0 keeps, -inf or -1e9 drops: the Hugging Face and PyTorch convention) read
-    as "nonzero keeps" would be silently inverted, so any other value is refused. A traced mask
-    (inside jit, vmap, grad) cannot be inspected and is left alone: a bool one is always safe.
-    """
-    if not is_concrete(mask):
-        return
-    mask_np = np.asarray(mask)
-    if mask_np.dtype.kind == "b":
-        return
-    fix = "pass a bool (or 0/1) keep-mask; from an additive mask use keep = additive == 0"
-    if mask_np.dtype.kind not in "iuf":
-        raise ShapeError.describe(
-            f"{what}.dtype", str(mask_np.dtype), "bool or a real number dtype holding 0/1", fix
-        )
-    bad = ~((mask_np == 0) | (mask_np == 1))  # NaN compares unequal to both: refused too
-    if bad.any():
-        where = tuple(int(i) for i in np.argwhere(bad)[0])
-        index = f"[{', '.join(map(str, where))}]" if where else ""
-        count = int(bad.sum())
-        raise ShapeError.describe(
-            f"{what}{index}",
-            mask_np[where].item(),
-            "only booleans or 0/1, since lmjax masks keep where 1 and drop where 0"
-            + (f" ({count} entries in all are neither 0 nor 1)" if count > 1 else ""),
-            fix,
-        )
 
 
 def _broadcastable(small: tuple[int, ...], big: tuple[int, ...]) -> bool:
@@ -147,35 +117,6 @@ def require_float(x, what: str) -> None:
 
 def require_int(x, what: str) -> None:
     _require_kind(x, jnp.integer, "an integer", "jnp.int32", what)
-
-
-def check_token_ids(
-    ids,
-    vocab_size: int,
-    what: str,
-    *,
-    ignore_index: int | None = None,
-    fix: str = "re-tokenize with the model's tokenizer or enlarge vocab_size",
-):
-    """Host-side range check: raise `TokenError` naming the first id outside `[0, V)`.
-
-    `ids` must be concrete. Entries equal to `ignore_index` (if given) are allowed.
-    """
-    ids_np = np.asarray(ids)
-    bad = (ids_np < 0) | (ids_np >= vocab_size)
-    if ignore_index is not None:
-        bad &= ids_np != ignore_index
-    if bad.any():
-        where = tuple(int(i) for i in np.argwhere(bad)[0])
-        allowed = f"an id in [0, {vocab_size})" + (
-            "" if ignore_index is None else f" or ignore_index={ignore_index}"
-        )
-        raise TokenError.describe(
-            f"{what}{list(where)}",
-            int(ids_np[where]),
-            f"{allowed} ({int(bad.sum())} of {ids_np.size} are outside)",
-            fix,
-        )
 
 
 def inv_sqrt(n: int) -> float:
