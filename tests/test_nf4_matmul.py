@@ -29,6 +29,8 @@ from lmjax.errors import ConfigError, ShapeError
 from lmjax.quant import dequantize, quantize
 from pallas_kernels import nf4_matmul as nm
 from pallas_kernels.nf4_matmul import BlockSizes, nf4_matmul, nf4_matmul_reference
+from pallas_kernels.nf4_matmul import pallas as nm_pallas
+from pallas_kernels.nf4_matmul import plan as nm_plan
 
 # float32: the kernel sums the same products as the reference in another order (tiles of
 # block_k, even and odd columns apart), so results differ by a few float32 ulps of the largest
@@ -198,10 +200,10 @@ def test_compiled_kernels_lower_for_their_platform(kernel, platform):
     (M 200, O 300, I 768 against the default tiles); running them compiled is
     scripts/gpu_check.sh's job on a GPU."""
     sizes = BlockSizes.default(kernel)
-    plan = nm._make_plan(200, 300, 768, sizes, kernel, False)
+    plan = nm_plan.make_plan(200, 300, 768, sizes, kernel, False)
 
     def loss(x, packed, scales):
-        return nm._nf4_padded(plan, x, packed, scales).astype(jnp.float32).sum()
+        return nm_pallas._nf4_padded(plan, x, packed, scales).astype(jnp.float32).sum()
 
     args = (
         jax.ShapeDtypeStruct((200, 768), jnp.bfloat16),
@@ -219,15 +221,15 @@ def test_compiled_kernels_lower_for_their_platform(kernel, platform):
 
 
 def test_padding_plan_follows_each_backend():
-    gpu = nm._make_plan(5, 40, 192, BlockSizes(), "gpu", True)
+    gpu = nm_plan.make_plan(5, 40, 192, BlockSizes(), "gpu", True)
     # Default 64 x 64 x 128 tiles shrink to the axis' power of two (M 5 -> 16, O 40 -> 64) ...
     assert (gpu.bm, gpu.bn, gpu.bk) == (16, 64, 128)
     assert (gpu.m_pad, gpu.o_pad, gpu.i_pad, gpu.nk, gpu.nq) == (16, 64, 256, 2, 2)
-    tpu = nm._make_plan(5, 40, 192, BlockSizes.default("tpu"), "tpu", True)
+    tpu = nm_plan.make_plan(5, 40, 192, BlockSizes.default("tpu"), "tpu", True)
     # ... or, on TPU interpreted, to a multiple of 8 (and of 64 for block_k) ...
     assert (tpu.bm, tpu.bn, tpu.bk, tpu.m_pad, tpu.o_pad, tpu.i_pad) == (8, 40, 192, 8, 40, 192)
     # ... and compiled, to its tiling: 16 rows, 128 output lanes, 256 in-features.
-    tpu = nm._make_plan(5, 40, 192, BlockSizes.default("tpu"), "tpu", False)
+    tpu = nm_plan.make_plan(5, 40, 192, BlockSizes.default("tpu"), "tpu", False)
     assert (tpu.bm, tpu.bn, tpu.bk, tpu.m_pad, tpu.o_pad, tpu.i_pad) == (16, 128, 256, 16, 128, 256)
 
 

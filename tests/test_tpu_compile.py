@@ -40,11 +40,11 @@ from lmjax.errors import ShapeError
 from lmjax.quant import nf4
 from pallas_kernels import _backend
 from pallas_kernels import flash_attention as fa
-from pallas_kernels import nf4_matmul as nm
 from pallas_kernels.flash_attention import BlockSizes as FlashBlocks
 from pallas_kernels.flash_attention import attention_reference, flash_attention_with_lse
 from pallas_kernels.nf4_matmul import BlockSizes as NF4Blocks
 from pallas_kernels.nf4_matmul import nf4_matmul, nf4_matmul_reference
+from pallas_kernels.nf4_matmul import pallas as nm
 
 TOPOLOGIES = {"v4": "v4:2x2x1", "v5e": "v5e:2x2", "v6e": "v6e:2x2"}
 DEVICE_KIND = {"v4": "TPU v4", "v5e": "TPU v5 lite", "v6e": "TPU v6 lite"}
