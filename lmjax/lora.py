@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 
 from lmjax import ops
-from lmjax import params as P
+from lmjax import params as ptree
 from lmjax.checks import is_finite_real, is_int, is_positive_int, is_real, require
 from lmjax.errors import ConfigError, FileFormatError, ShapeError
 
@@ -172,7 +172,7 @@ def linear_layers(params_or_cfg) -> dict[str, tuple[int, int]]:
 
 def _flat_layers(params) -> dict[str, Any]:
     # A QuantizedWeight is a pytree, not a Mapping: flatten keeps it whole, as one "leaf".
-    return P.flatten(params)
+    return ptree.flatten(params)
 
 
 def target_layers(params_or_cfg, lcfg: LoraConfig) -> dict[str, tuple[int, int]]:
@@ -210,7 +210,7 @@ def _select(layers: dict[str, tuple[int, int]], targets) -> dict[str, tuple[int,
 
 def _selects(pattern: str, layer: str) -> bool:
     """A glob over the layer name (`blocks.0.attention.query`) or its weight's name."""
-    return P.matches(layer, pattern) or P.matches(f"{layer}.weight", pattern)
+    return ptree.matches(layer, pattern) or ptree.matches(f"{layer}.weight", pattern)
 
 
 # ---- parameters --------------------------------------------------------------------------------
@@ -237,12 +237,12 @@ def init(key: jax.Array, params_or_cfg, lcfg: LoraConfig, dtype=jnp.float32) -> 
             a = jax.random.normal(k, (lcfg.r, in_f), dtype) / lcfg.r
         flat[f"{name}.lora_a"] = a
         flat[f"{name}.lora_b"] = jnp.zeros((out_f, lcfg.r), dtype)
-    return P.unflatten(flat)
+    return ptree.unflatten(flat)
 
 
 def adapter_layers(adapters) -> dict[str, tuple[Any, Any]]:
     """`{layer name: (A, B)}` of an adapter tree, checking its structure."""
-    flat = P.flatten(adapters)
+    flat = ptree.flatten(adapters)
     layers: dict[str, tuple[Any, Any]] = {}
     for name in flat:
         layer, _, leaf = name.rpartition(".")
@@ -308,7 +308,7 @@ def attach(params: dict, adapters: dict, lcfg: LoraConfig, dropout_key=None) -> 
     """
     layers = adapter_layers(adapters)
     base = _flat_layers(params)
-    out = P.map_with_names(lambda _, leaf: leaf, params)  # a fresh dict skeleton, same leaves
+    out = ptree.map_with_names(lambda _, leaf: leaf, params)  # a fresh dict skeleton, same leaves
     for i, (name, (a, b)) in enumerate(layers.items()):
         _require_base_layer(name, f"{name}.weight" in base)
         _check_fits(name, a, b, tuple(base[f"{name}.weight"].shape))
@@ -384,7 +384,7 @@ def _apply_delta(params: dict, adapters: dict, lcfg: LoraConfig, sign: float) ->
         _check_fits(name, a, b, tuple(weight.shape))
         updated = weight.astype(jnp.float32) + sign * delta(a, b, lcfg.scale)
         flat[f"{name}.weight"] = updated.astype(weight.dtype)
-    return P.unflatten(flat)
+    return ptree.unflatten(flat)
 
 
 def merge(params: dict, adapters: dict, lcfg: LoraConfig) -> dict:
@@ -440,7 +440,7 @@ def load_adapters(path: str | os.PathLike, expected=None) -> tuple[dict, LoraCon
 
 def count(adapters: dict) -> int:
     """Number of trainable adapter scalars."""
-    return P.count(adapters)
+    return ptree.count(adapters)
 
 
 __all__ = [

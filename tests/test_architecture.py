@@ -66,11 +66,6 @@ _KNOWN: list[tuple[str, list[tuple[str, str]]]] = [
         [
             ("alias-P", "lmjax/cli.py -> lmjax.params"),
             ("alias-P", "lmjax/finetune.py -> lmjax.params"),
-            ("alias-P", "lmjax/io/hf_gpt2.py -> lmjax.params"),
-            ("alias-P", "lmjax/io/safetensors.py -> lmjax.params"),
-            ("alias-P", "lmjax/lora.py -> lmjax.params"),
-            ("alias-P", "lmjax/models/layout.py -> lmjax.params"),
-            ("alias-P", "lmjax/quant/params.py -> lmjax.params"),
         ],
     ),
     (

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 import safetensors
 
-from lmjax import params as P
+from lmjax import params as ptree
 from lmjax.checks import is_int, is_real, require
 from lmjax.errors import CheckpointError, ConfigError, FileFormatError, ShapeError
 from lmjax.files import atomic_write_text
@@ -440,7 +440,7 @@ def load(
     _check_finite(state, path)
     _check_tied(state, path)
     flat = to_lmjax(state, cfg)
-    params = P.unflatten({name: jnp.asarray(a, dtype=dtype) for name, a in flat.items()})
+    params = ptree.unflatten({name: jnp.asarray(a, dtype=dtype) for name, a in flat.items()})
     check_params(params, cfg)
     return params, cfg
 
@@ -450,7 +450,7 @@ def save(params: dict, cfg: ModelConfig, out_dir: str | os.PathLike) -> None:
     no lm_head: it is tied) so that `GPT2LMHeadModel.from_pretrained(out_dir)` loads them."""
     hf = config_to_hf(cfg)
     check_params(params, cfg)
-    for name, leaf in P.flatten(params).items():
+    for name, leaf in ptree.flatten(params).items():
         if np.dtype(leaf.dtype) != np.dtype(cfg.param_dtype):
             raise ShapeError.describe(
                 f"parameter {name} dtype",
@@ -461,9 +461,9 @@ def save(params: dict, cfg: ModelConfig, out_dir: str | os.PathLike) -> None:
             )
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    flat = {name: np.asarray(a) for name, a in P.flatten(params).items()}
+    flat = {name: np.asarray(a) for name, a in ptree.flatten(params).items()}
     state = {f"transformer.{k}": a for k, a in to_hf(flat, cfg).items()}
-    st.save(P.unflatten(state), out_dir / "model.safetensors", metadata={"format": "pt"})
+    st.save(ptree.unflatten(state), out_dir / "model.safetensors", metadata={"format": "pt"})
     atomic_write_text(out_dir / "config.json", json.dumps(hf, indent=2) + "\n")
 
 

@@ -41,7 +41,7 @@ import numpy as np
 import safetensors
 import safetensors.numpy
 
-from lmjax import params as P
+from lmjax import params as ptree
 from lmjax.checks import is_nonnegative_int
 from lmjax.errors import CheckpointError, ConfigError, FileFormatError, ShapeError
 from lmjax.files import atomic_write_bytes
@@ -217,7 +217,7 @@ def save(params: Mapping, path: str | os.PathLike, metadata: Mapping[str, str] |
     """Write every leaf of `params` under its `.`-joined name; `metadata` is `{str: str}`."""
     path = Path(path)
     metadata = _check_metadata(metadata)
-    tensors = {name: _to_numpy(name, leaf) for name, leaf in P.flatten(params).items()}
+    tensors = {name: _to_numpy(name, leaf) for name, leaf in ptree.flatten(params).items()}
     data = safetensors.numpy.save(tensors, metadata=metadata or None)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -239,7 +239,7 @@ def _expected_specs(expected) -> dict[str, tuple[np.dtype, tuple]]:
         return {name: (dtype, spec.shape) for name, spec in declare(expected).items()}
     return {
         name: (np.dtype(leaf.dtype), tuple(leaf.shape))
-        for name, leaf in P.flatten(expected).items()
+        for name, leaf in ptree.flatten(expected).items()
     }
 
 
@@ -265,7 +265,7 @@ def report_mismatches(
         if wd is not None and np.dtype(wd) != np.dtype(fd):
             problems.append((n, f"{n} dtype {np.dtype(fd)} (expected {np.dtype(wd)})"))
     if problems:
-        problems.sort(key=lambda p: P.natural_key(p[0]))
+        problems.sort(key=lambda p: ptree.natural_key(p[0]))
         count = f"{len(problems)} parameter mismatch" + ("es" if len(problems) != 1 else "")
         # Not `describe`: it shortens the value to one screen line, and every name matters here.
         raise CheckpointError(
@@ -306,7 +306,7 @@ def load(path: str | os.PathLike, expected=None) -> dict:
     if expected is not None:
         check_against(path, found, expected)
     try:  # names that no nested dict can hold ("a" and "a.b", "", "a..b"), before any read
-        P.unflatten(dict.fromkeys(found))
+        ptree.unflatten(dict.fromkeys(found))
     except ShapeError as err:
         raise _bad(path, "tensor names", str(err), "names that form a parameter tree") from None
     try:
@@ -314,7 +314,7 @@ def load(path: str | os.PathLike, expected=None) -> dict:
             flat = {name: _as_array(handle.get_tensor(name)) for name in handle.keys()}
     except (safetensors.SafetensorError, OSError, ValueError) as err:
         raise _bad(path, "contents", str(err), "a readable safetensors file") from None
-    return P.unflatten(flat)
+    return ptree.unflatten(flat)
 
 
 def metadata(path: str | os.PathLike) -> dict[str, str]:

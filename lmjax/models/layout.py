@@ -17,7 +17,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from lmjax import params as P
+from lmjax import params as ptree
 from lmjax.errors import ShapeError
 from lmjax.models.config import ModelConfig
 from lmjax.ops.linear import xavier_uniform
@@ -109,7 +109,7 @@ def declare(cfg: ModelConfig) -> dict[str, ParamSpec]:
     specs |= _norm("final_norm", cfg)
     if not cfg.tie_embeddings:
         specs |= _linear("language_model_head", ("vocab", v), ("embed", d), cfg.head_bias)
-    return {name: specs[name] for name in sorted(specs, key=P.natural_key)}
+    return {name: specs[name] for name in sorted(specs, key=ptree.natural_key)}
 
 
 def _leaf_key(key: jax.Array, name: str) -> jax.Array:
@@ -129,7 +129,7 @@ def init(key: jax.Array, cfg: ModelConfig) -> dict:
         name: INITIALIZERS[spec.init](_leaf_key(key, name), spec.shape, dtype)
         for name, spec in declare(cfg).items()
     }
-    return P.unflatten(flat)
+    return ptree.unflatten(flat)
 
 
 def abstract_params(cfg: ModelConfig) -> dict:
@@ -138,16 +138,16 @@ def abstract_params(cfg: ModelConfig) -> dict:
         name: jax.ShapeDtypeStruct(spec.shape, cfg.params_dtype)
         for name, spec in declare(cfg).items()
     }
-    return P.unflatten(flat)
+    return ptree.unflatten(flat)
 
 
 def check_params(params, cfg: ModelConfig) -> None:
     """Raise `ShapeError` naming the first leaf that is missing, unexpected or mis-shaped."""
-    specs, flat = declare(cfg), P.flatten(params)
+    specs, flat = declare(cfg), ptree.flatten(params)
     # A LoRA adapter rides in its layer's dict (`lmjax.lora.attach`); models.project applies it.
     flat = {name: leaf for name, leaf in flat.items() if not name.endswith(".lora")}
     fix = "build the params with lmjax.models.init(key, cfg) for this same config"
-    extra = sorted(flat.keys() - specs.keys(), key=P.natural_key)
+    extra = sorted(flat.keys() - specs.keys(), key=ptree.natural_key)
     if extra:
         raise ShapeError.describe("unexpected parameter", extra[0], "none for this config", fix)
     for name, spec in specs.items():

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping
 import jax
 import numpy as np
 
-from lmjax import params as P
+from lmjax import params as ptree
 from lmjax.errors import ShapeError
 from lmjax.quant.nf4 import QuantizedWeight, quantize
 
@@ -44,7 +44,7 @@ def quantize_params(params: Mapping, patterns: str | Iterable[str] | None = None
     section 6), so selecting them is an error rather than a model that fails later.
     """
     chosen = LINEAR_WEIGHTS if patterns is None else patterns
-    selected = P.mask(params, chosen, require_match=patterns is not None)
+    selected = ptree.mask(params, chosen, require_match=patterns is not None)
     if not any(jax.tree.leaves(selected)):
         raise ShapeError.describe(
             "quantize_params patterns",
@@ -54,7 +54,7 @@ def quantize_params(params: Mapping, patterns: str | Iterable[str] | None = None
         )
 
     def convert(name, leaf):
-        if not P.matches(name, chosen):
+        if not ptree.matches(name, chosen):
             return leaf
         if isinstance(leaf, QuantizedWeight) or np.ndim(leaf) != 2:
             raise ShapeError.describe(
@@ -63,7 +63,7 @@ def quantize_params(params: Mapping, patterns: str | Iterable[str] | None = None
                 "a 2-D [out, in] float weight that is not quantized yet",
                 "narrow the patterns to linear weights",
             )
-        if not P.matches(name, LINEAR_WEIGHTS):
+        if not ptree.matches(name, LINEAR_WEIGHTS):
             raise ShapeError.describe(
                 f"parameter {name!r}",
                 "not a block projection",
@@ -73,7 +73,7 @@ def quantize_params(params: Mapping, patterns: str | Iterable[str] | None = None
             )
         return quantize(leaf)
 
-    return P.map_with_names(convert, params)
+    return ptree.map_with_names(convert, params)
 
 
 def _leaf_bytes(leaf) -> int:
@@ -90,7 +90,7 @@ def weight_bytes(params: Mapping) -> dict[str, int]:
     their original dtype), `float` (every other leaf), `total` = quantized + float, and
     `quantized_params` (how many weights are NF4).
     """
-    flat = P.flatten(params)
+    flat = ptree.flatten(params)
     quant = [leaf for leaf in flat.values() if isinstance(leaf, QuantizedWeight)]
     other = [leaf for leaf in flat.values() if not isinstance(leaf, QuantizedWeight)]
     stored = sum(_leaf_bytes(q) for q in quant)
