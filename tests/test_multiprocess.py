@@ -387,3 +387,41 @@ def test_the_last_complete_checkpoint_of_a_killed_run_loads(killed):
     loaded = load_run(run.dir)
     assert loaded.step == latest
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(loaded.params))
+
+
+@pytest.fixture(scope="module")
+def no_mesh(corpus, straight):
+    """The 2x2 run with `parallel.mesh` null (issue 22: it failed at its first checkpoint with
+    "Cannot serialize host local jax.Array": each process trained its own one-device copy)."""
+    return Run(corpus, "nomesh", 2, 2, [str(corpus / "c.yaml"), "parallel.mesh=null"]).finish()
+
+
+def test_two_processes_without_a_mesh_train_data_parallel_over_every_device(straight, no_mesh):
+    """With no mesh they train as one run over data=4 (every device of both processes): each
+    process reads its half of the rows, the collective checkpoints are all written, and the
+    losses and parameters are those of the one-process run (data=2,fsdp=2: the same mean)."""
+    assert_same_training(no_mesh, straight["1x4"], range(1, STEPS + 1))
+    half = BATCH // 2
+    for i in range(2):
+        rows = no_mesh.record(i)["rows"]
+        assert all(r == list(range(i * half, (i + 1) * half)) for _, r in rows), rows
+    steps = Checkpoints(no_mesh.dir / "checkpoints", create=False).steps()
+    assert steps == list(range(1, STEPS + 1))
+    assert "mesh: null" in (no_mesh.dir / "config.yaml").read_text()  # a resume picks again
+
+
+def test_the_mesh_of_a_run_without_one(monkeypatch):
+    """One process: none (one device, as always); several: data over every device, whose
+    batch must split evenly (one line naming the default); a given mesh is checked, in full."""
+    from lmjax.parallel import mesh
+
+    n = jax.device_count()
+    assert mesh.run_mesh_shape(None, 3) is None
+    assert mesh.run_mesh_shape({"data": n}, 3) == {"data": n, "fsdp": 1, "model": 1}
+    with pytest.raises(ConfigError, match="product equals"):
+        mesh.run_mesh_shape({"data": n + 1}, 8)
+    monkeypatch.setattr(mesh.jax, "process_count", lambda: 2)
+    monkeypatch.setattr(mesh.jax, "device_count", lambda: 4)  # 2 processes x 2 devices
+    assert mesh.run_mesh_shape(None, 8) == {"data": 4, "fsdp": 1, "model": 1}
+    with pytest.raises(ConfigError, match=r"parallel.mesh null over 2 processes.*multiple of"):
+        mesh.run_mesh_shape(None, 6)

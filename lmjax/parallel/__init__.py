@@ -20,6 +20,7 @@ from lmjax.parallel.mesh import (
     mesh_shape,
     parse_mesh_arg,
     replicated,
+    run_mesh_shape,
 )
 from lmjax.parallel.multihost import barrier, host_batch, initialize_from_env, is_main
 from lmjax.parallel.rules import (
@@ -52,6 +53,7 @@ __all__ = [
     "parse_mesh_arg",
     "per_device_bytes",
     "replicated",
+    "run_mesh_shape",
     "shard_shape",
     "shardings",
     "spec_for",

@@ -64,6 +64,26 @@ def check_mesh_shape(
     return full
 
 
+def run_mesh_shape(shape: Mapping[str, int] | None, batch_rows: int) -> dict[str, int] | None:
+    """The mesh `lmjax train` runs on, from its `parallel.mesh` (None: the section is null).
+
+    Given: checked against the device count and returned in full. Null: no mesh in one process
+    (one device, as always), and `{"data": every device}` over several processes, where one
+    device cannot train for all and a host-local state cannot be checkpointed collectively.
+    `data`, not `fsdp`: each device holds the whole state, as the one device of a
+    one-process run does; the batch is split over all devices, its mean the same.
+    `batch_rows`: sequences per micro-batch, which must split evenly over the devices.
+    """
+    if shape is not None:
+        return check_mesh_shape(shape, jax.device_count())
+    if jax.process_count() == 1:
+        return None
+    full = check_mesh_shape({"data": jax.device_count()})
+    n, where = jax.process_count(), "train.batch_size"
+    check_batch(batch_rows, full, f"{where} (parallel.mesh null over {n} processes: data only)")
+    return full
+
+
 def parse_mesh_text(text: str, where: str = "--mesh") -> dict[str, int]:
     """`"data=2,fsdp=4"` -> `{"data": 2, "fsdp": 4}` (as written; not yet validated)."""
     out: dict[str, int] = {}

@@ -130,13 +130,13 @@ def train(
     preflight(cfg, prepared)
     if note := warmup_only_note(cfg):
         print(note, file=out)
-    if cfg.parallel.mesh is not None and trainable.frozen is not None:
+    if trainable.frozen is not None and (cfg.parallel.mesh is not None or jax.process_count() > 1):
         raise ConfigError.describe(
             "parallel.mesh", cfg.parallel.mesh, "no mesh for a fine-tune (not supported yet)",
-            "remove the parallel section: fine-tunes run on one device",
+            "remove the parallel section: fine-tunes run in one process, on one device",
         )  # fmt: skip
-    if cfg.parallel.mesh is not None:  # the device count, before anything is written
-        parallel.check_mesh_shape(cfg.parallel.mesh, jax.device_count())
+    # The mesh against the device count and the batch, before anything is written.
+    parallel.run_mesh_shape(cfg.parallel.mesh, cfg.train.batch_size // cfg.train.grad_accum)
     # Every host checks the (shared) run directory before process 0 writes into it.
     parallel.barrier("lmjax train: run directory checked")
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -526,10 +526,12 @@ class _Trainer:
 
 
 def _mesh_and_shardings(cfg: RunConfig, model, tx):
-    """`(mesh, TrainState of NamedShardings)` for a `parallel.mesh` section, else `(None, None)`."""
-    if cfg.parallel.mesh is None:
+    """`(mesh, TrainState of NamedShardings)` on the run's mesh (`parallel.run_mesh_shape`: a
+    multi-process run without `parallel.mesh` gets one too), else `(None, None)`."""
+    shape = parallel.run_mesh_shape(cfg.parallel.mesh, cfg.train.batch_size // cfg.train.grad_accum)
+    if shape is None:
         return None, None
-    mesh = parallel.make_mesh(cfg.parallel.mesh)
+    mesh = parallel.make_mesh(shape)
     abstract = jax.eval_shape(lambda: init_state(jax.random.PRNGKey(0), model, tx))
     specs = parallel.state_specs(abstract, model, parallel.mesh_shape(mesh))
     return mesh, parallel.shardings(specs, mesh)
