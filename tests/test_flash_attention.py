@@ -27,6 +27,8 @@ from _pallas import (
 
 from lmjax.errors import ConfigError, ShapeError
 from pallas_kernels import flash_attention as fa
+from pallas_kernels.flash_attention import plan as fa_plan
+from pallas_kernels.flash_attention import vjp as fa_vjp
 from pallas_kernels.flash_attention import (
     BlockSizes,
     attention_reference,
@@ -386,10 +388,10 @@ def test_compiled_kernels_lower_for_their_platform(kernel, platform, causal, s, 
     k = jax.ShapeDtypeStruct((2, s, 4, 40), jnp.bfloat16)
     mask = jax.ShapeDtypeStruct((2, s), jnp.int32) if has_mask else None
     sizes = BlockSizes.default(kernel)
-    plan = fa._make_plan(q.shape, k.shape, sizes, kernel, False, causal, 5, has_mask)
+    plan = fa_plan.make_plan(q.shape, k.shape, sizes, kernel, False, causal, 5, has_mask)
 
     def loss(q, k, v, mask):
-        out, lse = fa._flash_padded(plan, q, k, v, mask)
+        out, lse = fa_vjp.flash_padded(plan, q, k, v, mask)
         return out.astype(jnp.float32).sum() + jnp.where(jnp.isfinite(lse), lse, 0.0).sum()
 
     lowered = jax.jit(jax.grad(loss, (0, 1, 2))).trace(q, k, k, mask)
@@ -430,7 +432,7 @@ def test_default_backend_choice_is_explicit():
 
 def _plan(kernel, t, s, d, sizes=None):
     sizes = sizes or BlockSizes.default(kernel)
-    return fa._make_plan((1, t, 1, d), (1, s, 1, d), sizes, kernel, True, True, 0, False)
+    return fa_plan.make_plan((1, t, 1, d), (1, s, 1, d), sizes, kernel, True, True, 0, False)
 
 
 def test_padding_plan_follows_each_backend():

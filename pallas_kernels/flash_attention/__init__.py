@@ -1,0 +1,152 @@
+"""FlashAttention-2 in Pallas: a GPU (Triton) kernel and a TPU (Mosaic) kernel, one custom VJP.
+
+Shapes (the layout of `jax.nn.dot_product_attention`): q `[B, T, H, Dh]`, k and v
+`[B, S, H, Dh]`, optional key-padding mask `[B, S]` (0/1 or bool) -> out `[B, T, H, Dh]` and the
+per-row logsumexp `[B, H, T]` (float32). Letters: B batch, T queries, S keys, H heads, Dh head
+size (the legend of `lmjax.models`); inside a kernel, one block's arrays are suffixed with Q (its
+query rows, `block_q`), K (its key rows, `block_k`) and Dh (the padded head size), e.g. q_QDh,
+s_QK; a trailing 1 is a kept unit axis (m_Q1).
+
+Modules: `plan` (BlockSizes, padding, which blocks run), `blocks` (the block math both kernels
+share), `gpu` and `tpu` (the kernels and their pallas_calls), `vjp` (the custom VJP over padded
+inputs), `reference` (the argument checks and the plain-jnp oracle).
+
+Forward, per batch row b and head h, with c = 1/sqrt(Dh) (Dh the head size *before* padding):
+
+    s[t,u]    = c * q[t,:] . k[u,:]
+    keep[t,u] = mask[u] and (not causal or u <= t + offset)
+    over key blocks j (online softmax; f32 running max m, sum l, unnormalised output acc):
+        m'  = max(m, max_{u in j, keep} s[t,u])
+        p   = exp(s[t,u] - m') where keep, else 0
+        l   = exp(m - m') l + sum_u p          acc = exp(m - m') acc + p v_j
+    out[t] = acc / l          lse[t] = m + log l
+    A row with no visible key has l = 0: out = 0 and lse = -inf (never NaN).
+
+The forward saves only (q, k, v, mask, out, lse): O(T) memory, no [T, S] probabilities.
+Dtypes: float32, bfloat16 or float16 inputs; matmul operands stay in the input dtype (p and ds
+are rounded to it before their matmuls), every accumulator and softmax statistic is float32.
+Float16 on the TPU kernel: Mosaic has no float16 vector loads (libtpu 0.0.42 refuses them,
+"Invalid vector type for load"), so the wrapper upcasts q, k, v to float32 (exact), runs the
+float32 kernel and rounds out (and dq, dk, dv) to float16; lse stays float32. Its results are
+the float32 kernel's rounded once to float16, closer to exact than float16 operands would be,
+at float32's VMEM and matmul cost (interpreted too, so the CPU tests check these numerics).
+
+Backward (FlashAttention-2), given dO = dL/dout and dlse = dL/dlse (zero unless lse is used):
+
+    delta[t] = sum_d dO[t,d] out[t,d] - dlse[t]     (d lse / d s = p, so dlse folds in here)
+    p[t,u]   = exp(s[t,u] - lse[t]) where keep, else 0      (recomputed block by block)
+    dv = p^T dO      dp = dO v^T      ds = p * (dp - delta)
+    dq = c ds k      dk = c ds^T q
+  One kernel accumulates dk, dv over query blocks; another accumulates dq over key blocks.
+
+Causal block skipping: query block i only visits key blocks that hold a key u <= t + offset for
+some row t of the block; the dk/dv kernel likewise starts at the first query block that sees its
+keys. Blocks that are entirely visible skip the mask arithmetic (GPU kernel).
+
+Padding (done in the wrapper, undone on the way out, so callers never see it):
+  * T is padded to a multiple of the query blocks, S to a multiple of the key blocks. Padded keys
+    are masked; padded query rows are computed and dropped (their dO is 0, so they add nothing
+    to dk, dv).
+  * Dh is zero-padded (zero columns change no score and give zero output columns):
+    GPU kernel to the next power of two >= 16 (Triton tiles are powers of two, `tl.dot` needs
+    >= 16); TPU kernel to a multiple of 128 (the vector lane width).
+  * A block larger than its (rounded-up) sequence shrinks to it, so short inputs are not padded
+    up to a full default block.
+
+Backends: `backend="gpu"` (grid (query blocks, B, H), fori_loop over key blocks in the kernel)
+or `backend="tpu"` (grid (B, H, query blocks, key blocks), key axis sequential, VMEM scratch
+accumulators). `backend=None` follows the platform compiled for (`jax.default_device`'s, e.g. a
+compile-only TPU device on a CPU host, else `jax.default_backend()`); on CPU it runs the GPU
+kernel (`CPU_KERNEL`) in interpret mode. Both kernels run interpreted on CPU (`interpret=True`).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from pallas_kernels import _backend
+from pallas_kernels._backend import CPU_KERNEL, KERNELS  # re-exported: in __all__
+from pallas_kernels._backend import require_platform as _require_platform
+from pallas_kernels.flash_attention.plan import BlockSizes, check_blocks, make_plan
+from pallas_kernels.flash_attention.reference import INPUT_DTYPES, attention_reference, check_inputs
+from pallas_kernels.flash_attention.vjp import flash_padded
+
+# Input dtypes the TPU kernel runs in another dtype (docstring above: Mosaic loads no float16).
+_TPU_COMPUTE_DTYPE = {jnp.dtype(jnp.float16): jnp.dtype(jnp.float32)}
+
+
+def resolve_backend(backend: str | None, interpret: bool | None) -> tuple[str, bool]:
+    """(kernel, interpret) for the arguments of `flash_attention` on this host.
+
+    None follows `jax.default_backend()`: "gpu" and "tpu" compile their own kernel; "cpu" runs
+    `CPU_KERNEL` interpreted. Any other name, or a platform with no kernel, is a ConfigError.
+    """
+    return _backend.resolve_backend(
+        backend,
+        interpret,
+        what="flash attention backend",
+        fix="pass backend='gpu' or backend='tpu', or use lmjax.ops.attention(impl='xla')",
+    )
+
+
+def flash_attention_with_lse(
+    q,
+    k,
+    v,
+    *,
+    causal: bool,
+    mask=None,
+    offset: int = 0,
+    block_sizes: BlockSizes | None = None,
+    backend: str | None = None,
+    interpret: bool | None = None,
+):
+    """(out [B, T, H, Dh], lse [B, H, T] f32); both differentiable. See the module docstring.
+
+    `mask` is a `[B, S]` key-padding mask, bool or 0/1 (1 keeps the key), as in
+    `lmjax.ops.attention`: a concrete mask with any other value is a `ShapeError` (an additive
+    mask converts with `keep = additive == 0`); a traced one is read as "nonzero keeps", so
+    under jit pass a bool mask. Causal: key u is visible to query t iff u <= t + offset
+    (`offset` a static int; a cache of S keys decoding T new queries uses offset = S - T, which
+    is negative when T > S: the first rows then see no key). Rows with no visible key: out 0,
+    lse -inf, and exactly zero gradients (dq of the row, its share of dk and dv).
+    """
+    q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+    check_inputs(q, k, v, mask, offset)
+    kernel, interpret = resolve_backend(backend, interpret)
+    sizes = _backend.block_sizes_or_default(block_sizes, BlockSizes, kernel)
+    check_blocks(sizes, kernel, interpret)
+    _require_platform(kernel, interpret)
+    plan = make_plan(
+        q.shape, k.shape, sizes, kernel, interpret, bool(causal), int(offset), mask is not None
+    )
+    kmask = None if mask is None else (jnp.asarray(mask) != 0).astype(jnp.int32)
+    compute = _compute_dtype(kernel, q.dtype)
+    q_c, k_c, v_c = (x.astype(compute) for x in (q, k, v))  # no-ops unless float16 on TPU
+    out, lse = flash_padded(plan, q_c, k_c, v_c, kmask)
+    return out.astype(q.dtype), lse
+
+
+def _compute_dtype(kernel: str, dtype) -> jnp.dtype:
+    """The dtype `kernel` computes inputs of `dtype` in: float16 on the TPU kernel runs as
+    float32 (module docstring); everything else as itself."""
+    dtype = jnp.dtype(dtype)
+    return _TPU_COMPUTE_DTYPE.get(dtype, dtype) if kernel == "tpu" else dtype
+
+
+def flash_attention(q, k, v, *, causal: bool, **options):
+    """FlashAttention-2: `out [B, T, H, Dh]`; `options` (mask, offset, block_sizes, backend,
+    interpret) and the contract as in `flash_attention_with_lse`, whose lse it drops."""
+    return flash_attention_with_lse(q, k, v, causal=causal, **options)[0]
+
+
+__all__ = [
+    "BlockSizes",
+    "CPU_KERNEL",
+    "INPUT_DTYPES",
+    "KERNELS",
+    "attention_reference",
+    "flash_attention",
+    "flash_attention_with_lse",
+    "resolve_backend",
+]

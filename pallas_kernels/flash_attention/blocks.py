@@ -1,0 +1,86 @@
+"""The block math both kernels (GPU and TPU) share: masks, the online softmax, the recomputed
+probabilities of the backward. Arrays are one block: `[Q, Dh]` query rows, `[K, Dh]` key rows,
+`[Q, K]` scores (letters as in the package docstring).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels._backend import dot as _dot
+from pallas_kernels.flash_attention.plan import LOG2E, Plan
+
+# Masked scores before the max: finite, so `m - m_new` never forms inf - inf.
+_MASKED = -1e30
+
+
+def fori(lo, hi, body, carry):
+    """fori_loop that emits nothing when the range is statically empty."""
+    if isinstance(lo, int) and isinstance(hi, int) and lo >= hi:
+        return carry
+    return lax.fori_loop(lo, hi, body, carry)
+
+
+def maybe_spec(kmask, spec):
+    """The mask's BlockSpec, or None when there is no mask (the kernel then gets None)."""
+    return None if kmask is None else spec
+
+
+def visible(plan: Plan, rows_Q1, cols_1K, kmask_1K):
+    """bool [Q, K] (or [1, K]): key u visible to query t. None when nothing is masked."""
+    keep = None
+    if kmask_1K is not None:
+        keep = kmask_1K != 0  # padded keys carry 0 in the mask already
+    elif plan.s_pad != plan.s:
+        keep = cols_1K < plan.s
+    if plan.causal:
+        causal = cols_1K <= rows_Q1 + plan.offset
+        keep = causal if keep is None else keep & causal
+    return keep
+
+
+def iota(start, shape, axis):
+    return start + lax.broadcasted_iota(jnp.int32, shape, axis)
+
+
+def online_softmax_step(carry, s_QK, keep, v_KDh):
+    """Fold one key block into (acc [Q, Dh], m [Q, 1], l [Q, 1])."""
+    acc_QDh, m_Q1, l_Q1 = carry
+    if keep is not None:
+        s_QK = jnp.where(keep, s_QK, _MASKED)
+    m_new = jnp.maximum(m_Q1, jnp.max(s_QK, axis=1, keepdims=True))
+    p_QK = jnp.exp2(s_QK - m_new)
+    if keep is not None:
+        p_QK = jnp.where(keep, p_QK, 0.0)  # a row with nothing kept yet must stay at l = 0
+    alpha = jnp.exp2(m_Q1 - m_new)
+    l_new = alpha * l_Q1 + jnp.sum(p_QK, axis=1, keepdims=True)
+    acc_QDh = alpha * acc_QDh + _dot(p_QK.astype(v_KDh.dtype), v_KDh, (1, 0))
+    return acc_QDh, m_new, l_new
+
+
+def init_carry(bq: int, d: int):
+    return (
+        jnp.zeros((bq, d), jnp.float32),
+        jnp.full((bq, 1), _MASKED, jnp.float32),
+        jnp.zeros((bq, 1), jnp.float32),
+    )
+
+
+def finish(acc_QDh, m_Q1, l_Q1):
+    """out = acc / l and the natural-log lse = (m + log2 l) ln 2 (m, l are base 2).
+
+    A row that saw no key gives out 0, lse -inf."""
+    seen = l_Q1 > 0
+    l_safe = jnp.where(seen, l_Q1, 1.0)
+    lse = (m_Q1 + jnp.log2(l_safe)) * (1.0 / LOG2E)
+    return acc_QDh / l_safe, jnp.where(seen, lse, -jnp.inf)
+
+
+def probs_and_dscores(q_QDh, k_KDh, v_KDh, do_QDh, lse2_Q1, delta_Q1, keep, scale2):
+    """Recompute p from the saved (base-2) logsumexp; ds = p * (dO v^T - delta), [Q, K] f32."""
+    p_QK = jnp.exp2(_dot(q_QDh, k_KDh, (1, 1)) * scale2 - lse2_Q1)
+    if keep is not None:
+        p_QK = jnp.where(keep, p_QK, 0.0)
+    dp_QK = _dot(do_QDh, v_KDh, (1, 1))
+    return p_QK, p_QK * (dp_QK - delta_Q1)
