@@ -75,7 +75,6 @@ _KNOWN: list[tuple[str, list[tuple[str, str]]]] = [
     (
         _LATER + ": split the file",
         [
-            ("file-lines", "lmjax/config.py"),
             ("file-lines", "lmjax/train/checkpoint.py"),
         ],
     ),
@@ -88,21 +87,12 @@ _KNOWN: list[tuple[str, list[tuple[str, str]]]] = [
     (
         _LATER + ": an lmjax import hidden in a function (a cycle or an upward import): hoist it",
         [
-            (
-                "local-import",
-                "lmjax/config.py::ParallelConfig.__post_init__ -> lmjax.parallel.mesh",
-            ),
-            ("local-import", "lmjax/config.py::RunConfig.model_config -> lmjax.models"),
-            ("local-import", "lmjax/config.py::_validate_run -> lmjax.parallel.mesh"),
-            ("local-import", "lmjax/config.py::read_yaml -> lmjax.errors"),
             ("local-import", "lmjax/ops/attention.py::_flash -> pallas_kernels.flash_attention"),
         ],
     ),
     (
         _LATER + ": a lazy third-party/stdlib import: hoist it (or allow it here, saying why)",
         [
-            ("local-import", "lmjax/config.py::_unique_key_loader -> yaml"),
-            ("local-import", "lmjax/config.py::read_yaml -> yaml"),
             ("local-import", "lmjax/tokenizers/bpe.py::BPETokenizer._engine -> tiktoken"),
             ("local-import", "lmjax/train/checkpoint.py::_ocp -> orbax.checkpoint"),
             ("local-import", "lmjax/train/metrics.py::plot_losses -> matplotlib"),
