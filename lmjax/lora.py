@@ -44,7 +44,12 @@ import jax.numpy as jnp
 from lmjax import ops
 from lmjax import params as ptree
 from lmjax.checks import is_finite_real, is_int, is_positive_int, is_real, require
+from lmjax.config import parse_value
 from lmjax.errors import ConfigError, FileFormatError, ShapeError
+from lmjax.io import safetensors
+from lmjax.models import ModelConfig, declare
+from lmjax.models.loss import Loss, loss_fn
+from lmjax.quant import nf4
 
 ALL_LINEAR = "all-linear"
 INITS = ("kaiming", "gaussian")
@@ -90,8 +95,6 @@ class LoraConfig:
     @classmethod
     def parse(cls, text: str, base: LoraConfig | None = None) -> LoraConfig:
         """`"r=8,alpha=16,targets=*.query|*.value,rslora=true"` over `base` (default fields)."""
-        from lmjax.config import parse_value
-
         if not isinstance(text, str):
             raise ConfigError.describe(
                 "--lora", text, "a string such as 'r=8,alpha=16'", "pass the spec as one string"
@@ -157,8 +160,6 @@ def linear_layers(params_or_cfg) -> dict[str, tuple[int, int]]:
     Accepts a `ModelConfig` (names from `declare`) or a parameter tree (float or quantized
     weights: anything with a 2-D `.shape`).
     """
-    from lmjax.models import ModelConfig, declare
-
     if isinstance(params_or_cfg, ModelConfig):
         shapes = {name: spec.shape for name, spec in declare(params_or_cfg).items()}
     else:
@@ -339,15 +340,13 @@ def _check_fits(name: str, a, b, weight_shape: tuple[int, ...]) -> None:
 
 
 def objective(cfg, lcfg: LoraConfig):
-    """The train-step objective (`lmjax.train.step.Loss`) of LoRA fine-tuning:
+    """The train-step objective (`lmjax.models.loss.Loss`) of LoRA fine-tuning:
 
         loss(adapters; base) = CE(forward(attach(base, adapters), x), y)
 
     differentiated with respect to the adapters only; the base model is the step's `frozen`
     argument. The step's dropout key is split between the model's dropout and the adapters'.
     """
-    from lmjax.train.step import Loss, loss_fn
-
     def fn(adapters, base, inputs_BT, targets_BT, key):
         model_key = adapter_key = None
         if key is not None:
@@ -368,9 +367,7 @@ def delta(a: jax.Array, b: jax.Array, scale: float) -> jax.Array:
 
 
 def _dense(weight) -> jax.Array:
-    if hasattr(weight, "packed"):  # an NF4 QuantizedWeight: merging needs the float weight
-        from lmjax.quant import nf4
-
+    if isinstance(weight, nf4.QuantizedWeight):  # merging needs the float weight
         return nf4.dequantize(weight)
     return weight
 
@@ -406,8 +403,6 @@ def unmerge(params: dict, adapters: dict, lcfg: LoraConfig) -> dict:
 
 def save_adapters(path: str | os.PathLike, adapters: dict, lcfg: LoraConfig) -> None:
     """One safetensors file: the adapter tensors, and the `LoraConfig` in its metadata."""
-    from lmjax.io import safetensors
-
     adapter_layers(adapters)
     meta = {"format": "lmjax-lora", "lora": json.dumps(lcfg.to_dict())}
     safetensors.save(adapters, path, metadata=meta)
@@ -416,8 +411,6 @@ def save_adapters(path: str | os.PathLike, adapters: dict, lcfg: LoraConfig) -> 
 def load_adapters(path: str | os.PathLike, expected=None) -> tuple[dict, LoraConfig]:
     """`(adapters, lcfg)` from `save_adapters`' file; `expected` (an adapter tree or its
     `jax.eval_shape`) is checked name by name when given."""
-    from lmjax.io import safetensors
-
     meta = safetensors.metadata(path)
     if meta.get("format") != "lmjax-lora" or "lora" not in meta:
         raise FileFormatError.describe(

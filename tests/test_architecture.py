@@ -93,7 +93,6 @@ _KNOWN: list[tuple[str, list[tuple[str, str]]]] = [
     (
         _LATER + ": a lazy third-party/stdlib import: hoist it (or allow it here, saying why)",
         [
-            ("local-import", "lmjax/tokenizers/bpe.py::BPETokenizer._engine -> tiktoken"),
             ("local-import", "lmjax/train/checkpoint.py::_ocp -> orbax.checkpoint"),
             ("local-import", "lmjax/train/metrics.py::plot_losses -> matplotlib"),
             ("local-import", "lmjax/train/metrics.py::plot_losses -> matplotlib.figure"),

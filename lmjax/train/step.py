@@ -14,15 +14,15 @@ caller where the run failed.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from lmjax import models, ops
+from lmjax import models
 from lmjax.models import ModelConfig
+from lmjax.models.loss import Loss, loss_fn  # re-exported: they sit below lora, which uses them
 
 
 class TrainState(NamedTuple):
@@ -44,21 +44,6 @@ def init_state(
     return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), dropout_key)
 
 
-def loss_fn(params: dict, inputs_BT, targets_BT, cfg: ModelConfig, dropout_key=None):
-    """Mean next-token cross-entropy of one (micro-)batch.
-
-    With the custom ops and a plain (weight, bias) head, the head and the loss are one op,
-    `ops.linear_cross_entropy`: no [B, T, V] logits are stored, and the head's gradient is
-    formed chunk by chunk in the forward pass (measured ~8% less CPU time per step on the
-    benchmark config). Otherwise (reference ops, an adapted head): forward, then cross_entropy.
-    """
-    if cfg.ops == "custom" and set(models.head_params(params, cfg)) <= {"weight", "bias"}:
-        p, x_BTD = models.features(params, inputs_BT, cfg, dropout_key=dropout_key)
-        return ops.linear_cross_entropy(models.head_params(p, cfg), x_BTD, targets_BT)
-    logits_BTV = models.forward(params, inputs_BT, cfg, dropout_key=dropout_key)
-    return ops.cross_entropy(logits_BTV, targets_BT)
-
-
 def model_loss(cfg: ModelConfig) -> Loss:
     """The default objective: `loss_fn` of every model parameter (nothing frozen)."""
 
@@ -67,18 +52,6 @@ def model_loss(cfg: ModelConfig) -> Loss:
         return loss_fn(params, inputs_BT, targets_BT, cfg, dropout_key)
 
     return Loss(loss, uses_key=cfg.dropout > 0.0)
-
-
-class Loss(NamedTuple):
-    """What a train step differentiates: `fn(params, frozen, inputs_BT, targets_BT, key)`.
-
-    `params` are the trained leaves (the state's), `frozen` an argument that is neither
-    differentiated nor updated (LoRA's base model; None for full training). `key` is a dropout
-    key when `uses_key`, else None.
-    """
-
-    fn: Callable
-    uses_key: bool
 
 
 def _mean_loss_and_grads(loss: Loss, params, frozen, inputs_ABT, targets_ABT, key):
