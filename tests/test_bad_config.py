@@ -395,6 +395,12 @@ def _write(tmp_path, text: str):
         ("model: {preset: gpt}\n? [a, b]\n: 1\n", ConfigError, "config key = ['a', 'b']"),
         ("model: {preset: [gpt]}\n", ConfigError, "model.preset = ['gpt']"),
         ("model: {preset: gpt, dtype: {a: b}}\n", ConfigError, "model.dtype = {'a': 'b'}"),
+        # An int past float's range for a float field: float() raised OverflowError.
+        (
+            "model: {preset: gpt}\noptimizer: {lr: 1" + "0" * 400 + "}\n",
+            ConfigError,
+            "optimizer.lr = ",
+        ),
         # A YAML merge was refused as unparseable; own keys still may not repeat.
         (
             "model: {preset: gpt}\ntrain: {<<: {steps: 3}, steps: 4, steps: 5}\n",

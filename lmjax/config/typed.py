@@ -9,12 +9,11 @@ unions of them with None. Ints are accepted for floats (`lr: 1`) and lists for t
 
 from __future__ import annotations
 
-import math
 import types
 import typing
 from typing import Any
 
-from lmjax.checks import is_int, is_real, require
+from lmjax.checks import is_finite_real, is_int, is_real, require
 from lmjax.config.overrides import parse_value
 from lmjax.errors import ConfigError
 
@@ -61,7 +60,7 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
             require(low <= value < high, where, value, "an int in [-2**31, 2**31)", "lower it")
             return int(value)
         if option is float and is_real(value):
-            return _finite(float(value), where, value)
+            return _finite(value, where, value)
         if option is float and isinstance(value, str) and isinstance(parse_value(value), float):
             return _finite(parse_value(value), where, value)  # YAML 1.1 reads `1e-2` as a string
         if option is str and isinstance(value, str):
@@ -76,10 +75,11 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
     raise ConfigError.describe(where, value, _type_name(hint), "write a value of that type")
 
 
-def _finite(number: float, where: str, value: Any) -> float:
-    """No field means anything by inf or NaN (`1e999` reads as inf): null switches options off."""
-    require(math.isfinite(number), where, value, "a finite number", "write a finite value")
-    return number
+def _finite(number: Any, where: str, value: Any) -> float:
+    """No field means anything by inf or NaN (`1e999` reads as inf): null switches options off.
+    An int past float's range (`1` and 400 zeros) is not finite either: float() overflows."""
+    require(is_finite_real(number), where, value, "a finite number", "write a finite value")
+    return float(number)
 
 
 def _type_name(hint: Any) -> str:
