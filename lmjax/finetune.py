@@ -35,83 +35,34 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import yaml
 
 from lmjax import lora
 from lmjax.checks import require
 from lmjax.config import RunConfig, parse_run_overrides, read_yaml
-from lmjax.errors import CheckpointError, ConfigError, TokenError
+from lmjax.errors import ConfigError, TokenError
 from lmjax.lora import LoraConfig
+from lmjax.models import abstract_params
 from lmjax.models.summary import human_bytes
+from lmjax.quant.params import quantize_params, weight_bytes
+from lmjax.train import data as D
+from lmjax.train import loop
+from lmjax.train.finetuned import FinetuneSpec, fingerprint, frozen_params, read_spec
+from lmjax.train.metrics import lora_flops_per_token
+from lmjax.train.rundir import ADAPTERS_FILE, FINETUNE_FILE, MERGED_DIR, RunDir
+from lmjax.train.runs import LoadedRun, load_finetuned, load_run, write_weights_run
 
-SPEC_FILE = "finetune.yaml"
-ADAPTERS_FILE = "adapters.safetensors"
-MERGED_DIR = "merged"
+SPEC_FILE = FINETUNE_FILE  # the names callers know (cli prints ADAPTERS_FILE and MERGED_DIR)
 MODEL_FIELDS = ("dropout", "dtype", "remat", "attention", "ops")  # what a fine-tune may change
 
 
-@dataclasses.dataclass(frozen=True)
-class FinetuneSpec:
-    base: str  # the base run as given
-    base_path: str  # ... resolved (absolute, symlinks followed) when the fine-tune started
-    qlora: bool
-    lora: LoraConfig
-    base_step: int | None = None  # the base checkpoint's step (None: a weights-only run)
-    base_sha256: str | None = None  # `fingerprint` of the base's parameters
-
-    def to_dict(self) -> dict[str, Any]:
-        section = {"base": self.base, "base_path": self.base_path, "qlora": self.qlora}
-        section |= {"base_step": self.base_step, "base_sha256": self.base_sha256}
-        return {"finetune": section, "lora": self.lora.to_dict()}
-
-    @classmethod
-    def from_dict(cls, data: Any, where: str) -> FinetuneSpec:
-        try:
-            f = data["finetune"]
-            lcfg = LoraConfig.from_dict(data["lora"])
-            step, sha = f.get("base_step"), f.get("base_sha256")
-            return cls(f["base"], f["base_path"], f["qlora"], lcfg, step, sha)
-        except (KeyError, TypeError, AttributeError):
-            raise CheckpointError.describe(
-                where,
-                "incomplete",
-                "finetune: {base, base_path, qlora, ...} and lora: {...}",
-                "restore the file (lmjax finetune writes it) or start a new run",
-            ) from None
-
-
-def fingerprint(params) -> str:
-    """sha256 over the parameters' names, dtypes, shapes and bytes: the base's identity, however
-    its path is spelled (relative, through a symlink, moved)."""
-    import hashlib
-
-    import numpy as np
-
-    from lmjax import params as P
-
-    digest = hashlib.sha256()
-    for name, leaf in P.flatten(params).items():
-        array = np.asarray(jax.device_get(leaf))
-        digest.update(f"{name}:{array.dtype.str}:{array.shape};".encode())
-        digest.update(np.ascontiguousarray(array).tobytes())
-    return digest.hexdigest()
-
-
 def load_config(
-    path,
-    overrides=(),
-    lora_text: str | None = None,
-    qlora: bool | None = None,
-    *,
-    weights: bool = True,
+    path, overrides=(), lora_text: str | None = None, qlora: bool | None = None, *, weights=True
 ) -> tuple[RunConfig, FinetuneSpec, Any]:
     """`(run config with the base's model, spec, the loaded base run)`; nothing is written.
 
     `weights=False` (`lmjax inspect`) reads only the base's config: the run's `params` are None
     and the spec has no `base_sha256`.
     """
-    from lmjax.train.runs import load_run
-
     data = read_yaml(path)
     if not isinstance(data, dict):
         raise ConfigError.describe("config", data, "a mapping of sections", "see configs/")
@@ -171,9 +122,7 @@ def load_config(
 def _check_base_step(base: str, base_run) -> None:
     """`RUN/checkpoints/STEP` must name a checkpoint the base has: a weights-only run (import-hf,
     merged/) has none, and `load_run` would hand back its weights whatever STEP said."""
-    from lmjax.train.runs import split_run_path
-
-    step = split_run_path(base)[1]
+    step = RunDir.parse(base)[1]
     if step is not None and base_run.step != step:
         raise ConfigError.describe(
             "finetune.base",
@@ -185,9 +134,8 @@ def _check_base_step(base: str, base_run) -> None:
 
 
 def _base_config_only(base: str):
-    from lmjax.train.runs import LoadedRun, read_config, split_run_path
-
-    run_dir, step = split_run_path(base)
+    run, step = RunDir.parse(base)
+    run_dir = run.path
     if step is not None and not Path(base).is_dir():
         raise ConfigError.describe(
             "finetune.base",
@@ -195,7 +143,7 @@ def _base_config_only(base: str):
             f"a checkpoint directory of {run_dir}",
             f"check the step (ls {run_dir / 'checkpoints'}), or set finetune.base={run_dir}",
         )
-    cfg = read_config(run_dir)
+    cfg = run.read_config()
     return LoadedRun(run_dir, cfg, cfg.model_config(), None, None, step)
 
 
@@ -249,10 +197,8 @@ def _require_tokenizer(base_run) -> None:
 def with_base_tokenized_data(cfg: RunConfig, base_run) -> RunConfig:
     """`cfg` with `data.dir` set to the corpus encoded by the base's own tokenizer (prepared once
     and cached like any data directory), so a char or BPE base fine-tunes on another corpus."""
-    from lmjax.train import data as D
-
     _require_tokenizer(base_run)
-    tok_dir = base_run.directory / "tokenizer"
+    tok_dir = RunDir(base_run.directory).tokenizer_dir
     try:
         out = D.prepare_section(cfg.data, cfg.logging.progress, tokenizer_dir=tok_dir)
     except TokenError as err:
@@ -281,59 +227,39 @@ def check_tokenizer(prepared, base_run) -> None:
         raise ConfigError.describe(
             "data tokenizer",
             f"{prepared.tokenizer.kind} of {prepared.directory}",
-            f"the base run's tokenizer ({base_run.directory / 'tokenizer'})",
+            f"the base run's tokenizer ({RunDir(base_run.directory).tokenizer_dir})",
             "fine-tune on data the base's tokenizer makes: byte and gpt2 work on any corpus; "
             "char and bpe vocabularies are built from the corpus, so only a corpus giving the "
             "same characters (char) or the base's own corpus (bpe) matches",
         )
 
 
-def frozen_params(base_params: dict, qlora: bool) -> dict:
-    """The frozen base: the float parameters, or with linear weights in NF4 for QLoRA."""
-    if not qlora:
-        return base_params
-    from lmjax.quant.params import quantize_params
-
-    return quantize_params(base_params)
-
-
 def trainable(cfg: RunConfig, spec: FinetuneSpec, frozen: dict):
     """The loop's `Trainable` for LoRA over `frozen`."""
-    from lmjax.train.loop import Trainable
-    from lmjax.train.metrics import lora_flops_per_token
-
     model, lcfg = cfg.model_config(), spec.lora
     init = lambda key: lora.init(key, frozen, lcfg)  # noqa: E731
     shapes = lora.adapter_shapes(jax.eval_shape(init, jax.random.PRNGKey(0)))
-    return Trainable(
+    return loop.Trainable(
         init_params=init,
         flops_per_token=lambda model_cfg, seq_len: lora_flops_per_token(model_cfg, seq_len, shapes),
         loss=lora.objective(model, lcfg),
         frozen=frozen,
         model_params=lambda adapters: lora.attach(frozen, adapters, lcfg),
         meta={"finetune": spec.to_dict()},
-        files={SPEC_FILE: yaml.safe_dump(spec.to_dict(), sort_keys=False)},
+        files={FINETUNE_FILE: spec.to_yaml()},
     )
 
 
-def finetune(
-    path,
-    overrides=(),
-    *,
-    lora_text: str | None = None,
-    qlora: bool | None = None,
-    resume: bool = False,
-    out=sys.stderr,
-):
-    """Run (or resume) a fine-tune as configured; see the module docstring."""
-    from lmjax.train import loop
-
+def finetune(path, overrides=(), *, lora_text=None, qlora=None, resume=False, out=sys.stderr):
+    """Run (or resume) a fine-tune as configured; see the module docstring. `lora_text`:
+    `--lora` fields over the config's; `qlora`: True/False over `finetune.qlora` (None: keep)."""
     cfg, spec, base_run = load_config(path, overrides, lora_text, qlora)
-    run_dir = Path(cfg.run.dir) if cfg.run.dir else loop.default_run_dir(str(path))
+    run = RunDir.for_config(cfg, str(path))
+    run_dir = run.path
     if resume:
-        _check_same_spec(run_dir, spec)
+        _check_same_spec(run, spec)
     else:  # the loop checks too, but after the data is prepared (and cached)
-        loop._check_run_dir(run_dir, resume)
+        run.check_writable(resume)
     # Before the data is prepared (and cached): a base NF4 can't hold fails with nothing written.
     frozen = frozen_params(base_run.params, spec.qlora)
     cfg = with_base_tokenized_data(cfg, base_run)
@@ -343,21 +269,16 @@ def finetune(
         cfg, config_path=str(path), resume=resume, out=out, trainable=trainable(cfg, spec, frozen)
     )
     adapters = result.params
-    lora.save_adapters(run_dir / ADAPTERS_FILE, adapters, spec.lora)
+    lora.save_adapters(run.adapters_file, adapters, spec.lora)
     _write_merged(run_dir, lora.merge(frozen, adapters, spec.lora), base_run)
     return result
 
 
-def _check_same_spec(run_dir: Path, spec: FinetuneSpec) -> None:
-    where = run_dir / SPEC_FILE
-    if not where.is_file():
-        raise ConfigError.describe(
-            "run directory to resume",
-            str(run_dir),
-            f"a fine-tune run (with {SPEC_FILE})",
-            "check run.dir, or drop --resume to start a new fine-tune",
-        )
-    saved = FinetuneSpec.from_dict(yaml.safe_load(where.read_text(encoding="utf-8")), str(where))
+def _check_same_spec(run: RunDir, spec: FinetuneSpec) -> None:
+    fix = "check run.dir, or drop --resume to start a new fine-tune"
+    expected = f"a fine-tune run (with {FINETUNE_FILE})"
+    require(run.is_finetune(), "run directory to resume", str(run.path), expected, fix)
+    saved = read_spec(run)
     # The base is compared by content: the same weights may be named by another path.
     if saved.base_sha256 is not None and saved.base_sha256 != spec.base_sha256:
         raise ConfigError.describe(
@@ -380,9 +301,7 @@ def _check_same_spec(run_dir: Path, spec: FinetuneSpec) -> None:
 
 
 def _write_merged(run_dir: Path, params: dict, base_run) -> None:
-    from lmjax.train.runs import write_weights_run
-
-    target = run_dir / MERGED_DIR
+    target = RunDir(run_dir).merged_dir
     params = jax.tree.map(lambda a: a.astype(base_run.model.params_dtype), params)
     tmp = run_dir / f".{MERGED_DIR}.new"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -390,56 +309,6 @@ def _write_merged(run_dir: Path, params: dict, base_run) -> None:
     write_weights_run(tmp, params, base_run.model, base_run.tokenizer, kind)
     shutil.rmtree(target, ignore_errors=True)
     tmp.rename(target)
-
-
-def load_finetuned(run_dir: Path, cfg: RunConfig, step: int | None):
-    """`(merged params, step)` of a fine-tune run's checkpoint (`lmjax.train.load_run`)."""
-    from lmjax.train import optim
-    from lmjax.train.checkpoint import Checkpoints, check_same_model
-    from lmjax.train.step import init_state
-
-    where = run_dir / SPEC_FILE
-    spec = FinetuneSpec.from_dict(yaml.safe_load(where.read_text(encoding="utf-8")), str(where))
-    base_run = _load_base(spec, where)
-    frozen = frozen_params(base_run.params, spec.qlora)
-    model = cfg.model_config()
-    tx, _ = optim.from_config(cfg)
-    ckpt = Checkpoints(run_dir / "checkpoints", create=False)
-    init = lambda key: lora.init(key, frozen, spec.lora)  # noqa: E731
-    abstract = jax.eval_shape(lambda: init_state(jax.random.PRNGKey(0), model, tx, init))
-    check_same_model(ckpt.read_meta(step), model, ckpt.directory)
-    state = ckpt.restore(abstract, step)
-    return lora.merge(frozen, state.params, spec.lora), int(state.step)
-
-
-def _load_base(spec: FinetuneSpec, where: Path):
-    """The base the fine-tune trained on: its path and step, checked by content."""
-    from lmjax.errors import LMJaxError
-    from lmjax.train.runs import load_run
-
-    merged = where.parent / MERGED_DIR
-    fix = (
-        f"restore it, or set finetune.base_path in {where} to where it is now; "
-        f"{merged} holds the merged model without the base"
-    )
-    try:
-        base_run = load_run(spec.base_path, spec.base_step)
-    except LMJaxError as err:
-        raise CheckpointError.describe(
-            "fine-tune base",
-            f"{spec.base_path} (step {spec.base_step})",
-            f"the base run this fine-tune trained on ({type(err).__name__}: {err})",
-            fix,
-        ) from None
-    if spec.base_sha256 is not None and fingerprint(base_run.params) != spec.base_sha256:
-        raise CheckpointError.describe(
-            "fine-tune base",
-            f"{spec.base_path} (step {spec.base_step})",
-            f"the weights the adapters were trained on (sha256 {spec.base_sha256[:12]}); "
-            "that base has changed",
-            fix,
-        )
-    return base_run
 
 
 # ---- memory --------------------------------------------------------------------------------------
@@ -453,8 +322,6 @@ def memory(model, lcfg: LoraConfig, qlora: bool, tx) -> dict[str, int]:
     `frozen_nf4` / `frozen_nf4_as_float` / `nf4_weights` (the quantized part, as stored and as
     it would be in the base dtype, and its weight count), `adapter_params` (a count), `total`.
     """
-    from lmjax.models import abstract_params
-
     base = abstract_params(model)
     adapters = jax.eval_shape(lambda: lora.init(jax.random.PRNGKey(0), model, lcfg))
     opt = jax.eval_shape(tx.init, adapters)
@@ -462,8 +329,6 @@ def memory(model, lcfg: LoraConfig, qlora: bool, tx) -> dict[str, int]:
     out = {"params": nbytes(adapters), "gradients": nbytes(adapters), "optimizer": nbytes(opt)}
     out |= {"frozen": nbytes(base), "frozen_nf4": 0, "frozen_nf4_as_float": 0, "nf4_weights": 0}
     if qlora:
-        from lmjax.quant.params import quantize_params, weight_bytes
-
         counts = weight_bytes(jax.eval_shape(quantize_params, base))
         out |= {
             "frozen": counts["total"],
@@ -497,3 +362,22 @@ def format_memory(mem: dict[str, int], lcfg: LoraConfig, qlora: bool, optimizer:
             f"({bits:.3f} bits each; {human_bytes(mem['frozen_nf4_as_float'])} unquantized)"
         )
     return "\n".join(lines)
+
+
+__all__ = [
+    "ADAPTERS_FILE",
+    "MERGED_DIR",
+    "MODEL_FIELDS",
+    "SPEC_FILE",
+    "FinetuneSpec",
+    "check_tokenizer",
+    "fingerprint",
+    "finetune",
+    "format_memory",
+    "frozen_params",
+    "load_config",
+    "load_finetuned",
+    "memory",
+    "trainable",
+    "with_base_tokenized_data",
+]

@@ -67,12 +67,6 @@ _KNOWN: list[tuple[str, list[tuple[str, str]]]] = [
         ],
     ),
     (
-        _LATER
-        + ": the kernel will own its plain-jnp reference; models/ chooses the attention impl",
-        [
-        ],
-    ),
-    (
         _LATER + ": split the file",
         [
             ("file-lines", "lmjax/train/checkpoint.py"),
@@ -87,7 +81,6 @@ _KNOWN: list[tuple[str, list[tuple[str, str]]]] = [
     (
         _LATER + ": an lmjax import hidden in a function (a cycle or an upward import): hoist it",
         [
-            ("local-import", "lmjax/ops/attention.py::_flash -> pallas_kernels.flash_attention"),
         ],
     ),
     (
@@ -96,17 +89,6 @@ _KNOWN: list[tuple[str, list[tuple[str, str]]]] = [
             ("local-import", "lmjax/train/checkpoint.py::_ocp -> orbax.checkpoint"),
             ("local-import", "lmjax/train/metrics.py::plot_losses -> matplotlib"),
             ("local-import", "lmjax/train/metrics.py::plot_losses -> matplotlib.figure"),
-        ],
-    ),
-    (
-        _LATER + ": primitives stay (params, x) -> y: models/ chooses dense / NF4 / LoRA / Pallas",
-        [
-            ("ops-imports", "lmjax.ops.attention -> pallas_kernels.flash_attention"),
-        ],
-    ),
-    (
-        _LATER + ": ops._common used outside ops: make what it shares public",
-        [
         ],
     ),
     (

@@ -19,6 +19,7 @@ import pytest
 
 from lmjax import cli, train
 from lmjax.train.checkpoint import Checkpoints
+from lmjax.train.progress import MetricsWindow
 
 STEPS, LOG_EVERY, EVAL_EVERY, CKPT_EVERY, KEEP = 2400, 50, 400, 200, 3
 WARM = 800  # RSS is compared from here: two evaluations and four saves have run
@@ -65,13 +66,13 @@ def test_soak_thousands_of_steps(tmp_path, monkeypatch):
     run = tmp_path / "soak"
 
     samples: list[tuple[int, int]] = []  # (step, RSS) after each logged window, in the loop
-    log_window = train.loop._Trainer._log_window
+    flush = MetricsWindow.flush
 
-    def sampled(self, pending, window_start, state_step, bar):
-        log_window(self, pending, window_start, state_step, bar)
+    def sampled(self, state_step):
+        flush(self, state_step)
         samples.append((state_step, rss_bytes()))
 
-    monkeypatch.setattr(train.loop._Trainer, "_log_window", sampled)
+    monkeypatch.setattr(MetricsWindow, "flush", sampled)
     start = time.perf_counter()
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         code = cli.main(["train", str(tmp_path / "soak.yaml"), f"run.dir={run}"])

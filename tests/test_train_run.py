@@ -429,7 +429,7 @@ def test_eval_and_generate_flags(workspace, straight, monkeypatch, capsys):
 def test_truncating_samples_keeps_earlier_steps(tmp_path):
     path = tmp_path / "samples.txt"
     path.write_text("===== step 4 =====\nab\n\n===== step 8 =====\ncd\n\n===== step 12 =====\nx\n")
-    train.loop._truncate_samples(path, 8)
+    train.sampling.truncate_samples(path, 8)
     assert path.read_text() == "===== step 4 =====\nab\n\n===== step 8 =====\ncd\n\n"
 
 

@@ -13,12 +13,14 @@ Command line: `lmjax prepare`, `lmjax train CONFIG`, `lmjax eval RUN`.
 from lmjax.train import data, optim
 from lmjax.train.checkpoint import Checkpoints
 from lmjax.train.loop import RunResult, evaluate, prepare_data, sample_text, train
+from lmjax.train.rundir import RunDir
 from lmjax.train.runs import LoadedRun, load_run
 from lmjax.train.step import TrainState, init_state, loss_fn, make_eval_step, make_train_step
 
 __all__ = [
     "Checkpoints",
     "LoadedRun",
+    "RunDir",
     "RunResult",
     "TrainState",
     "data",

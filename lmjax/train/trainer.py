@@ -1,0 +1,264 @@
+"""The training loop over a `Plan`: a small trainer holding the state and the jitted step.
+
+    for step in start .. train.steps - 1:
+        state, metrics = train_step(state, batch(seed, step), frozen)
+        every logging.every steps           -> metrics.jsonl (`MetricsWindow`)
+        every checkpoint.every steps, last  -> checkpoints/<step>/
+        every train.eval_every steps, last  -> val_loss (`Evaluator`), samples.txt (`Sampler`)
+
+Checkpointing comes before evaluation: an evaluation that fails must not cost the training
+behind it. The batches are a function of (seed, step) and the dropout keys of (key, step), so a
+resumed run redoes nothing and skips nothing. Ctrl-C records and checkpoints the steps done so
+far when they are whole and healthy (a step interrupted midway has donated its input), then
+re-raises; a lost peer's collective ends the process with one line (`parallel.multihost`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from lmjax import parallel
+from lmjax.errors import NonFiniteError
+from lmjax.train import data as D
+from lmjax.train.checkpoint import check_same_model
+from lmjax.train.evaluate import Evaluator
+from lmjax.train.metrics import MetricsLog, plot_losses
+from lmjax.train.plan import Plan
+from lmjax.train.progress import MetricsWindow, progress_bar
+from lmjax.train.sampling import Sampler, truncate_samples
+from lmjax.train.step import TrainState, init_state
+
+
+@dataclasses.dataclass
+class RunResult:
+    run_dir: Path
+    step: int
+    val_loss: float | None
+    sample: str | None
+    params: Any = None  # the trained parameters (the adapters of a fine-tune) at `step`
+
+
+def _identity(params):
+    return params
+
+
+@dataclasses.dataclass(frozen=True)
+class Trainable:
+    """What the loop trains. The default: every model parameter. A fine-tune (`lmjax.finetune`)
+    trains `init_params(key)`'s leaves (LoRA adapters) with its `loss`, passes `frozen` (the
+    base model) to every step, and evaluates and samples `model_params(trained)`."""
+
+    init_params: Any = None  # key -> trained params; None: models.init
+    loss: Any = None  # a lmjax.train.step.Loss; None: the model loss
+    frozen: Any = None  # the step's frozen argument: never donated, differentiated or updated
+    model_params: Any = _identity  # trained params -> the tree forward / generate take
+    meta: dict = dataclasses.field(default_factory=dict)  # added to every checkpoint's meta
+    # (model cfg, seq_len) -> FLOPs per trained token for MFU; None: metrics.flops_per_token
+    flops_per_token: Any = None
+    files: dict = dataclasses.field(default_factory=dict)  # {name: text} beside config.yaml
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """The jitted train step and what it was built for: `tx` (the optimizer), and on a mesh the
+    `mesh` and the `TrainState` of `NamedSharding`s (else both None)."""
+
+    fn: Callable
+    tx: Any
+    mesh: Any = None
+    shardings: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Pieces:
+    """What the trainer calls besides the step: evaluation, sampling, metrics (FLOPs per step
+    and the peak for MFU)."""
+
+    evaluate: Evaluator
+    sample: Sampler
+    flops_per_step: float
+    peak_flops: float
+
+
+class Trainer:
+    """`Trainer(plan, trainable, step, pieces, out).run(publish)`: see the module docstring."""
+
+    def __init__(self, plan: Plan, trainable: Trainable, step: Step, pieces: Pieces, out):
+        self.plan, self.trainable, self.step, self.pieces, self.out = (
+            plan,
+            trainable,
+            step,
+            pieces,
+            out,
+        )
+        self.ckpt = plan.run.checkpoints(keep=plan.cfg.checkpoint.keep)
+        self.log = MetricsLog(plan.run.metrics_file)
+        self.state: TrainState | None = None
+
+    # ---- the state ---------------------------------------------------------------------------
+
+    def initial_state(self) -> TrainState:
+        """The newest complete checkpoint's state (resuming), else a fresh one."""
+        key = jax.random.PRNGKey(self.plan.cfg.train.seed)
+        model, tx, init = self.plan.model, self.step.tx, self.trainable.init_params
+        if self.plan.resume and self.ckpt.latest_step() is not None:
+            return self._restore(jax.eval_shape(lambda: init_state(key, model, tx, init)))
+        self._rewind(0)
+        if self.step.shardings is None:
+            state = init_state(key, model, tx, init)
+            # Committed to its device, as the step's outputs are once any argument is (a frozen
+            # base restored from a checkpoint): a fresh state is uncommitted, so step 2's
+            # arguments would be placed unlike step 1's and jit would compile the step again.
+            device = next(iter(jax.tree.leaves(state)[0].devices()))
+            return jax.device_put(state, device)
+        # Initialized directly into its shards: no device ever holds the whole state.
+        sharded = jax.jit(init_state, static_argnums=(1, 2), out_shardings=self.step.shardings)
+        return sharded(key, model, tx)
+
+    def _restore(self, abstract) -> TrainState:
+        if self.step.shardings is not None:
+            abstract = jax.tree.map(
+                lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                abstract,
+                self.step.shardings,
+            )
+        model = self.plan.model
+        state, moved = self.ckpt.restore_complete(
+            abstract, lambda meta, where: check_same_model(meta, model, where)
+        )
+        for step, err, name in moved if parallel.is_main() else ():
+            self._note(
+                f"lmjax: checkpoint step {step} is damaged ({err}); moved it to "
+                f"{self.ckpt.directory / name} and resumed from step {int(state.step)}"
+            )
+        self._rewind(int(state.step))
+        return state
+
+    def _rewind(self, step: int) -> None:
+        """Drop the metrics and samples of steps after `step`: the run writes them again."""
+        if parallel.is_main():
+            self.log.truncate_after(step)
+            truncate_samples(self.plan.run.samples_file, step)
+
+    def _note(self, text: str) -> None:
+        print(text, file=self.out)
+
+    # ---- the run -----------------------------------------------------------------------------
+
+    def run(self, publish: Callable[[], None] = lambda: None) -> RunResult:
+        """Train to `train.steps`; `publish()` writes the run's files once the state is in hand
+        (a resume its checkpoint refuses leaves config.yaml as it was)."""
+        t = self.plan.cfg.train
+        self.state = self.initial_state()
+        publish()
+        for name in self.ckpt.remove_temporary() if parallel.is_main() else ():
+            # What a save killed midway left: never listed, never resumed from.
+            self._note(
+                f"lmjax: removed the half-written checkpoint {name} (a save that never finished)"
+            )
+        start = int(self.state.step)
+        bar = progress_bar(start, t.steps, self.plan.cfg.logging.progress, self.out)
+        p, tokens = self.pieces, self.plan.tokens_per_step
+        latest = self.ckpt.latest_step
+        window = MetricsWindow(self.log, bar, tokens, p.flops_per_step, p.peak_flops, latest)
+        try:
+            val_loss, sample = self._loop(start, window)
+        except KeyboardInterrupt:
+            bar.close()
+            self._save_on_interrupt(window)
+            raise
+        except Exception as err:  # a dead peer's collective: one line, exit 75 (multihost)
+            parallel.multihost.exit_if_peer_lost(err)
+            raise
+        bar.close()
+        if start >= t.steps and val_loss is None:
+            val_loss = self.pieces.evaluate(self.state.params)
+        params = self.state.params
+        return RunResult(self.plan.run.path, int(self.state.step), val_loss, sample, params)
+
+    def _loop(self, start: int, window: MetricsWindow) -> tuple[float | None, str | None]:
+        cfg = self.plan.cfg
+        t, val_loss, sample = cfg.train, None, None
+        window.restart()
+        for step in range(start, t.steps):
+            batch = {**self._batch(step), "step": np.int32(step)}
+            self.state, metrics = self.step.fn(self.state, batch, self.trainable.frozen)
+            done = step + 1
+            window.add(done, metrics, first=step == start)
+            if done % cfg.logging.every == 0 or done == t.steps or _due(done, cfg):
+                window.flush(int(self.state.step))
+            if done % cfg.checkpoint.every == 0 or done == t.steps:
+                self.ckpt.save(self.state, self._meta(done))
+                window.restart()
+            if done % t.eval_every == 0 or done == t.steps:
+                val_loss, sample = self._evaluate(done)
+                window.restart()
+        return val_loss, sample
+
+    def _batch(self, step: int) -> dict:
+        t, seq_len = self.plan.cfg.train, self.plan.cfg.seq_len
+        vocab, tokens = self.plan.model.vocab_size, self.plan.data.train
+
+        def read(rows):  # positional: tests wrap D.train_batch(tokens, seed, step, *rest)
+            return D.train_batch(
+                tokens, t.seed, step, t.batch_size, seq_len, t.grad_accum, rows, vocab
+            )
+
+        if self.step.mesh is None:
+            return read(None)
+        # Each host reads only the rows its devices hold (lmjax.parallel.multihost).
+        shape = (t.grad_accum, t.batch_size // t.grad_accum, seq_len)
+        sharding = parallel.batch_sharding(self.step.mesh, 3, batch_dim=1)
+        return parallel.host_batch(read, shape, sharding)
+
+    def _evaluate(self, step: int) -> tuple[float, str | None]:
+        params = self.state.params
+        val_loss = self.pieces.evaluate(params)
+        if parallel.is_main():
+            perplexity = math.exp(min(val_loss, 700))
+            self.log.append({"step": step, "val_loss": val_loss, "val_perplexity": perplexity})
+        sample = self.pieces.sample(params, step)
+        if self.plan.cfg.logging.plot and parallel.is_main():
+            run = self.plan.run
+            plot_losses(self.log.read(), run.plot_file, title=str(run.path))
+        return val_loss, sample
+
+    def _save_on_interrupt(self, window: MetricsWindow) -> None:
+        """Ctrl-C: log and checkpoint the steps done so far, if they are healthy and whole."""
+        state, latest = self.state, self.ckpt.latest_step()
+        try:
+            if any(leaf.is_deleted() for leaf in jax.tree.leaves(state)):
+                raise RuntimeError("interrupted inside a step")  # its input was donated
+            step = int(state.step)
+            window.flush(step)
+            if step > (latest or 0):
+                self.ckpt.save(state, self._meta(step))
+                latest = step
+        except (RuntimeError, NonFiniteError):
+            pass
+        where = f"checkpoint step {latest}" if latest else "no checkpoint yet"
+        self._note(f"interrupted: {self.plan.run.path} has {where}; continue with --resume")
+
+    def _meta(self, step: int) -> dict:
+        cfg = self.plan.cfg
+        return {
+            "config": cfg.to_dict(),
+            "model": self.plan.model.to_dict(),
+            "data_position": {"seed": cfg.train.seed, "step": step},
+            **self.trainable.meta,
+        }
+
+
+def _due(done: int, cfg) -> bool:
+    """Metrics are flushed (and health checked) before every evaluation and checkpoint."""
+    return done % cfg.train.eval_every == 0 or done % cfg.checkpoint.every == 0
+
+
+__all__ = ["Pieces", "RunResult", "Step", "Trainable", "Trainer"]
