@@ -36,7 +36,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
 
-from lmjax import ops  # noqa: E402
+from lmjax import models  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 IMPLS = ("materialized", "xla", "flash")
@@ -44,7 +44,7 @@ MB = 2.0**20
 
 
 def attend(impl: str):
-    return lambda q, k, v: ops.attention(q, k, v, causal=True, impl=impl)
+    return lambda q, k, v: models.dot_product_attention(q, k, v, causal=True, impl=impl)
 
 
 def residual_bytes(impl: str, spec) -> int:

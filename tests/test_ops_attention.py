@@ -1,7 +1,9 @@
 """Edge cases of SPEC section 2 for attention: causal offset, masks, impls, fully masked rows.
 
-impl="flash" runs the Pallas kernel (interpreted on CPU); its own tests are in
-test_flash_attention.py, these check that the op dispatches to it with the op's semantics.
+impl="flash" runs the Pallas kernel (interpreted on CPU) through
+`lmjax.models.dot_product_attention`, the one place that chooses the impl (ops imports nothing
+above errors and checks); its own tests are in test_flash_attention.py, these check that the
+dispatch keeps the op's semantics. `attention` below is that function for every impl.
 """
 
 import jax
@@ -11,6 +13,7 @@ import pytest
 
 from lmjax import ops
 from lmjax.errors import ConfigError, ShapeError
+from lmjax.models import dot_product_attention as attention
 
 IMPLS = ["materialized", "xla", "flash"]
 
@@ -41,7 +44,7 @@ def _causal_keep(b, h, t, s, offset):
 @pytest.mark.parametrize("t, s, offset", [(4, 4, 0), (2, 6, 4), (3, 6, 1), (1, 5, 4)])
 def test_causal_offset_means_key_index_at_most_query_index_plus_offset(impl, t, s, offset):
     q, k, v = _qkv(t, s)
-    out = ops.attention(q, k, v, causal=True, offset=offset, impl=impl)
+    out = attention(q, k, v, causal=True, offset=offset, impl=impl)
     expected = _np_attention(q, k, v, _causal_keep(2, 2, t, s, offset))
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
 
@@ -51,11 +54,11 @@ def test_key_padding_equals_dropping_the_padded_keys(impl):
     q, k, v = _qkv(3, 6, seed=1)
     mask = np.ones((2, 1, 1, 6), np.int32)
     mask[1, ..., 4:] = 0  # row 1 has 4 real keys
-    out = ops.attention(q, k, v, causal=False, mask=mask, impl=impl)
+    out = attention(q, k, v, causal=False, mask=mask, impl=impl)
     # Against the same impl without the padded keys (impls differ in summation order).
-    dropped = ops.attention(q[1:], k[1:, :4], v[1:, :4], causal=False, impl=impl)
+    dropped = attention(q[1:], k[1:, :4], v[1:, :4], causal=False, impl=impl)
     np.testing.assert_allclose(out[1], dropped[0], rtol=1e-5, atol=1e-6)
-    unmasked = ops.attention(q[:1], k[:1], v[:1], causal=False, impl=impl)
+    unmasked = attention(q[:1], k[:1], v[:1], causal=False, impl=impl)
     np.testing.assert_allclose(out[0], unmasked[0], rtol=1e-6)
 
 
@@ -85,9 +88,9 @@ def test_masked_probabilities_and_gradients_are_exactly_zero():
 def test_rows_with_no_visible_key_are_zero_with_finite_gradients(impl):
     q, k, v = _qkv(4, 4, seed=3)
     # offset -2: queries 0 and 1 see no key at all.
-    out = ops.attention(q, k, v, causal=True, offset=-2, impl=impl)
+    out = attention(q, k, v, causal=True, offset=-2, impl=impl)
     grads = jax.grad(
-        lambda *a: (ops.attention(*a, causal=True, offset=-2, impl=impl) ** 2).sum(), (0, 1, 2)
+        lambda *a: (attention(*a, causal=True, offset=-2, impl=impl) ** 2).sum(), (0, 1, 2)
     )(q, k, v)
     assert np.all(np.asarray(out)[:, :2] == 0.0)
     assert all(np.isfinite(np.asarray(g)).all() for g in grads)
@@ -126,10 +129,20 @@ def test_traced_offset_under_jit_matches_static_offset():
 def test_unknown_impls_and_probabilities_without_materialized_are_rejected():
     q, k, v = _qkv(2, 2)
     with pytest.raises(ConfigError, match=r"one of \('materialized', 'xla', 'flash'\)"):
+        attention(q, k, v, causal=True, impl="cuda")
+    with pytest.raises(ConfigError, match=r"one of \('materialized', 'xla'\)"):
         ops.attention(q, k, v, causal=True, impl="cuda")
     for impl in ("xla", "flash"):
         with pytest.raises(ConfigError, match="return_probabilities"):
-            ops.attention(q, k, v, causal=True, impl=impl, return_probabilities=True)
+            attention(q, k, v, causal=True, impl=impl, return_probabilities=True)
+
+
+def test_the_op_refuses_flash_naming_the_models_function():
+    """ops sits below the Pallas kernels: impl="flash" there is one line naming the place that
+    runs it, and no kernel is imported by ops (tests/test_architecture.py, ops-imports)."""
+    q, k, v = _qkv(2, 2)
+    with pytest.raises(ConfigError, match=r"impl = 'flash'.*lmjax\.models\.dot_product_attention"):
+        ops.attention(q, k, v, causal=True, impl="flash")
 
 
 def _key_padding_mask(b, s):
@@ -154,7 +167,7 @@ def test_flash_impl_matches_materialized_values_and_gradients(t, s, kwargs):
     g = jnp.asarray(np.random.default_rng(8).standard_normal(q.shape), jnp.float32)
 
     def run(impl):
-        out, pull = jax.vjp(lambda *a: ops.attention(*a, impl=impl, **kwargs), q, k, v)
+        out, pull = jax.vjp(lambda *a: attention(*a, impl=impl, **kwargs), q, k, v)
         return out, pull(g)
 
     (out_f, grads_f), (out_m, grads_m) = jax.jit(lambda: (run("flash"), run("materialized")))()
@@ -174,15 +187,13 @@ def test_flash_impl_takes_only_key_padding_masks(mask):
     with pytest.raises(
         ConfigError, match=r"broadcastable from \[B, 1, 1, S\].*impl='materialized'"
     ):
-        ops.attention(q, k, v, causal=False, mask=mask, impl="flash")
-    ops.attention(q, k, v, causal=False, mask=mask, impl="materialized")  # valid for the others
+        attention(q, k, v, causal=False, mask=mask, impl="flash")
+    attention(q, k, v, causal=False, mask=mask, impl="materialized")  # valid for the others
 
 
 def test_flash_impl_needs_a_static_offset():
     q, k, v = _qkv(1, 6)
-    step = jax.jit(
-        lambda q, k, v, off: ops.attention(q, k, v, causal=True, offset=off, impl="flash")
-    )
+    step = jax.jit(lambda q, k, v, off: attention(q, k, v, causal=True, offset=off, impl="flash"))
     with pytest.raises(ConfigError, match="offset with impl='flash'.*static Python int"):
         step(q, k, v, jnp.asarray(3))
 
@@ -317,7 +328,7 @@ def test_a_row_with_no_visible_key_gives_zero_and_adds_nothing_to_any_gradient(i
     g_quiet = np.where(empty_BT[..., None, None], 0.0, g).astype(np.float32)
 
     def vjp(cotangent):
-        out, pull = jax.vjp(lambda *a: ops.attention(*a, impl=impl, **kwargs), q, k, v)
+        out, pull = jax.vjp(lambda *a: attention(*a, impl=impl, **kwargs), q, k, v)
         return [np.asarray(x) for x in (out, *pull(jnp.asarray(cotangent)))]
 
     out, dq, dk, dv = vjp(g)

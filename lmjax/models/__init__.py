@@ -6,9 +6,22 @@
 
 `declare(cfg)` lists every parameter (name, shape, initializer, logical axes) once; `init`,
 `abstract_params` and `check_params` derive from it. `format_summary(cfg)` is what
-`lmjax inspect` prints.
+`lmjax inspect` prints. `project` (projection.py) is the one place that chooses how a projection
+runs, `attend` / `dot_product_attention` (attention.py) the one that chooses the attention impl.
+
+Shape legend: array names end in their axes (x_BTD, q_BTHDh, logits_BTV), in these letters,
+here and in ops/, generate/ and train/:
+
+    B  batch rows                 T  query positions (time)      S  key positions
+    H  attention heads            Dh head size (d_head)          D  model width (d_model)
+    F  feed-forward width         V  vocabulary size             C  context length
+    N  rows flattened (B*T)       A  micro-batches               I, O  in-, out-features
+
+A trailing 1 is a kept unit axis. The Pallas kernels name a block's rows Q (queries) and K
+(keys); their package docstrings say so.
 """
 
+from lmjax.models.attention import attend, dot_product_attention
 from lmjax.models.config import (
     ACTIVATIONS,
     ATTENTION_IMPLS,
@@ -32,7 +45,6 @@ from lmjax.models.summary import (
     residual_bytes,
 )
 from lmjax.models.transformer import (
-    attend,
     block,
     cached_block,
     check_tokens,
@@ -63,6 +75,7 @@ __all__ = [
     "check_params",
     "check_tokens",
     "declare",
+    "dot_product_attention",
     "embed",
     "features",
     "format_summary",

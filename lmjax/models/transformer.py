@@ -27,6 +27,7 @@ import numpy as np
 from lmjax import ops
 from lmjax.checks import check_token_ids, is_concrete, require
 from lmjax.errors import ShapeError
+from lmjax.models.attention import attend
 from lmjax.models.config import REMAT_POLICIES, ModelConfig
 from lmjax.models.layout import check_params
 from lmjax.models.projection import project
@@ -63,32 +64,25 @@ def project_qkv(cfg: ModelConfig, p: dict, h_BTD: jax.Array, positions_BT=None) 
     """
     b, t, _ = h_BTD.shape
     linear = _linear(cfg)
-    q_BTHK, k_BTHK, v_BTHK = (
+    q_BTHDh, k_BTHDh, v_BTHDh = (
         linear(p[name], h_BTD).reshape(b, t, cfg.n_heads, cfg.d_head)
         for name in ("query", "key", "value")
     )
     if cfg.positions == "rope":
         rope = functools.partial(_op(cfg, "rope"), positions=positions_BT, theta=cfg.rope_theta)
-        q_BTHK, k_BTHK = rope(q_BTHK), rope(k_BTHK)
-    return q_BTHK, k_BTHK, v_BTHK
+        q_BTHDh, k_BTHDh = rope(q_BTHDh), rope(k_BTHDh)
+    return q_BTHDh, k_BTHDh, v_BTHDh
 
 
-def attend(cfg: ModelConfig, q_BTHK, k_BSHK, v_BSHK, *, causal=True, mask=None) -> jax.Array:
-    """Scaled dot-product attention with the config's impl (`ops.attention`): `-> [B, T, H, Dh]`."""
-    if cfg.ops == "custom":
-        return ops.attention(q_BTHK, k_BSHK, v_BSHK, causal=causal, mask=mask, impl=cfg.attention)
-    return ops.attention_reference(q_BTHK, k_BSHK, v_BSHK, causal=causal, mask=mask)
-
-
-def _self_attend(cfg: ModelConfig, q_BTHK, k_BTHK, v_BTHK) -> tuple:
-    return attend(cfg, q_BTHK, k_BTHK, v_BTHK), None
+def _self_attend(cfg: ModelConfig, q_BTHDh, k_BTHDh, v_BTHDh) -> tuple:
+    return attend(cfg, q_BTHDh, k_BTHDh, v_BTHDh), None
 
 
 def _attention(cfg: ModelConfig, p: dict, h_BTD: jax.Array, positions_BT, attend_fn) -> tuple:
-    q_BTHK, k_BTHK, v_BTHK = project_qkv(cfg, p, h_BTD, positions_BT)
-    out_BTHK, aux = attend_fn(cfg, q_BTHK, k_BTHK, v_BTHK)
+    q_BTHDh, k_BTHDh, v_BTHDh = project_qkv(cfg, p, h_BTD, positions_BT)
+    out_BTHDh, aux = attend_fn(cfg, q_BTHDh, k_BTHDh, v_BTHDh)
     b, t, _ = h_BTD.shape
-    return _linear(cfg)(p["output"], out_BTHK.reshape(b, t, cfg.d_model)), aux
+    return _linear(cfg)(p["output"], out_BTHDh.reshape(b, t, cfg.d_model)), aux
 
 
 def _feed_forward(cfg: ModelConfig, p: dict, x_BTD: jax.Array) -> jax.Array:

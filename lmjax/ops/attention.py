@@ -1,4 +1,11 @@
-"""Scaled dot-product attention (materialized custom VJP, XLA, or the Pallas flash kernel)."""
+"""Scaled dot-product attention: the materialized custom VJP, or XLA's.
+
+The Pallas flash kernel sits above the primitives: `lmjax.models.dot_product_attention` (and a
+model's `attention="flash"`) runs it with this module's contract.
+
+Shapes in the legend of `lmjax.models` (B batch, T queries, S keys, H heads, Dh head size); the
+einsum strings spell them in lower case, d for Dh.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +14,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
+from lmjax.checks import require
 from lmjax.errors import ConfigError, ShapeError
 from lmjax.ops._common import (
     broadcast_mask,
@@ -19,8 +27,7 @@ from lmjax.ops._common import (
 )
 from lmjax.ops.softmax import masked_softmax, masked_softmax_vjp
 
-IMPLS = ("materialized", "xla", "flash")
-AVAILABLE_IMPLS = ("materialized", "xla", "flash")
+IMPLS = ("materialized", "xla")
 
 
 def keep_mask(q_shape, k_shape, *, causal: bool, offset=0, mask=None) -> jax.Array:
@@ -36,9 +43,9 @@ def keep_mask(q_shape, k_shape, *, causal: bool, offset=0, mask=None) -> jax.Arr
 
 def _forward(q, k, v, keep):
     dtype = compute_dtype(q.dtype)
-    s = jnp.einsum("BTHD,BSHD->BHTS", q, k, preferred_element_type=dtype) * inv_sqrt(q.shape[-1])
+    s = jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=dtype) * inv_sqrt(q.shape[-1])
     p = masked_softmax(s, keep, axis=-1)
-    out = jnp.einsum("BHTS,BSHD->BTHD", p, v.astype(dtype))
+    out = jnp.einsum("bhts,bshd->bthd", p, v.astype(dtype))
     return out.astype(q.dtype), p
 
 
@@ -46,13 +53,13 @@ def _backward(q, k, v, keep, p, d_out, d_p=None):
     """(dq, dk, dv) in p's dtype from the saved probabilities (see `attention`)."""
     dtype, scale = p.dtype, inv_sqrt(q.shape[-1])
     d_out = d_out.astype(dtype)
-    dv = jnp.einsum("BHTS,BTHD->BSHD", p, d_out)
-    dp = jnp.einsum("BTHD,BSHD->BHTS", d_out, v.astype(dtype))
+    dv = jnp.einsum("bhts,bthd->bshd", p, d_out)
+    dp = jnp.einsum("bthd,bshd->bhts", d_out, v.astype(dtype))
     if d_p is not None:
         dp = dp + d_p.astype(dtype)
     ds = masked_softmax_vjp(p, dp, keep, axis=-1) * scale
-    dq = jnp.einsum("BHTS,BSHD->BTHD", ds, k.astype(dtype))
-    dk = jnp.einsum("BHTS,BTHD->BSHD", ds, q.astype(dtype))
+    dq = jnp.einsum("bhts,bshd->bthd", ds, k.astype(dtype))
+    dk = jnp.einsum("bhts,bthd->bshd", ds, q.astype(dtype))
     return dq, dk, dv
 
 
@@ -139,7 +146,10 @@ def _blocked_bwd(block, res, d_out):
 _attention_causal_blocked.defvjp(_blocked_fwd, _blocked_bwd)
 
 
-def _check(q, k, v, impl, return_probabilities):
+def check_inputs(q, k, v, impl: str, return_probabilities: bool = False, mask=None) -> None:
+    """The contract on (q, k, v, mask) of `attention` and of every impl that keeps it
+    (`lmjax.models.dot_product_attention`'s flash): ShapeError or ConfigError naming the first
+    argument outside it. `impl` is not checked against `IMPLS` here, only what it requires."""
     for name, a in (("q", q), ("k", k), ("v", v)):
         require_rank(a, 4, name, "[batch, time, heads, d_head]")
         require_float(a, name)
@@ -172,15 +182,6 @@ def _check(q, k, v, impl, return_probabilities):
             f"[{b}, S, {h}, {d}] to match q.shape {q.shape}",
             "give q, k and v the same batch, heads and head size",
         )
-    if impl not in IMPLS:
-        raise ConfigError.describe("impl", impl, f"one of {IMPLS}", "pick a listed impl")
-    if impl not in AVAILABLE_IMPLS:
-        raise ConfigError.describe(
-            "impl",
-            impl,
-            f"one of the available impls {AVAILABLE_IMPLS}",
-            f"use one of {AVAILABLE_IMPLS}",
-        )
     if impl == "xla" and q.dtype == jnp.float16 and jax.default_backend() == "cpu":
         raise ConfigError.describe(
             "impl='xla' with float16 inputs on CPU",
@@ -195,6 +196,7 @@ def _check(q, k, v, impl, return_probabilities):
             "impl='materialized'",
             "only the materialized impl forms the probabilities",
         )
+    check_keep_values(mask)
 
 
 def attention(
@@ -241,18 +243,18 @@ def attention(
 
     Impls: "materialized" (the custom VJP above; `return_probabilities=True` also returns p for
     inspection; causal self-attention with offset 0, no mask and T > `causal_block(T)` runs by
-    query blocks that skip the all-masked key blocks, `_attention_causal_blocked`), "xla"
-    (`jax.nn.dot_product_attention`, differentiated by JAX) and "flash"
-    (`pallas_kernels.flash_attention`: FlashAttention-2, O(T) memory, logsumexp saved and
-    probabilities recomputed in the backward; interpreted on CPU, compiled on GPU and TPU).
-    "flash" takes float32/bf16/f16 inputs, a static int `offset`, and only key-padding masks
-    (broadcastable from [B, 1, 1, S]); anything else raises `ConfigError`.
+    query blocks that skip the all-masked key blocks, `_attention_causal_blocked`) and "xla"
+    (`jax.nn.dot_product_attention`, differentiated by JAX). The Pallas flash kernel is
+    `lmjax.models.dot_product_attention(..., impl="flash")`: `impl="flash"` here is a
+    `ConfigError` pointing there (ops imports nothing above errors and checks).
     """
+    fix = "call lmjax.models.dot_product_attention(q, k, v, ..., impl='flash')"
+    require(
+        impl != "flash", "impl", impl, f"one of {IMPLS} (the Pallas kernel sits above ops)", fix
+    )
+    require(impl in IMPLS, "impl", impl, f"one of {IMPLS}", "pick a listed impl")
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
-    _check(q, k, v, impl, return_probabilities)
-    check_keep_values(mask)
-    if impl == "flash":
-        return _flash(q, k, v, causal=causal, offset=offset, mask=mask)
+    check_inputs(q, k, v, impl, return_probabilities, mask)
     if impl == "xla" and mask is None and (not causal or (is_int(offset) and offset == 0)):
         # Every row sees at least key 0: let XLA build the causal mask itself instead of
         # keeping a [B, H, T, S] boolean for the backward.
@@ -278,40 +280,6 @@ def attention(
     return (out, p) if return_probabilities else out
 
 
-def _flash(q, k, v, *, causal: bool, offset, mask):
-    """Dispatch to the Pallas kernel, turning a [B|1, 1, 1, S] mask into its [B, S] form."""
-    # Imported here: pallas_kernels imports lmjax (errors, helpers), so a module-level import
-    # would be circular whichever package is imported first.
-    from pallas_kernels.flash_attention import flash_attention
-
-    if not is_int(offset):
-        raise ConfigError.describe(
-            "offset with impl='flash'",
-            offset,
-            "a static Python int (the kernel fixes its causal block skipping at trace time)",
-            "pass an int offset, or use impl='materialized' or impl='xla' for a traced one",
-        )
-    key_mask = None if mask is None else _key_padding(mask, q.shape, k.shape[1])
-    return flash_attention(q, k, v, causal=causal, offset=int(offset), mask=key_mask)
-
-
-def _key_padding(mask, q_shape, s: int) -> jax.Array:
-    """bool [B, S] from a mask broadcastable from [B, 1, 1, S]; other masks are rejected."""
-    (b, t, h, _), mask = q_shape, jnp.asarray(mask)
-    # A mask no impl could use is the ShapeError every impl raises; checked abstractly, so no
-    # [B, H, T, S] array is allocated.
-    jax.eval_shape(lambda m: broadcast_mask(m, (b, h, t, s)), mask)
-    mask_4d = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
-    if mask_4d.shape[1:3] != (1, 1):
-        raise ConfigError.describe(
-            "mask.shape with impl='flash'",
-            mask.shape,
-            f"a key-padding mask broadcastable from [B, 1, 1, S] = [{b}, 1, 1, {s}]",
-            "use impl='materialized' (or 'xla') for masks that vary over heads or queries",
-        )
-    return jnp.broadcast_to(mask_4d[:, 0, 0, :] != 0, (b, s))
-
-
 def attention_reference(q, k, v, *, causal: bool, offset=0, mask=None, return_lse=False):
     """Plain jnp: masked logits get the most negative float, rows with no key are zeroed.
 
@@ -321,7 +289,7 @@ def attention_reference(q, k, v, *, causal: bool, offset=0, mask=None, return_ls
     check_keep_values(mask)
     dtype = compute_dtype(q.dtype)
     qf, kf, vf = (jnp.asarray(a).astype(dtype) for a in (q, k, v))
-    s = jnp.einsum("BTHD,BSHD->BHTS", qf, kf) / jnp.sqrt(jnp.asarray(q.shape[-1], dtype))
+    s = jnp.einsum("bthd,bshd->bhts", qf, kf) / jnp.sqrt(jnp.asarray(q.shape[-1], dtype))
     # Its own mask construction (not keep_mask), so a semantic slip there cannot hide.
     t_idx = jax.lax.broadcasted_iota(jnp.int32, s.shape, 2)
     s_idx = jax.lax.broadcasted_iota(jnp.int32, s.shape, 3)
@@ -334,7 +302,7 @@ def attention_reference(q, k, v, *, causal: bool, offset=0, mask=None, return_ls
     total = jnp.sum(e, axis=-1, keepdims=True)
     seen = total > 0
     p = e / jnp.where(seen, total, 1.0)
-    out = jnp.einsum("BHTS,BSHD->BTHD", p, vf).astype(q.dtype)
+    out = jnp.einsum("bhts,bshd->bthd", p, vf).astype(q.dtype)
     if not return_lse:
         return out
     lse = jnp.where(seen, m + jnp.log(jnp.where(seen, total, 1.0)), -jnp.inf)[..., 0]

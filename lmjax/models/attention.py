@@ -1,0 +1,151 @@
+"""The one place that chooses how attention runs: the ops (materialized, XLA) or the Pallas
+flash kernel, and on a device mesh how the kernel is split.
+
+    out_BTHDh = softmax(q_BTHDh k_BSHDh^T / sqrt(Dh), masked) v_BSHDh     (`ops.attention`)
+
+`impl` "materialized" and "xla" are `lmjax.ops.attention`; "flash" is
+`pallas_kernels.flash_attention` (FlashAttention-2: O(T) memory, the logsumexp saved and the
+probabilities recomputed in the backward; interpreted on CPU, compiled on GPU and TPU). The
+primitives in `ops` know nothing of the kernel, as `models.project` is the one place that knows
+NF4 and LoRA.
+
+On a mesh. XLA's SPMD partitioner cannot split a Mosaic (TPU) kernel ("Mosaic kernels cannot
+be automatically partitioned. Please wrap the call in a shard_map"), so when a mesh is in context
+(`jax.set_mesh(mesh)` around tracing, as `lmjax compile` does) the flash call runs inside
+`jax.shard_map`: each device attends over its own batch rows (mesh axes `data`, `fsdp`) and its
+own heads (`model`). Attention mixes neither rows nor heads, so the shards need no
+communication and give the single-device result exactly. A batch the batch axes do not divide,
+or heads the `model` axis does not divide, is a `ConfigError`. No mesh, or a mesh of one
+device: the kernel is called as it is.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from lmjax import ops
+from lmjax.checks import is_int, require
+from lmjax.models.config import ATTENTION_IMPLS, ModelConfig
+from lmjax.ops.attention import check_inputs, keep_mask
+from pallas_kernels.flash_attention import flash_attention
+
+IMPLS = ATTENTION_IMPLS
+# The mesh axes of lmjax.parallel.mesh that split a batch and the heads (models/ sits below
+# parallel/, so the names are stated here; tests/test_flash_on_a_mesh.py checks they agree).
+BATCH_AXES = ("data", "fsdp")
+HEAD_AXIS = "model"
+
+
+def attend(cfg: ModelConfig, q_BTHDh, k_BSHDh, v_BSHDh, *, causal=True, mask=None) -> jax.Array:
+    """Attention with the config's impl (`cfg.attention`) and op set: `-> [B, T, H, Dh]`.
+
+    `cfg.ops="reference"` runs `ops.attention_reference` whatever `cfg.attention` says."""
+    if cfg.ops != "custom":
+        return ops.attention_reference(q_BTHDh, k_BSHDh, v_BSHDh, causal=causal, mask=mask)
+    return dot_product_attention(
+        q_BTHDh, k_BSHDh, v_BSHDh, causal=causal, mask=mask, impl=cfg.attention
+    )
+
+
+def dot_product_attention(
+    q,
+    k,
+    v,
+    *,
+    causal: bool,
+    offset=0,
+    mask=None,
+    impl: str = "materialized",
+    return_probabilities: bool = False,
+):
+    """`lmjax.ops.attention`'s contract (shapes, masks, offset, empty rows) for every impl.
+
+    q `[B, T, H, Dh]`, k and v `[B, S, H, Dh]` -> out `[B, T, H, Dh]` (and p with
+    `return_probabilities`, materialized only). "flash" takes float32/bf16/f16 inputs, a static
+    int `offset` and only key-padding masks (broadcastable from [B, 1, 1, S]); anything else is
+    a `ConfigError`. On a mesh it runs shard-mapped (module docstring).
+    """
+    require(impl in IMPLS, "impl", impl, f"one of {IMPLS}", "pick a listed impl")
+    if impl != "flash":
+        kwargs = dict(
+            offset=offset, mask=mask, impl=impl, return_probabilities=return_probabilities
+        )
+        return ops.attention(q, k, v, causal=causal, **kwargs)
+    q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+    check_inputs(q, k, v, impl, return_probabilities, mask)
+    fix = "pass an int offset, or use impl='materialized' or impl='xla' for a traced one"
+    static = "a static Python int (the kernel fixes its causal block skipping at trace time)"
+    require(is_int(offset), "offset with impl='flash'", offset, static, fix)
+    key_mask_BS = None if mask is None else _key_padding(mask, q.shape, k.shape[1])
+    return _flash_on_mesh(q, k, v, key_mask_BS, causal=causal, offset=int(offset))
+
+
+def _key_padding(mask, q_shape, s: int) -> jax.Array:
+    """bool [B, S] from a mask broadcastable from [B, 1, 1, S]; other masks are refused."""
+    (b, _, h, _), mask = q_shape, jnp.asarray(mask)
+    # A mask no impl could use is the ShapeError every impl raises; checked abstractly, so no
+    # [B, H, T, S] array is allocated.
+    jax.eval_shape(lambda m: keep_mask(q_shape, (b, s, h, 1), causal=False, mask=m), mask)
+    mask_4d = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
+    require(
+        mask_4d.shape[1:3] == (1, 1),
+        "mask.shape with impl='flash'",
+        mask.shape,
+        f"a key-padding mask broadcastable from [B, 1, 1, S] = [{b}, 1, 1, {s}]",
+        "use impl='materialized' (or 'xla') for masks that vary over heads or queries",
+    )
+    return jnp.broadcast_to(mask_4d[:, 0, 0, :] != 0, (b, s))
+
+
+def _flash_on_mesh(q, k, v, key_mask_BS, *, causal: bool, offset: int) -> jax.Array:
+    """The kernel on the context mesh's shards (batch rows x heads), or whole without a mesh."""
+
+    def run(q, k, v, *key_mask_BS):  # the mask, when there is one, is the fourth argument
+        mask = key_mask_BS[0] if key_mask_BS else None
+        return flash_attention(q, k, v, causal=causal, offset=offset, mask=mask)
+
+    args = (q, k, v) + (() if key_mask_BS is None else (key_mask_BS,))
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or math.prod(mesh.shape.values()) == 1:
+        return run(*args)
+    batch, heads = mesh_split(mesh.shape, q.shape[0], q.shape[2])
+    spec_BTHDh = PartitionSpec(batch, None, heads, None)
+    specs = (spec_BTHDh,) * 3 + (PartitionSpec(batch, None),) * (len(args) - 3)
+    # check_vma=False: the kernel's pallas_call carries no varying-axes types; every output
+    # shard is computed from its own inputs alone, so nothing is claimed replicated.
+    sharded = jax.shard_map(run, mesh=mesh, in_specs=specs, out_specs=spec_BTHDh, check_vma=False)
+    return sharded(*args)
+
+
+def mesh_split(mesh_shape, batch: int, heads: int) -> tuple[tuple[str, ...], str | None]:
+    """(batch axes, head axis) of a mesh `{axis: size}` that split `batch` rows and `heads`.
+
+    Axes of size 1 are left out (they split nothing); a batch the batch axes do not divide, or
+    heads the head axis does not divide, is a `ConfigError` naming the sizes.
+    """
+    batch_axes = tuple(a for a in BATCH_AXES if mesh_shape.get(a, 1) > 1)
+    rows = math.prod(mesh_shape[a] for a in batch_axes)
+    where = ",".join(f"{a}={n}" for a, n in mesh_shape.items())
+    require(
+        batch % rows == 0,
+        f"batch rows of flash attention on mesh {where}",
+        batch,
+        f"a multiple of {' x '.join(batch_axes)} = {rows} (each device attends over whole rows)",
+        f"make the batch a multiple of {rows}, or use model.attention=xla",
+    )
+    model = mesh_shape.get(HEAD_AXIS, 1)
+    require(
+        heads % model == 0,
+        f"heads of flash attention on mesh {where}",
+        heads,
+        f"a multiple of {HEAD_AXIS} = {model} (each device attends over whole heads)",
+        f"set model.n_heads to a multiple of {model}, or use model.attention=xla",
+    )
+    return batch_axes, (HEAD_AXIS if model > 1 else None)
+
+
+__all__ = ["BATCH_AXES", "HEAD_AXIS", "IMPLS", "attend", "dot_product_attention", "mesh_split"]
