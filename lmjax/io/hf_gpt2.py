@@ -172,23 +172,49 @@ _LINEARS |= {"mlp.c_proj": "feed_forward.project"}
 _QKV = ("query", "key", "value")
 
 
+_TOP = (
+    ("wte.weight", "token_embedding.weight", False),
+    ("wpe.weight", "position_embedding.weight", False),
+    ("ln_f.weight", "final_norm.scale", False),
+    ("ln_f.bias", "final_norm.bias", False),
+)
+
+
+def _block_names(i: int) -> list[tuple[str, str, bool]]:
+    """(HF name, lmjax name, transposed) of block i's tensors, all but the fused c_attn.
+
+    HF's Conv1D stores a linear weight as [in, out], lmjax as [out, in]: those are transposed.
+    """
+    h, b = f"h.{i}", f"blocks.{i}"
+    names = []
+    for hf, ours in _NORMS.items():
+        names += [(f"{h}.{hf}.weight", f"{b}.{ours}.scale", False)]
+        names += [(f"{h}.{hf}.bias", f"{b}.{ours}.bias", False)]
+    for hf, ours in _LINEARS.items():
+        names += [(f"{h}.{hf}.weight", f"{b}.{ours}.weight", True)]
+        names += [(f"{h}.{hf}.bias", f"{b}.{ours}.bias", False)]
+    return names
+
+
+def _renamed(tensors: dict, names, *, to_lmjax: bool) -> dict[str, np.ndarray]:
+    """The tensors `names` lists, under their lmjax names (`to_lmjax`) or their HF ones."""
+    out = {}
+    for hf, ours, transposed in names:
+        a = tensors[hf] if to_lmjax else tensors[ours]
+        out[ours if to_lmjax else hf] = a.T if transposed else a
+    return out
+
+
 def to_lmjax(state: dict[str, np.ndarray], cfg: ModelConfig) -> dict[str, np.ndarray]:
-    """HF state (names as in `hf_shapes`) -> flat lmjax names (SPEC section 3), as numpy."""
+    """HF state (names as in `hf_shapes`) -> flat lmjax names (SPEC section 3), as numpy.
+
+    c_attn's fused [D, 3D] weight (and [3D] bias) splits into query, key and value.
+    """
     d = cfg.d_model
-    flat = {
-        "token_embedding.weight": state["wte.weight"],
-        "position_embedding.weight": state["wpe.weight"],
-        "final_norm.scale": state["ln_f.weight"],
-        "final_norm.bias": state["ln_f.bias"],
-    }
+    flat = _renamed(state, _TOP, to_lmjax=True)
     for i in range(cfg.n_layers):
+        flat |= _renamed(state, _block_names(i), to_lmjax=True)
         h, b = f"h.{i}", f"blocks.{i}"
-        for hf, ours in _NORMS.items():
-            flat[f"{b}.{ours}.scale"] = state[f"{h}.{hf}.weight"]
-            flat[f"{b}.{ours}.bias"] = state[f"{h}.{hf}.bias"]
-        for hf, ours in _LINEARS.items():
-            flat[f"{b}.{ours}.weight"] = state[f"{h}.{hf}.weight"].T
-            flat[f"{b}.{ours}.bias"] = state[f"{h}.{hf}.bias"]
         w_DE, b_E = state[f"{h}.attn.c_attn.weight"], state[f"{h}.attn.c_attn.bias"]
         for j, proj in enumerate(_QKV):
             flat[f"{b}.attention.{proj}.weight"] = w_DE[:, j * d : (j + 1) * d].T
@@ -198,20 +224,10 @@ def to_lmjax(state: dict[str, np.ndarray], cfg: ModelConfig) -> dict[str, np.nda
 
 def to_hf(flat: dict[str, np.ndarray], cfg: ModelConfig) -> dict[str, np.ndarray]:
     """Flat lmjax names -> HF state names (without prefix); the inverse of `to_lmjax`."""
-    state = {
-        "wte.weight": flat["token_embedding.weight"],
-        "wpe.weight": flat["position_embedding.weight"],
-        "ln_f.weight": flat["final_norm.scale"],
-        "ln_f.bias": flat["final_norm.bias"],
-    }
+    state = _renamed(flat, _TOP, to_lmjax=False)
     for i in range(cfg.n_layers):
+        state |= _renamed(flat, _block_names(i), to_lmjax=False)
         h, b = f"h.{i}", f"blocks.{i}"
-        for hf, ours in _NORMS.items():
-            state[f"{h}.{hf}.weight"] = flat[f"{b}.{ours}.scale"]
-            state[f"{h}.{hf}.bias"] = flat[f"{b}.{ours}.bias"]
-        for hf, ours in _LINEARS.items():
-            state[f"{h}.{hf}.weight"] = flat[f"{b}.{ours}.weight"].T
-            state[f"{h}.{hf}.bias"] = flat[f"{b}.{ours}.bias"]
         attn = [f"{b}.attention.{proj}" for proj in _QKV]
         state[f"{h}.attn.c_attn.weight"] = np.concatenate([flat[f"{a}.weight"].T for a in attn], 1)
         state[f"{h}.attn.c_attn.bias"] = np.concatenate([flat[f"{a}.bias"] for a in attn], 0)

@@ -45,6 +45,7 @@ from lmjax import params as ptree
 from lmjax.checks import is_nonnegative_int
 from lmjax.errors import CheckpointError, ConfigError, FileFormatError, ShapeError
 from lmjax.files import atomic_write_bytes
+from lmjax.models import ModelConfig, declare
 
 DTYPES: dict[str, np.dtype] = {
     "F64": np.dtype(np.float64),
@@ -67,6 +68,19 @@ _FIX = "re-save the parameters with lmjax.io.safetensors.save (the file is damag
 
 def _bad(path: Path, what: str, value: Any, expected: str) -> FileFormatError:
     return FileFormatError.describe(f"{path}: {what}", value, expected, _FIX)
+
+
+def _unreadable(path: Path, err: OSError) -> FileFormatError:
+    """The one-line error for a file that could not be opened or read: missing, a directory,
+    or anything else the OS refused (no permission, a parent that is a file, an I/O error)."""
+    if isinstance(err, FileNotFoundError):
+        expected, fix = "an existing file", "check the path"
+    elif isinstance(err, IsADirectoryError):
+        expected, fix = "a file, not a directory", "check the path"
+    else:
+        expected = f"a readable file ({err.strerror or err})"
+        fix = "check the path and its permissions"
+    return FileFormatError.describe("safetensors file", str(path), expected, fix)
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
@@ -100,21 +114,8 @@ def _read_raw_header(path: Path) -> tuple[dict, int]:
             if n > MAX_HEADER_BYTES:
                 raise _bad(path, "header length", n, f"<= {MAX_HEADER_BYTES} bytes")
             raw = handle.read(n)
-    except FileNotFoundError:
-        raise FileFormatError.describe(
-            "safetensors file", str(path), "an existing file", "check the path"
-        ) from None
-    except IsADirectoryError:
-        raise FileFormatError.describe(
-            "safetensors file", str(path), "a file, not a directory", "check the path"
-        ) from None
-    except OSError as err:  # no permission, a parent that is a file, an I/O error...
-        raise FileFormatError.describe(
-            "safetensors file",
-            str(path),
-            f"a readable file ({err.strerror or err})",
-            "check the path and its permissions",
-        ) from None
+    except OSError as err:
+        raise _unreadable(path, err) from None
     try:
         header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
     except (UnicodeDecodeError, ValueError) as err:
@@ -232,8 +233,7 @@ def save(params: Mapping, path: str | os.PathLike, metadata: Mapping[str, str] |
 
 
 def _expected_specs(expected) -> dict[str, tuple[np.dtype, tuple]]:
-    from lmjax.models import ModelConfig, declare
-
+    """`{name: (dtype, shape)}` of a ModelConfig's declared parameters or of a tree's leaves."""
     if isinstance(expected, ModelConfig):
         dtype = np.dtype(expected.params_dtype)
         return {name: (dtype, spec.shape) for name, spec in declare(expected).items()}

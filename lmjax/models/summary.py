@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from lmjax.models.config import ModelConfig
 from lmjax.models.layout import abstract_params, declare
+from lmjax.models.transformer import forward
 
 # AdamW keeps two moments per parameter (optax.adamw's mu and nu, in the parameters' dtype).
 ADAMW_MOMENTS = 2
@@ -61,7 +62,6 @@ def residual_bytes(cfg: ModelConfig, batch: int, seq_len: int) -> int:
     extra and are left out, while bf16 copies of f32 weights are counted. So the figure
     reflects the attention impl, the remat policy and the compute dtype.
     """
-    from lmjax.models.transformer import forward
 
     def residuals(params, tokens_BT):
         return jax.vjp(lambda p: forward(p, tokens_BT, cfg), params)[1]

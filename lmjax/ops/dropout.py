@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from functools import partial
-
 import jax
 import jax.numpy as jnp
 
 from lmjax.checks import is_real
 from lmjax.errors import ConfigError
 from lmjax.ops._common import require_float
+from lmjax.ops._vjp import linear_in_x
 
 
 def keep_mask(key: jax.Array, shape, rate: float) -> jax.Array:
@@ -21,20 +20,8 @@ def _scaled(x, keep, rate):
     return jnp.where(keep, x / jnp.asarray(1.0 - rate, x.dtype), jnp.zeros((), x.dtype))
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _dropout(x, keep, rate):
-    return _scaled(x, keep, rate)
-
-
-def _dropout_fwd(x, keep, rate):
-    return _scaled(x, keep, rate), keep
-
-
-def _dropout_bwd(rate, keep, g):
-    return _scaled(g, keep, rate), None
-
-
-_dropout.defvjp(_dropout_fwd, _dropout_bwd)
+# Scaling by the keep-mask is linear in x and symmetric: the backward scales g the same way.
+_dropout = linear_in_x(_scaled, _scaled)
 
 
 def _check_rate(rate) -> float:

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from functools import partial
-
 import jax
 import jax.numpy as jnp
 
 from lmjax.checks import is_real
 from lmjax.errors import ConfigError, ShapeError
 from lmjax.ops._common import compute_dtype, require_float, require_int, require_rank
+from lmjax.ops._vjp import linear_in_x
 
 
 def rope_angles(positions_BT: jax.Array, d_head: int, theta: float, dtype) -> tuple:
@@ -37,23 +36,15 @@ def _apply(x, positions_BT, theta):
     return (xf * cos + _rotate_half(xf) * sin).astype(x.dtype)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _rope(x, positions_BT, theta):
-    return _apply(x, positions_BT, theta)
-
-
-def _rope_fwd(x, positions_BT, theta):
-    return _apply(x, positions_BT, theta), positions_BT
-
-
-def _rope_bwd(theta, positions_BT, g):
+def _apply_transpose(g, positions_BT, theta):
+    """The transpose of `_apply` in x: g cos + R^T (g sin), R the rotate-half map."""
     dtype = compute_dtype(g.dtype)
     cos, sin = rope_angles(positions_BT, g.shape[-1], theta, dtype)
     gf = g.astype(dtype)
-    return (gf * cos + _rotate_half_transpose(gf * sin)).astype(g.dtype), None
+    return (gf * cos + _rotate_half_transpose(gf * sin)).astype(g.dtype)
 
 
-_rope.defvjp(_rope_fwd, _rope_bwd)
+_rope = linear_in_x(_apply, _apply_transpose)
 
 
 def _positions_BT(x, positions, offset) -> jax.Array:

@@ -50,7 +50,9 @@ import time
 import jax
 import numpy as np
 from jax._src import distributed as jax_distributed  # the client orbax uses too; not public
+from jax.experimental import multihost_utils
 
+from lmjax.checks import require
 from lmjax.errors import ConfigError, LMJaxError
 
 ENV_COORDINATOR = "LMJAX_COORDINATOR"
@@ -80,11 +82,9 @@ def heartbeat_seconds(env: dict[str, str] | None = None) -> int:
     """`LMJAX_HEARTBEAT_TIMEOUT`: seconds of silence after which a process is declared lost."""
     env = os.environ if env is None else env
     text = env.get(ENV_HEARTBEAT) or str(DEFAULT_HEARTBEAT_S)
-    if not text.isdigit() or int(text) < 1:
-        raise ConfigError.describe(
-            ENV_HEARTBEAT, text, "a whole number of seconds >= 1",
-            f"export {ENV_HEARTBEAT}={DEFAULT_HEARTBEAT_S} (the default), or unset it",
-        )  # fmt: skip
+    fix = f"export {ENV_HEARTBEAT}={DEFAULT_HEARTBEAT_S} (the default), or unset it"
+    ok = text.isdigit() and int(text) >= 1
+    require(ok, ENV_HEARTBEAT, text, "a whole number of seconds >= 1", fix)
     return int(text)
 
 
@@ -93,40 +93,31 @@ def _cluster_args(env) -> dict | None:
     auto, address = env.get(ENV_AUTO), env.get(ENV_COORDINATOR)
     ranks = [name for name in (ENV_NUM_PROCESSES, ENV_PROCESS_ID) if env.get(name)]
     if auto:
-        if auto.lower() != "auto":
-            raise ConfigError.describe(
-                ENV_AUTO, auto, "auto (jax finds the hosts) or unset",
-                f"export {ENV_AUTO}=auto, or unset it and set {ENV_COORDINATOR} and the ranks",
-            )  # fmt: skip
+        fix = f"export {ENV_AUTO}=auto, or unset it and set {ENV_COORDINATOR} and the ranks"
+        require(auto.lower() == "auto", ENV_AUTO, auto, "auto (jax finds the hosts) or unset", fix)
         others = [ENV_COORDINATOR] * bool(address) + ranks
-        if others:
-            raise ConfigError.describe(
-                ENV_AUTO, auto, f"not both it and {', '.join(others)}",
-                f"unset {ENV_AUTO} to name the coordinator yourself, or unset the others",
-            )  # fmt: skip
+        fix = f"unset {ENV_AUTO} to name the coordinator yourself, or unset the others"
+        require(not others, ENV_AUTO, auto, f"not both it and {', '.join(others)}", fix)
         return {}
     if not address:
-        if ranks:  # a rank without a coordinator would silently train alone, as process 0
-            raise ConfigError.describe(
-                ENV_COORDINATOR, None, f"host:port of process 0 (since {' and '.join(ranks)} set)",
-                f"export {ENV_COORDINATOR}=<process 0's host>:<port>, or unset "
-                f"{' and '.join(ranks)} for one process",
-            )  # fmt: skip
+        # A rank without a coordinator would silently train alone, as process 0.
+        named = " and ".join(ranks)
+        expected = f"host:port of process 0 (since {named} set)"
+        fix = (
+            f"export {ENV_COORDINATOR}=<process 0's host>:<port>, or unset {named} for one process"
+        )
+        require(not ranks, ENV_COORDINATOR, None, expected, fix)
         return None
     host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
-        raise ConfigError.describe(
-            ENV_COORDINATOR, address, "host:port (e.g. 10.0.0.2:1234)",
-            "give process 0's address and a free port",
-        )  # fmt: skip
+    fix = "give process 0's address and a free port"
+    ok = bool(host) and port.isdigit()
+    require(ok, ENV_COORDINATOR, address, "host:port (e.g. 10.0.0.2:1234)", fix)
     values = {}
     for name in (ENV_NUM_PROCESSES, ENV_PROCESS_ID):
         text = env.get(name, "")
-        if not text.isdigit():
-            raise ConfigError.describe(
-                name, text or None, f"a non-negative int (set with {ENV_COORDINATOR})",
-                f"export {ENV_NUM_PROCESSES}=<hosts> {ENV_PROCESS_ID}=<this host's rank>",
-            )  # fmt: skip
+        expected = f"a non-negative int (set with {ENV_COORDINATOR})"
+        fix = f"export {ENV_NUM_PROCESSES}=<hosts> {ENV_PROCESS_ID}=<this host's rank>"
+        require(text.isdigit(), name, text or None, expected, fix)
         values[name] = int(text)
     n, i = values[ENV_NUM_PROCESSES], values[ENV_PROCESS_ID]
     if not 0 <= i < n:
@@ -156,8 +147,6 @@ def initialize_from_env(env: dict[str, str] | None = None) -> bool:
 def barrier(name: str) -> None:
     """Wait until every process gets here (nothing to wait for with one process)."""
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
         multihost_utils.sync_global_devices(name)
 
 
@@ -215,16 +204,15 @@ def lost_message(lost: list[int], count: int, timeout_s: float, coordinator: boo
 
 
 def _lost_text(what: str, value: str) -> str:
-    return str(
-        LMJaxError.describe(
-            what,
-            _Raw(value),
-            "every process of the run alive (one was killed, preempted, crashed or hung; this "
-            f"one stops too, with status {EXIT_LOST})",
-            "run the same lmjax train command with --resume on every host: it continues from "
-            "the newest complete checkpoint",
-        )  # fmt: skip
+    expected = (
+        "every process of the run alive (one was killed, preempted, crashed or hung; this "
+        f"one stops too, with status {EXIT_LOST})"
     )
+    fix = (
+        "run the same lmjax train command with --resume on every host: it continues from "
+        "the newest complete checkpoint"
+    )
+    return str(LMJaxError.describe(what, _Raw(value), expected, fix))
 
 
 def stop_lost(message: str) -> None:

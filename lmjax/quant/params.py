@@ -17,19 +17,12 @@ from lmjax.errors import ShapeError
 from lmjax.quant.nf4 import QuantizedWeight, quantize
 
 # Every projection of a block (GPT-2 style expand/project and Llama style gate/up/down).
+_PROJECTIONS = {
+    "attention": ("query", "key", "value", "output"),
+    "feed_forward": ("expand", "project", "gate", "up", "down"),
+}
 LINEAR_WEIGHTS = tuple(
-    f"blocks.*.{name}.weight"
-    for name in (
-        "attention.query",
-        "attention.key",
-        "attention.value",
-        "attention.output",
-        "feed_forward.expand",
-        "feed_forward.project",
-        "feed_forward.gate",
-        "feed_forward.up",
-        "feed_forward.down",
-    )
+    f"blocks.*.{part}.{name}.weight" for part, names in _PROJECTIONS.items() for name in names
 )
 
 

@@ -6,11 +6,13 @@ import contextlib
 import json
 import os
 import stat
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from lmjax.checks import require
 from lmjax.errors import CheckpointError, FileFormatError, TokenError
 from lmjax.files import atomic_write_text
 
@@ -38,11 +40,19 @@ def writing(directory: Path):
     try:
         yield
     except OSError as err:
-        raise CheckpointError.describe(
-            f"writing a tokenizer to {directory}", err.strerror or str(err),
-            "a writable directory with free space",
-            "check the path, its permissions and the free disk space",
-        ) from err  # fmt: skip
+        what, reason = f"writing a tokenizer to {directory}", err.strerror or str(err)
+        expected = "a writable directory with free space"
+        fix = "check the path, its permissions and the free disk space"
+        raise CheckpointError.describe(what, reason, expected, fix) from err
+
+
+def training_texts(texts: Iterable[str] | str) -> Iterable[str]:
+    """The training corpus as an iterable of texts (a str is one text); ConfigError if it is
+    neither a str nor iterable. The texts themselves are checked as they are read."""
+    texts = [texts] if isinstance(texts, str) else texts
+    ok, kind = isinstance(texts, Iterable), type(texts).__name__
+    require(ok, "training texts", kind, "a str or an iterable of str", "pass the corpus text")
+    return texts
 
 
 def write_manifest(directory: str | os.PathLike, manifest: dict[str, Any]) -> None:

@@ -30,6 +30,7 @@ import os
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from pathlib import Path
 
+from lmjax.checks import require
 from lmjax.errors import ConfigError, TokenError
 from lmjax.tokenizers._base import check_ids, check_text
 from lmjax.tokenizers.bpe_files import (
@@ -50,6 +51,11 @@ from lmjax.tokenizers.bpe_scheme import (
     special_regex,
 )
 from lmjax.tokenizers.bpe_train import train as train_merges
+
+try:  # a dependency of lmjax; without it the reference engine ("python") still runs
+    import tiktoken
+except ImportError:
+    tiktoken = None
 
 ENGINES = ("tiktoken", "python")
 
@@ -197,10 +203,8 @@ class BPETokenizer:
         """A copy with `engine`, `allowed_special` or `disallowed_special` changed."""
         unknown = sorted(changes.keys() - {"engine", "allowed_special", "disallowed_special"})
         if unknown:
-            raise ConfigError.describe(
-                "BPETokenizer option", unknown[0], "engine / allowed_special / disallowed_special",
-                "fix the spelling",
-            )  # fmt: skip
+            known = "engine / allowed_special / disallowed_special"
+            raise ConfigError.describe("BPETokenizer option", unknown[0], known, "fix the spelling")
         options = dict(
             engine=self.engine,
             allowed_special=self.allowed_special,
@@ -277,13 +281,9 @@ class BPETokenizer:
 
     def _engine(self):
         if self._tiktoken is None:
-            try:
-                import tiktoken
-            except ImportError:
-                raise ConfigError.describe(
-                    "BPE engine", "tiktoken (not installed)", "an importable engine",
-                    "pip install tiktoken, or use tok.with_options(engine='python')",
-                ) from None  # fmt: skip
+            fix = "pip install tiktoken, or use tok.with_options(engine='python')"
+            missing = "tiktoken (not installed)"
+            require(tiktoken is not None, "BPE engine", missing, "an importable engine", fix)
             self._tiktoken = tiktoken.Encoding(
                 name="lmjax_bpe",
                 pat_str=GPT2_PATTERN,

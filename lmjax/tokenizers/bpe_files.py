@@ -103,17 +103,16 @@ def _check_order(vocab_path, merges_path, vocab, left, right, number, last) -> N
     """A new result's id exceeds its parts' ids and the previous new result's id."""
     result = left + right
     i = vocab[result]
+    what = f"line {number} ({left} {right}) result id"
     if i <= max(vocab[left], vocab[right]):
-        raise _bad(
-            merges_path, f"line {number} ({left} {right}) result id", i,
-            f"> the ids of its parts ({vocab[left]}, {vocab[right]}) in {vocab_path.name}",
-        )  # fmt: skip
+        expected = f"> the ids of its parts ({vocab[left]}, {vocab[right]}) in {vocab_path.name}"
+        raise _bad(merges_path, what, i, expected)
     if last is not None and i <= last[0]:
-        raise _bad(
-            merges_path, f"line {number} ({left} {right}) result id", i,
+        expected = (
             f"> {last[0]}, the id made by line {last[1]}: {vocab_path.name}'s ids must follow "
-            "the merge order (the id is the merge's priority)",
-        )  # fmt: skip
+            "the merge order (the id is the merge's priority)"
+        )
+        raise _bad(merges_path, what, i, expected)
 
 
 def read_files(vocab_path: Path, merges_path: Path):
@@ -131,10 +130,8 @@ def read_files(vocab_path: Path, merges_path: Path):
         where = f"line {number} ({left} {right})"
         for part in (left, right, left + right):
             if part not in vocab:
-                raise _bad(
-                    merges_path, where, f"{part!r} not in vocab",
-                    f"every merge's parts and result in {vocab_path.name}",
-                )  # fmt: skip
+                expected = f"every merge's parts and result in {vocab_path.name}"
+                raise _bad(merges_path, where, f"{part!r} not in vocab", expected)
         result = left + right
         if result not in mergeable:
             _check_order(vocab_path, merges_path, vocab, left, right, number, last)
@@ -149,19 +146,15 @@ def read_files(vocab_path: Path, merges_path: Path):
     for left, right, number in lines:  # e.g. the line making `left` was lost: it'd be "special"
         for part in (left, right):
             if part not in mergeable:
-                raise _bad(
-                    merges_path, f"line {number} ({left} {right})",
-                    f"{part!r} made by no merge line",
-                    "parts that are byte tokens or results of merges (a line is missing)",
-                )  # fmt: skip
+                where, found = f"line {number} ({left} {right})", f"{part!r} made by no merge line"
+                expected = "parts that are byte tokens or results of merges (a line is missing)"
+                raise _bad(merges_path, where, found, expected)
     special = {t: i for t, i in vocab.items() if t not in mergeable}
     ids = sorted(vocab.values())
     if ids != list(range(len(ids))):
         repeated = sorted(i for i, n in Counter(ids).items() if n > 1)[:4]
-        raise _bad(
-            vocab_path, "ids", f"repeated {repeated}" if repeated else f"max {ids[-1]}",
-            f"each of 0..{len(ids) - 1} exactly once",
-        )  # fmt: skip
+        found = f"repeated {repeated}" if repeated else f"max {ids[-1]}"
+        raise _bad(vocab_path, "ids", found, f"each of 0..{len(ids) - 1} exactly once")
     return ranks, merges, special
 
 

@@ -26,7 +26,7 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 
 from lmjax.errors import ConfigError
-from lmjax.tokenizers._base import check_text
+from lmjax.tokenizers._base import check_text, training_texts
 from lmjax.tokenizers.bpe_scheme import BYTE_ORDER, PATTERN, special_regex
 
 Pair = tuple[int, int]
@@ -34,12 +34,7 @@ Pair = tuple[int, int]
 
 def count_pieces(texts: Iterable[str] | str, special_tokens: Sequence[str]) -> Counter:
     """How often each pre-tokenized piece occurs; special-token strings are cut out first."""
-    texts = [texts] if isinstance(texts, str) else texts
-    if not isinstance(texts, Iterable):
-        raise ConfigError.describe(
-            "training texts", type(texts).__name__, "a str or an iterable of str",
-            "pass the corpus text",
-        )  # fmt: skip
+    texts = training_texts(texts)
     splitter = special_regex(special_tokens) if special_tokens else None
     counts: Counter = Counter()
     for text in texts:

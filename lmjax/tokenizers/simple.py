@@ -7,7 +7,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from lmjax.errors import ConfigError, FileFormatError, LMJaxError, TokenError
-from lmjax.tokenizers._base import check_ids, check_text, write_manifest
+from lmjax.tokenizers._base import check_ids, check_text, training_texts, write_manifest
 
 
 class ByteTokenizer:
@@ -50,13 +50,7 @@ class CharTokenizer:
 
     @classmethod
     def train(cls, texts: Iterable[str] | str) -> CharTokenizer:
-        if isinstance(texts, str):
-            texts = [texts]
-        if not isinstance(texts, Iterable):
-            raise ConfigError.describe(
-                "training texts", type(texts).__name__, "a str or an iterable of str",
-                "pass the corpus text",
-            )  # fmt: skip
+        texts = training_texts(texts)
         seen: set[str] = set()
         for text in texts:
             if not isinstance(text, str):
