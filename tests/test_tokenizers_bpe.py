@@ -24,6 +24,7 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode as hf_bytes_to_
 import lmjax.tokenizers as toks
 from lmjax.errors import ConfigError, FileFormatError, TokenError
 from lmjax.tokenizers import BPETokenizer
+from lmjax.tokenizers import bpe as bpe_module
 from lmjax.tokenizers.bpe import BYTE_TO_CHAR, ENDOFTEXT, bpe_merge
 
 # Python's own documentation (ships with every CPython): real English prose with code in it.
@@ -163,6 +164,16 @@ def test_training_handles_special_tokens_and_small_corpora():
     assert isinstance(built, BPETokenizer) and built.vocab_size == 260
     with pytest.raises(ConfigError, match="vocab-size"):
         toks.build("bpe", ["x"])
+
+
+def test_without_tiktoken_the_default_engine_names_the_fix(monkeypatch):
+    """tiktoken is imported at module level but may be absent (None): the tiktoken engine is
+    then one ConfigError naming the install and the python engine, which still encodes."""
+    monkeypatch.setattr(bpe_module, "tiktoken", None)
+    tiny = BPETokenizer.train(["ab ab ab"], 260)  # a fresh tokenizer: no engine built yet
+    with pytest.raises(ConfigError, match=r"tiktoken \(not installed\).*engine='python'"):
+        tiny.encode("ab")
+    assert tiny.with_options(engine="python").encode("ab") == [tiny.ranks[b"ab"]]
 
 
 def test_bad_text_and_ids_raise_token_errors(tok):
