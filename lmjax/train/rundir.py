@@ -43,6 +43,11 @@ MERGED_DIR = "merged"
 TRAINED, FINETUNED, WEIGHTS = "trained", "finetuned", "weights"
 
 
+def _under(name: str) -> property:
+    """The property `run.path / name` (a file or directory of the layout above)."""
+    return property(lambda self: self.path / name, doc=f"RUN/{name}")
+
+
 @dataclasses.dataclass(frozen=True)
 class RunDir:
     """The run directory at `path` (which need not exist yet)."""
@@ -76,47 +81,18 @@ class RunDir:
         """`runs/<the config file's stem>`, `runs/run` without a file."""
         return cls(Path("runs") / (Path(config_path).stem if config_path else "run"))
 
-    # ---- layout ------------------------------------------------------------------------------
+    # ---- layout: each a path under the run (which need not exist) ----------------------------
 
-    @property
-    def config_file(self) -> Path:
-        return self.path / CONFIG_FILE
-
-    @property
-    def tokenizer_dir(self) -> Path:
-        return self.path / TOKENIZER_DIR
-
-    @property
-    def checkpoints_dir(self) -> Path:
-        return self.path / CHECKPOINTS_DIR
-
-    @property
-    def metrics_file(self) -> Path:
-        return self.path / METRICS_FILE
-
-    @property
-    def samples_file(self) -> Path:
-        return self.path / SAMPLES_FILE
-
-    @property
-    def plot_file(self) -> Path:
-        return self.path / PLOT_FILE
-
-    @property
-    def weights_file(self) -> Path:
-        return self.path / WEIGHTS_FILE
-
-    @property
-    def finetune_file(self) -> Path:
-        return self.path / FINETUNE_FILE
-
-    @property
-    def adapters_file(self) -> Path:
-        return self.path / ADAPTERS_FILE
-
-    @property
-    def merged_dir(self) -> Path:
-        return self.path / MERGED_DIR
+    config_file = _under(CONFIG_FILE)
+    tokenizer_dir = _under(TOKENIZER_DIR)
+    checkpoints_dir = _under(CHECKPOINTS_DIR)
+    metrics_file = _under(METRICS_FILE)
+    samples_file = _under(SAMPLES_FILE)
+    plot_file = _under(PLOT_FILE)
+    weights_file = _under(WEIGHTS_FILE)
+    finetune_file = _under(FINETUNE_FILE)
+    adapters_file = _under(ADAPTERS_FILE)
+    merged_dir = _under(MERGED_DIR)
 
     # ---- what it holds -----------------------------------------------------------------------
 
