@@ -1,0 +1,92 @@
+"""The `lmjax` command line: thin parsing around library calls, one-line errors.
+
+Subcommands: `prepare` (corpus -> token files), `train` (a YAML run config), `eval` (a run's
+validation loss), `generate` (sample from a run), `import-hf` / `export-hf` (Hugging Face GPT-2
+directories), `inspect` (parameter table, counts, memory estimate), `gradcheck` (every
+primitive's hand-written VJP against `jax.grad` and finite differences), `compile` (a config's
+sharded step compiled for a TPU topology by libtpu, its memory against the HBM). Library errors
+(`lmjax.errors`) print one line on stderr and exit 2; Ctrl-C exits 130.
+
+One module per command group, each adding its parsers and running its commands: `training`
+(prepare, train, finetune), `runs` (eval, generate), `hf` (import-hf, export-hf), `inspection`
+(inspect), `measure` (gradcheck, bench, compile); `common` holds what they share. Their lmjax
+imports sit inside the functions, so `lmjax --help` reads no more than the parser needs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from lmjax.cli import hf, inspection, measure, runs, training
+from lmjax.errors import LMJaxError
+
+# The subcommands in `lmjax --help` order, each as the function adding its parser.
+_COMMANDS = (
+    measure.add_gradcheck,
+    inspection.add_inspect,
+    training.add_prepare,
+    training.add_train,
+    runs.add_eval,
+    runs.add_generate,
+    hf.add_import_hf,
+    hf.add_export_hf,
+    measure.add_bench,
+    training.add_finetune,
+    measure.add_compile,
+)
+
+# Commands that run many XLA steps on the host: they keep freed memory mapped (lmjax.hostmem).
+_LONG_RUNNING = ("train", "finetune", "bench")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (SPEC section 10) and exits 2, as library errors
+    do; subcommand parsers are made with the same class."""
+
+    def error(self, message: str):
+        usage = " ".join(self.format_usage().split())
+        self.exit(2, f"{self.prog}: error: {message}. Fix: see `{self.prog} --help` ({usage}).\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="lmjax",
+        description="lmjax: decoder-only transformer LMs in JAX, from the command line.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for add_command in _COMMANDS:
+        add_command(sub)
+    return parser
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    """Parse, letting `key=value` overrides sit anywhere, also after options."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    overrides = [item for item in extra if "=" in item and not item.startswith("-")]
+    unknown = [item for item in extra if item not in overrides]
+    if unknown or (overrides and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(unknown or overrides)}")
+    if overrides:
+        args.overrides = [*args.overrides, *overrides]
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    if args.command in _LONG_RUNNING:
+        from lmjax.hostmem import keep_freed_memory
+
+        keep_freed_memory()
+    try:
+        return args.run(args)
+    except LMJaxError as err:
+        print(f"lmjax {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"lmjax {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+__all__ = ["build_parser", "main"]

@@ -1,0 +1,7 @@
+"""`python -m lmjax.cli`: the `lmjax` console script."""
+
+import sys
+
+from lmjax.cli import main
+
+sys.exit(main())

@@ -1,0 +1,67 @@
+"""What several `lmjax` commands share: a CONFIG command's parser, a run loaded at a step, a
+JSON report's output file.
+
+Heavy imports stay inside the functions (they keep `lmjax --help` fast).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def add_config_command(
+    sub, name: str, help: str, description: str, config_help: str
+) -> argparse.ArgumentParser:
+    """The subcommand `lmjax NAME CONFIG [section.field=value ...]` (train, finetune, bench,
+    compile): a YAML config and its overrides, before the command's own flags."""
+    parser = sub.add_parser(name, help=help, description=description)
+    parser.add_argument("config", help=config_help)
+    parser.add_argument("overrides", nargs="*", help="section.field=value overrides")
+    return parser
+
+
+def load_run(path, step: int | None):
+    """`train.load_run`, refusing a step it can't honour: a weights-only run (import-hf,
+    merged/) has no checkpoints, and its weights would have been used whatever --step said."""
+    from lmjax import train
+    from lmjax.checks import require
+    from lmjax.train.runs import split_run_path
+
+    run = train.load_run(path, step)
+    wanted = split_run_path(path)[1] if step is None else step
+    weights_only = " (it holds weights only, no checkpoints)" if run.step is None else ""
+    require(
+        wanted is None or run.step == wanted,
+        "--step" if step is not None else "checkpoints/<step> in the path",
+        wanted,
+        f"a checkpoint step of {run.directory}{weights_only}",
+        "drop --step to use the run's weights, or pass a step under checkpoints/",
+    )
+    return run
+
+
+def check_output_file(path: str) -> None:
+    """A file path a report can be written to: not a directory, under a directory (or a path
+    to make one). Checked before the minutes of work, not after."""
+    from lmjax.checks import require
+
+    out = Path(path)
+    ancestors = [p for p in out.parents if p.exists()]
+    blocker = out if out.is_dir() else (ancestors[0] if ancestors else out)
+    kind = "a directory" if blocker == out else "a file"
+    require(
+        not out.is_dir() and (not ancestors or ancestors[0].is_dir()),
+        "--output",
+        path,
+        f"a file path (but {blocker} is {kind})",
+        "pass a file name such as results/bench.json",
+    )
+
+
+def write_json(path: str, report: dict) -> None:
+    """`report` as indented JSON at `path` (its parents made), and a line saying so."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {path}")

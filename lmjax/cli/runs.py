@@ -1,0 +1,220 @@
+"""`lmjax eval` and `lmjax generate`: a trained, fine-tuned or imported run's validation loss,
+and text sampled from it."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import math
+
+from lmjax.cli.common import load_run
+from lmjax.errors import ConfigError, FileFormatError, TokenError
+
+# ---- lmjax eval ----------------------------------------------------------------------------------
+
+
+def add_eval(sub) -> None:
+    ev = sub.add_parser(
+        "eval",
+        help="print a run's validation loss",
+        description="Load RUN's newest (or --step) checkpoint and print the mean validation "
+        "loss over the run's fixed evaluation batches.",
+    )
+    ev.add_argument("run_path", metavar="RUN", help="a run directory (or RUN/checkpoints/STEP)")
+    ev.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
+    ev.add_argument(
+        "--batches", type=int, default=None, help="evaluation batches (default: config)"
+    )
+    ev.add_argument("--batch-size", type=int, default=None, help="sequences per batch")
+    ev.add_argument("--seq-len", type=int, default=None, help="tokens per sequence")
+    ev.set_defaults(run=run_eval)
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    from lmjax import train
+    from lmjax.checks import require
+    from lmjax.train.runs import split_run_path
+
+    if args.step is not None:  # a checkpoint path already names its step
+        require(
+            split_run_path(args.run_path)[1] in (None, args.step),
+            "--step",
+            args.step,
+            f"the step of the checkpoint path {args.run_path}",
+            "pass a run directory with --step, or a checkpoint path alone",
+        )
+    run = load_run(args.run_path, args.step)
+    cfg = _eval_config(args, run)
+    tokenizer_dir = _eval_tokenizer_dir(run, cfg)
+    prepared = train.prepare_data(cfg, progress=False, tokenizer_dir=tokenizer_dir)
+    train.loop.resolve(cfg, prepared)
+    eval_step = train.make_eval_step(run.model)
+    loss = train.evaluate(
+        eval_step,
+        run.params,
+        prepared.val,
+        cfg.train,
+        cfg.seq_len,
+        vocab_size=run.model.vocab_size,
+    )
+    t = cfg.train
+    print(
+        f"{run.directory} step {run.step}: validation loss {loss:.4f} nats/token "
+        f"(perplexity {math.exp(min(loss, 700)):.3f}) over {t.eval_batches} batches of "
+        f"{t.batch_size} x {cfg.seq_len} tokens of {cfg.data.corpus} ({cfg.data.tokenizer} "
+        "tokenizer)"
+    )
+    return 0
+
+
+def _eval_config(args: argparse.Namespace, run):
+    """The run's config with eval's flags over its evaluation batches (one micro-batch each)."""
+    from lmjax.checks import require
+
+    t = run.cfg.train
+    changes = {
+        "eval_batches": _positive("--batches", args.batches, t.eval_batches),
+        "batch_size": _positive("--batch-size", args.batch_size, t.batch_size // t.grad_accum),
+        "grad_accum": 1,
+        "seq_len": _positive("--seq-len", args.seq_len, run.cfg.seq_len),
+    }
+    context = run.model.context_length
+    seq_len = changes["seq_len"]
+    require(seq_len <= context, "--seq-len", seq_len, f"<= context_length = {context}", "lower it")
+    return run.cfg.replace(train=dataclasses.replace(t, **changes))
+
+
+def _eval_tokenizer_dir(run, cfg):
+    """The run's own tokenizer/ where the data must be encoded with it, else None (the data
+    section's tokenizer).
+
+    A fine-tune's corpus was encoded with its base's tokenizer (which the run keeps in
+    tokenizer/): score with those ids even when the cached data directory is gone. A
+    weights-only run with no prepared data (import-hf) is scored with its own tokenizer/ too:
+    its data.tokenizer label (gpt2) need not be the vocabulary its weights were trained on."""
+    from lmjax.checks import require
+
+    fine_tune = (run.directory / "finetune.yaml").is_file()
+    unprepared = run.step is None and cfg.data.dir is None
+    require(
+        not (unprepared and run.tokenizer is None),
+        "run",
+        str(run.directory),
+        "a tokenizer/ directory (its weights-only config names no prepared data)",
+        "copy the tokenizer/ of the run the weights came from into it",
+        error=FileFormatError,
+    )
+    return run.directory / "tokenizer" if fine_tune or unprepared else None
+
+
+def _positive(flag: str, value, default: int) -> int:
+    if value is None:
+        return default
+    if value < 1:
+        raise ConfigError.describe(flag, value, "an int >= 1", f"pass e.g. {flag} {default}")
+    return value
+
+
+# ---- lmjax generate ------------------------------------------------------------------------------
+
+
+def add_generate(sub) -> None:
+    gen = sub.add_parser(
+        "generate",
+        help="sample text from a trained or imported run, streaming tokens",
+        description="Encode --prompt with the run's tokenizer and sample a continuation with "
+        "a KV cache (temperature 0 = greedy). One prompt streams as it is generated; several "
+        "--prompt flags are generated as one batch.",
+    )
+    source = gen.add_mutually_exclusive_group(required=True)
+    source.add_argument("--run", dest="run_dir", help="a run directory (its newest checkpoint)")
+    source.add_argument("--checkpoint", help="RUN/checkpoints/STEP, or a weights-only run")
+    gen.add_argument("--step", type=int, default=None, help="checkpoint step of --run")
+    gen.add_argument("--prompt", action="append", required=True, help="text (repeatable)")
+    gen.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=None,
+        help="tokens to generate (default: 200, or what fits in the context)",
+    )
+    gen.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
+    gen.add_argument(
+        "--top-k", type=int, default=None, help="keep the k most likely tokens (0: off, as unset)"
+    )
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1]")
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument(
+        "--stop-token", type=int, action="append", default=[], help="token id that ends a sequence"
+    )
+    gen.add_argument("--cache", choices=("contiguous", "paged"), default="contiguous")
+    gen.set_defaults(run=run_generate)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from lmjax import generate
+    from lmjax.checks import require
+
+    # The sampling flags first: a typo fails before the weights are read.
+    generate.Sampling(args.temperature, args.top_k, args.top_p)
+    run = load_run(args.run_dir or args.checkpoint, args.step)
+    require(
+        run.tokenizer is not None,
+        "run",
+        str(run.directory),
+        "a tokenizer/ directory (saved by train or import-hf)",
+        "copy the data's tokenizer/ into the run",
+        error=FileFormatError,
+    )
+    prompts = [run.tokenizer.encode(text) for text in args.prompt]
+    n = _check_generate_lengths(args, prompts, run.model.context_length)
+    options = dict(
+        max_new_tokens=n,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop_tokens=args.stop_token,
+        cache=args.cache,
+    )
+    if len(prompts) > 1:  # a batch: print each continuation when all are done
+        outs = generate.generate(run.params, prompts, run.model, **options)
+        for text, out in zip(args.prompt, outs, strict=True):
+            print(f"--- {text!r}\n{text}{run.tokenizer.decode(out)}")
+        return 0
+    steps = generate.stream(run.params, prompts, run.model, **options)
+    first = next(steps)  # every option is validated before the first token: print nothing before
+    print(args.prompt[0], end="", flush=True)
+    shown, ids = "", []
+    for step in itertools.chain([first], steps):
+        if step.active[0]:
+            ids.append(int(step.tokens[0]))
+        text = run.tokenizer.decode(ids)
+        # A multi-byte character split across tokens decodes to U+FFFD until it is complete.
+        stable = text.rstrip("\ufffd")
+        print(stable[len(shown) :], end="", flush=True)
+        shown = stable
+    print(text[len(shown) :])
+    return 0
+
+
+def _check_generate_lengths(args, prompts: list[list[int]], context: int) -> int:
+    """The number of new tokens, with the CLI's own names in every error."""
+    from lmjax.checks import require
+
+    for text, ids in zip(args.prompt, prompts, strict=True):
+        expected = "text that encodes to at least one token"
+        require(bool(ids), "--prompt", text, expected, "give a prompt", error=TokenError)
+        length, fewer = f"{len(ids)} tokens", f"fewer than context_length = {context}"
+        require(len(ids) < context, "--prompt", length, fewer, "shorten the prompt", TokenError)
+    room = context - max(len(p) for p in prompts)
+    if args.max_new_tokens is None:
+        return min(200, room)
+    require(
+        1 <= args.max_new_tokens <= room,
+        "--max-new-tokens",
+        args.max_new_tokens,
+        f"an int in [1, {room}] (context_length {context} minus the longest prompt)",
+        f"pass --max-new-tokens {room} or less",
+    )
+    return args.max_new_tokens

