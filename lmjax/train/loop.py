@@ -114,10 +114,12 @@ def build_trainer(plan: Plan, trainable: Trainable, out) -> Trainer:
 
 
 def _mesh_and_shardings(cfg: RunConfig, model, tx):
-    """`(mesh, TrainState of NamedShardings)` for a `parallel.mesh` section, else `(None, None)`."""
-    if cfg.parallel.mesh is None:
+    """`(mesh, TrainState of NamedShardings)` on the run's mesh (`parallel.run_mesh_shape`: a
+    multi-process run without `parallel.mesh` gets one too), else `(None, None)`."""
+    shape = parallel.run_mesh_shape(cfg.parallel.mesh, cfg.train.batch_size // cfg.train.grad_accum)
+    if shape is None:
         return None, None
-    mesh = parallel.make_mesh(cfg.parallel.mesh)
+    mesh = parallel.make_mesh(shape)
     abstract = jax.eval_shape(lambda: init_state(jax.random.PRNGKey(0), model, tx))
     specs = parallel.state_specs(abstract, model, parallel.mesh_shape(mesh))
     return mesh, parallel.shardings(specs, mesh)

@@ -70,11 +70,12 @@ def make_plan(
     model = cfg.model_config()
     preflight(cfg, model, prepared)
     mesh = cfg.parallel.mesh
-    fix = "remove the parallel section: fine-tunes run on one device"
+    fix = "remove the parallel section: fine-tunes run in one process, on one device"
     no_mesh = "no mesh for a fine-tune (not supported yet)"
-    require(mesh is None or not finetune, "parallel.mesh", mesh, no_mesh, fix)
-    if mesh is not None:  # the device count, before anything is written
-        parallel.check_mesh_shape(mesh, jax.device_count())
+    one_device = mesh is None and jax.process_count() == 1
+    require(one_device or not finetune, "parallel.mesh", mesh, no_mesh, fix)
+    # The mesh against the device count and the batch, before anything is written.
+    parallel.run_mesh_shape(mesh, cfg.train.batch_size // cfg.train.grad_accum)
     return Plan(cfg, model, run, prepared, resume)
 
 
