@@ -69,7 +69,6 @@ _KNOWN: list[tuple[str, list[tuple[str, str]]]] = [
     (
         _LATER + ": split the file",
         [
-            ("file-lines", "lmjax/train/checkpoint.py"),
         ],
     ),
     (
@@ -86,7 +85,6 @@ _KNOWN: list[tuple[str, list[tuple[str, str]]]] = [
     (
         _LATER + ": a lazy third-party/stdlib import: hoist it (or allow it here, saying why)",
         [
-            ("local-import", "lmjax/train/checkpoint.py::_ocp -> orbax.checkpoint"),
             ("local-import", "lmjax/train/metrics.py::plot_losses -> matplotlib"),
             ("local-import", "lmjax/train/metrics.py::plot_losses -> matplotlib.figure"),
         ],
