@@ -27,10 +27,10 @@ def load_run(path, step: int | None):
     merged/) has no checkpoints, and its weights would have been used whatever --step said."""
     from lmjax import train
     from lmjax.checks import require
-    from lmjax.train.runs import split_run_path
+    from lmjax.train.rundir import RunDir
 
     run = train.load_run(path, step)
-    wanted = split_run_path(path)[1] if step is None else step
+    wanted = RunDir.parse(path)[1] if step is None else step
     weights_only = " (it holds weights only, no checkpoints)" if run.step is None else ""
     require(
         wanted is None or run.step == wanted,

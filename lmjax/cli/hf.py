@@ -9,8 +9,6 @@ from pathlib import Path
 from lmjax.cli.common import load_run
 from lmjax.errors import CheckpointError, LMJaxError
 
-GPT2_VOCAB_SIZE = 50257  # GPT-2's own vocabulary: 50,000 merges, 256 bytes, <|endoftext|>
-
 
 def add_import_hf(sub) -> None:
     imp = sub.add_parser(
@@ -32,13 +30,14 @@ def add_import_hf(sub) -> None:
 def run_import_hf(args: argparse.Namespace) -> int:
     from lmjax import params as ptree
     from lmjax.io import hf_gpt2
+    from lmjax.tokenizers import gpt2
     from lmjax.train.runs import write_weights_run
 
     params, model = hf_gpt2.load(args.source, dtype=args.dtype)
     tokenizer, note = _hf_tokenizer(args.source), ""
     if tokenizer is not None:
         hf_gpt2.check_tokenizer(tokenizer, model, args.source)
-    elif model.vocab_size == GPT2_VOCAB_SIZE:
+    elif model.vocab_size == gpt2.VOCAB_SIZE:
         from lmjax.train.data import gpt2_tokenizer
 
         tokenizer = gpt2_tokenizer()
@@ -46,7 +45,7 @@ def run_import_hf(args: argparse.Namespace) -> int:
     else:  # GPT-2's vocabulary would encode ids this model lacks: write none rather than guess
         note = (
             f", no tokenizer (no vocab.json/merges.txt beside it, and vocab_size "
-            f"{model.vocab_size} is not GPT-2's {GPT2_VOCAB_SIZE:,}: copy the tokenizer/ of "
+            f"{model.vocab_size} is not GPT-2's {gpt2.VOCAB_SIZE:,}: copy the tokenizer/ of "
             f"the run it came from into {args.out}/tokenizer, or put the files beside it and "
             "import again)"
         )

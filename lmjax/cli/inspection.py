@@ -145,14 +145,9 @@ def _inspect_config(args: argparse.Namespace) -> int:
         return _inspect_finetune_config(args)
     cfg = load_run_config(args.preset, args.overrides)
     if cfg.vocab_from_data:  # the tokenizer decides it; only a char vocabulary needs the data
-        from lmjax.tokenizers import ByteTokenizer, gpt2
+        from lmjax.train.data import known_vocab_size
 
-        sizes = {
-            "byte": ByteTokenizer.vocab_size,
-            "gpt2": gpt2.VOCAB_SIZE,
-            "bpe": cfg.data.vocab_size,
-        }
-        known = sizes.get(cfg.data.tokenizer)
+        known = known_vocab_size(cfg.data)
         cfg = (
             cfg.with_vocab_size(known)
             if known

@@ -34,11 +34,11 @@ def add_eval(sub) -> None:
 def run_eval(args: argparse.Namespace) -> int:
     from lmjax import train
     from lmjax.checks import require
-    from lmjax.train.runs import split_run_path
+    from lmjax.train.rundir import RunDir
 
     if args.step is not None:  # a checkpoint path already names its step
         require(
-            split_run_path(args.run_path)[1] in (None, args.step),
+            RunDir.parse(args.run_path)[1] in (None, args.step),
             "--step",
             args.step,
             f"the step of the checkpoint path {args.run_path}",
@@ -94,9 +94,11 @@ def _eval_tokenizer_dir(run, cfg):
     weights-only run with no prepared data (import-hf) is scored with its own tokenizer/ too:
     its data.tokenizer label (gpt2) need not be the vocabulary its weights were trained on."""
     from lmjax.checks import require
+    from lmjax.train.rundir import FINETUNED, WEIGHTS, RunDir
 
-    fine_tune = (run.directory / "finetune.yaml").is_file()
-    unprepared = run.step is None and cfg.data.dir is None
+    run_dir = RunDir(run.directory)
+    kind = run_dir.kind()
+    unprepared = kind == WEIGHTS and cfg.data.dir is None
     require(
         not (unprepared and run.tokenizer is None),
         "run",
@@ -105,7 +107,7 @@ def _eval_tokenizer_dir(run, cfg):
         "copy the tokenizer/ of the run the weights came from into it",
         error=FileFormatError,
     )
-    return run.directory / "tokenizer" if fine_tune or unprepared else None
+    return run_dir.tokenizer_dir if kind == FINETUNED or unprepared else None
 
 
 def _positive(flag: str, value, default: int) -> int:

@@ -78,12 +78,15 @@ def run_train(args: argparse.Namespace) -> int:
 
 def print_run(result) -> int:
     """What a finished run wrote: its directory and step, validation loss, files and sample."""
+    from lmjax.train.rundir import RunDir
+
+    run_dir = RunDir(result.run_dir)
     print(f"run directory: {result.run_dir} (step {result.step})")
     if result.val_loss is not None:
         print(f"validation loss: {result.val_loss:.4f} nats/token")
-    for name in ("loss.png", "metrics.jsonl", "samples.txt"):
-        if (result.run_dir / name).exists():
-            print(f"  {name}: {result.run_dir / name}")
+    for path in (run_dir.plot_file, run_dir.metrics_file, run_dir.samples_file):
+        if path.exists():
+            print(f"  {path.name}: {path}")
     if result.sample:
         print(f"sample:\n{result.sample}")
     return 0
@@ -119,6 +122,7 @@ def add_finetune(sub) -> None:
 
 def run_finetune(args: argparse.Namespace) -> int:
     from lmjax import finetune
+    from lmjax.train.rundir import RunDir
 
     result = finetune.finetune(
         args.config,
@@ -128,6 +132,7 @@ def run_finetune(args: argparse.Namespace) -> int:
         resume=args.resume,
     )
     print_run(result)
-    print(f"  adapters: {result.run_dir / finetune.ADAPTERS_FILE}")
-    print(f"  merged model (a weights-only run): {result.run_dir / finetune.MERGED_DIR}")
+    run_dir = RunDir(result.run_dir)
+    print(f"  adapters: {run_dir.adapters_file}")
+    print(f"  merged model (a weights-only run): {run_dir.merged_dir}")
     return 0
