@@ -44,7 +44,7 @@ import jax.numpy as jnp
 from lmjax import ops
 from lmjax import params as ptree
 from lmjax.checks import is_finite_real, is_int, is_positive_int, is_real, require
-from lmjax.config import parse_value
+from lmjax.config.overrides import parse_value
 from lmjax.errors import ConfigError, FileFormatError, ShapeError
 from lmjax.io import safetensors
 from lmjax.models import ModelConfig, declare
@@ -347,6 +347,7 @@ def objective(cfg, lcfg: LoraConfig):
     differentiated with respect to the adapters only; the base model is the step's `frozen`
     argument. The step's dropout key is split between the model's dropout and the adapters'.
     """
+
     def fn(adapters, base, inputs_BT, targets_BT, key):
         model_key = adapter_key = None
         if key is not None:

@@ -31,7 +31,6 @@ def loss_fn(params: dict, inputs_BT, targets_BT, cfg: ModelConfig, dropout_key=N
     return ops.cross_entropy(logits_BTV, targets_BT)
 
 
-
 class Loss(NamedTuple):
     """What a train step differentiates: `fn(params, frozen, inputs_BT, targets_BT, key)`.
 
