@@ -54,11 +54,8 @@ class MetricsWindow:
         latest_step: Callable[[], int | None],
     ):
         self.log, self.bar = log, bar
-        self.tokens_per_step, self.flops_per_step, self.peak = (
-            tokens_per_step,
-            flops_per_step,
-            peak_flops,
-        )
+        self.tokens_per_step, self.flops_per_step = tokens_per_step, flops_per_step
+        self.peak = peak_flops
         self.latest_step = latest_step
         self.pending: list[tuple[int, dict]] = []
         self.compile_s: float | None = None

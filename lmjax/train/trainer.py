@@ -91,13 +91,8 @@ class Trainer:
     """`Trainer(plan, trainable, step, pieces, out).run(publish)`: see the module docstring."""
 
     def __init__(self, plan: Plan, trainable: Trainable, step: Step, pieces: Pieces, out):
-        self.plan, self.trainable, self.step, self.pieces, self.out = (
-            plan,
-            trainable,
-            step,
-            pieces,
-            out,
-        )
+        self.plan, self.trainable, self.step = plan, trainable, step
+        self.pieces, self.out = pieces, out
         self.ckpt = plan.run.checkpoints(keep=plan.cfg.checkpoint.keep)
         self.log = MetricsLog(plan.run.metrics_file)
         self.state: TrainState | None = None
