@@ -14,10 +14,10 @@ from lmjax.cli import main
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _run(*args: str) -> subprocess.CompletedProcess:
+def _run(*args: str, module: str = "lmjax") -> subprocess.CompletedProcess:
     env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
     return subprocess.run(
-        [sys.executable, "-m", "lmjax", *args],
+        [sys.executable, "-m", module, *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -31,6 +31,14 @@ def test_help_lists_gradcheck():
     assert proc.returncode == 0, proc.stderr
     assert "gradcheck" in proc.stdout
     assert proc.stdout.lstrip().startswith("usage: lmjax")
+
+
+def test_python_m_lmjax_cli_is_the_cli_with_its_exit_codes():
+    """`python -m lmjax.cli` (the cli package's __main__) runs `main` and exits with its code."""
+    proc = _run("inspect", "gpt2", "--batch-size", "0", module="lmjax.cli")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("lmjax inspect: error: --batch-size = 0; expected an int >= 1")
+    assert proc.stdout == ""
 
 
 def test_gradcheck_help():
