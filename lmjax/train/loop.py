@@ -93,7 +93,7 @@ def build_trainer(plan: Plan, trainable: Trainable, out) -> Trainer:
     """The jitted step (on the plan's mesh, if any) and the pieces the trainer calls."""
     cfg, model = plan.cfg, plan.model
     tx, lr = optim.from_config(cfg)
-    mesh, shardings = _mesh_and_shardings(cfg, model, tx)
+    mesh, shardings = _mesh_and_shardings(plan.mesh_shape, model, tx)
     step = make_train_step(model, tx, lr, shardings, loss=trainable.loss)
     # On a mesh the eval batch is split like a training batch: left as host arrays it was
     # replicated, every device running the whole micro-batch.
@@ -113,10 +113,9 @@ def build_trainer(plan: Plan, trainable: Trainable, out) -> Trainer:
     return Trainer(plan, trainable, Step(step, tx, mesh, shardings), pieces, out)
 
 
-def _mesh_and_shardings(cfg: RunConfig, model, tx):
-    """`(mesh, TrainState of NamedShardings)` on the run's mesh (`parallel.run_mesh_shape`: a
-    multi-process run without `parallel.mesh` gets one too), else `(None, None)`."""
-    shape = parallel.run_mesh_shape(cfg.parallel.mesh, cfg.train.batch_size // cfg.train.grad_accum)
+def _mesh_and_shardings(shape: dict[str, int] | None, model, tx):
+    """`(mesh, TrainState of NamedShardings)` on the plan's mesh shape (`parallel.run_mesh_shape`:
+    a multi-process run without `parallel.mesh` gets one too), else `(None, None)`."""
     if shape is None:
         return None, None
     mesh = parallel.make_mesh(shape)

@@ -6,6 +6,7 @@
     plan.model   plan.cfg.model_config(), resolved once
     plan.run     the `RunDir`, checked writable (new, or resumable)
     plan.data    the prepared data, opened
+    plan.mesh_shape  the device mesh the run trains on (`parallel.run_mesh_shape`), or None
 
 Everything that would otherwise fail later (a split shorter than a sequence, a sample prompt
 the tokenizer can't encode or that leaves no room, a mesh the devices can't hold) fails here.
@@ -47,6 +48,7 @@ class Plan:
     run: RunDir
     data: D.Prepared
     resume: bool
+    mesh_shape: dict[str, int] | None = None  # `parallel.run_mesh_shape`; None: one device
 
     @property
     def tokens_per_step(self) -> int:
@@ -75,8 +77,8 @@ def make_plan(
     one_device = mesh is None and jax.process_count() == 1
     require(one_device or not finetune, "parallel.mesh", mesh, no_mesh, fix)
     # The mesh against the device count and the batch, before anything is written.
-    parallel.run_mesh_shape(mesh, cfg.train.batch_size // cfg.train.grad_accum)
-    return Plan(cfg, model, run, prepared, resume)
+    mesh_shape = parallel.run_mesh_shape(mesh, cfg.train.batch_size // cfg.train.grad_accum)
+    return Plan(cfg, model, run, prepared, resume, mesh_shape)
 
 
 def prepare_data(cfg: RunConfig, progress: bool = True, tokenizer_dir=None) -> D.Prepared:
