@@ -6,17 +6,19 @@ model's initial weights); the whole file costs well under a second after imports
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import pytest
 
 from lmjax import models
 from lmjax.config import DataConfig, RunConfig
-from lmjax.errors import ConfigError
+from lmjax.errors import ConfigError, FileFormatError
 from lmjax.tokenizers import ByteTokenizer, CharTokenizer
 from lmjax.train import bench
 from lmjax.train.data import known_vocab_size
 from lmjax.train.rundir import FINETUNED, TRAINED, WEIGHTS, RunDir
-from lmjax.train.runs import load_run, write_weights_run
+from lmjax.train.runs import eval_tokenizer_dir, load_run, write_weights_run
 
 TINY = dict(n_layers=1, d_model=16, n_heads=2, d_ff=32, context_length=16)
 
@@ -39,9 +41,7 @@ def test_bench_model_takes_the_vocab_from_the_tokenizer():
         data=DataConfig(tokenizer="bpe", vocab_size=300),
     )
     assert bench.run_config_model(bpe).vocab_size == 300
-    char = RunConfig(
-        model={"preset": "gpt", "vocab_size": None}, data=DataConfig(tokenizer="char")
-    )
+    char = RunConfig(model={"preset": "gpt", "vocab_size": None}, data=DataConfig(tokenizer="char"))
     with pytest.raises(ConfigError, match="model.vocab_size"):
         bench.run_config_model(char)
 
@@ -95,3 +95,18 @@ def test_tokenizer_absent_is_none(tmp_path):
     assert RunDir(tmp_path).tokenizer() is None
     ByteTokenizer().save(RunDir(tmp_path).tokenizer_dir)
     assert RunDir(tmp_path).tokenizer().vocab_size == 256
+
+
+def test_eval_tokenizer_dir_by_kind(tmp_path):
+    """eval encodes a weights-only run's text with its own tokenizer/ (its config names no
+    prepared data), refuses one without a tokenizer, and uses the data's for a data.dir."""
+    model = models.ModelConfig(vocab_size=5, **TINY)
+    params = models.init(jax.random.key(0), model)
+    with_tok = write_weights_run(tmp_path / "a", params, model, CharTokenizer.train("abcd"), "char")
+    loaded = load_run(with_tok)
+    assert eval_tokenizer_dir(loaded, loaded.cfg) == RunDir(with_tok).tokenizer_dir
+    prepared = loaded.cfg.replace(data=dataclasses.replace(loaded.cfg.data, dir="data/x"))
+    assert eval_tokenizer_dir(loaded, prepared) is None
+    bare = load_run(write_weights_run(tmp_path / "b", params, model, None, "char"))
+    with pytest.raises(FileFormatError, match="a tokenizer/ directory"):
+        eval_tokenizer_dir(bare, bare.cfg)

@@ -16,6 +16,7 @@ from pathlib import Path
 import jax
 
 from lmjax import lora, tokenizers
+from lmjax.checks import require
 from lmjax.config import DataConfig, RunConfig, TrainConfig
 from lmjax.errors import CheckpointError, ConfigError, FileFormatError, LMJaxError
 from lmjax.files import atomic_dir
@@ -128,7 +129,8 @@ def load_base(spec: FinetuneSpec, run: RunDir) -> LoadedRun:
 
 
 def eval_tokenizer_dir(run: LoadedRun, cfg: RunConfig) -> Path | None:
-    """The tokenizer `lmjax eval` encodes the validation text with: None for the data's own.
+    """The run's own tokenizer/ where `lmjax eval` must encode the data with it, else None
+    (the data section's tokenizer).
 
     A fine-tune's corpus was encoded with its base's tokenizer (which the run keeps in
     tokenizer/): score with those ids even when the cached data directory is gone. A
@@ -136,15 +138,17 @@ def eval_tokenizer_dir(run: LoadedRun, cfg: RunConfig) -> Path | None:
     its data.tokenizer label (gpt2) need not be the vocabulary its weights were trained on.
     """
     directory = RunDir(run.directory)
-    weights_only = run.step is None and cfg.data.dir is None
-    if weights_only and run.tokenizer is None:
-        raise FileFormatError.describe(
-            "run",
-            str(run.directory),
-            "a tokenizer/ directory (its weights-only config names no prepared data)",
-            "copy the tokenizer/ of the run the weights came from into it",
-        )
-    return directory.tokenizer_dir if directory.is_finetune() or weights_only else None
+    kind = directory.kind()
+    unprepared = kind == WEIGHTS and cfg.data.dir is None
+    require(
+        not (unprepared and run.tokenizer is None),
+        "run",
+        str(run.directory),
+        "a tokenizer/ directory (its weights-only config names no prepared data)",
+        "copy the tokenizer/ of the run the weights came from into it",
+        error=FileFormatError,
+    )
+    return directory.tokenizer_dir if kind == FINETUNED or unprepared else None
 
 
 def write_weights_run(out, params: dict, model: ModelConfig, tokenizer, tokenizer_kind: str):
