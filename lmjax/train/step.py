@@ -14,11 +14,14 @@ caller where the run failed.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import NamedSharding
 
 from lmjax import models
 from lmjax.models import ModelConfig
@@ -125,7 +128,23 @@ def make_train_step(
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr(state.step), "finite": finite}
         return new, metrics
 
-    return jax.jit(train_step, donate_argnums=0)
+    return jax.jit(_traced_on_the_mesh_of(state_sharding, train_step), donate_argnums=0)
+
+
+def _traced_on_the_mesh_of(sharding: Any, fn: Callable) -> Callable:
+    """`fn`, traced with the mesh of `sharding`'s leaves in context (none: `fn` itself), so the
+    model can split what XLA cannot: `lmjax.models.attention` shard-maps the flash kernel."""
+    meshes = {s.mesh for s in jax.tree.leaves(sharding) if isinstance(s, NamedSharding)}
+    if len(meshes) != 1:
+        return fn
+    abstract = meshes.pop().abstract_mesh
+
+    @functools.wraps(fn)
+    def traced(*args, **kwargs):
+        with jax.sharding.use_abstract_mesh(abstract):
+            return fn(*args, **kwargs)
+
+    return traced
 
 
 def make_eval_step(cfg: ModelConfig):

@@ -234,14 +234,14 @@ def compile_train_step(
     }
     step = make_train_step(model, tx, lr, state_shardings)
     start = time.perf_counter()
-    # The default device picks the kernels' platform (pallas_kernels._backend): Mosaic's.
+    # The default device picks the kernels' platform (pallas_kernels._backend): Mosaic's. The
+    # step traces on its state's mesh, which lmjax.models.attention shard-maps the flash kernel
+    # over (XLA's partitioner cannot split a Mosaic call itself).
     with jax.default_device(devices[0]):
         try:
             compiled = step.lower(state, batch).compile()
         except jax.errors.JaxRuntimeError as err:
             raise _out_of_hbm(err, topology, chip) from err
-        except NotImplementedError as err:  # a Pallas kernel on a mesh, see _unpartitioned
-            raise _unpartitioned(err, model, shape) from err
     compile_s = time.perf_counter() - start
     model_flops = flops_per_token(model, run.seq_len) * t.batch_size * run.seq_len / len(devices)
     return CompileReport(
@@ -276,20 +276,6 @@ def _out_of_hbm(err: Exception, topology: str, chip: TpuChip) -> Exception:
     needed, available = (float(g) * GIB for g in found.groups())
     how = "the compiler's count of its buffers"
     return not_fitting(topology, chip, int(needed), int(available), how)
-
-
-def _unpartitioned(err: Exception, model, shape: Mapping[str, int]) -> Exception:
-    """XLA's partitioner cannot split a Mosaic kernel over a mesh: the call would need a
-    shard_map, which the model does not wrap its kernels in (yet)."""
-    if "cannot be automatically partitioned" not in str(err):
-        return err
-    mesh = ",".join(f"{k}={v}" for k, v in shape.items())
-    return ConfigError.describe(
-        "model.attention", model.attention,
-        f"an attention XLA can partition over mesh {mesh} (the Pallas flash kernel is a Mosaic "
-        "call, which the TPU partitioner refuses outside a shard_map)",
-        "use model.attention=xla on a mesh for now",
-    )  # fmt: skip
 
 
 def not_fitting(topology: str, chip: TpuChip, needed: int, available: int, how: str):
