@@ -80,12 +80,10 @@ def attention_reference(q, k, v, *, causal: bool, mask=None, offset: int = 0, re
     hidden_BHTS = jnp.where(seen_BHTS, scores_BHTS, -jnp.inf)
     row_max = jax.lax.stop_gradient(jnp.max(hidden_BHTS, axis=-1, keepdims=True))
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
-    weights_BHTS = jnp.exp(hidden_BHTS - row_max)
-    total = jnp.sum(weights_BHTS, axis=-1, keepdims=True)
+    total = jnp.sum(jnp.exp(hidden_BHTS - row_max), axis=-1, keepdims=True)
     has_key = total > 0
-    probs_BHTS = weights_BHTS / jnp.where(has_key, total, 1.0)
+    # log of 1, not of 0, where a row has no key: its lse is -inf and its gradient stays 0.
+    lse_BHT1 = jnp.where(has_key, row_max + jnp.log(jnp.where(has_key, total, 1.0)), -jnp.inf)
+    probs_BHTS = jnp.exp(hidden_BHTS - jnp.where(has_key, lse_BHT1, 0.0))
     out = jnp.einsum("bhts,bshd->bthd", probs_BHTS, v_f).astype(q.dtype)
-    if not return_lse:
-        return out
-    lse = row_max + jnp.log(jnp.where(has_key, total, 1.0))
-    return out, jnp.where(has_key, lse, -jnp.inf)[..., 0]
+    return (out, lse_BHT1[..., 0]) if return_lse else out

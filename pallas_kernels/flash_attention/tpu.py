@@ -14,16 +14,17 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels._backend import dot as _dot
-from pallas_kernels.flash_attention.blocks import (
-    finish,
-    init_carry,
-    iota,
-    maybe_spec,
-    online_softmax_step,
-    probs_and_dscores,
-    visible,
-)
+from pallas_kernels.flash_attention import blocks
 from pallas_kernels.flash_attention.plan import Plan, kv_range, q_range
+
+
+def _visible(plan: Plan, mask_ref, i, j, bq: int, bk: int):
+    """bool [Q, K]: which keys of block (i, j) each query row sees; None when nothing is masked."""
+    if not plan.needs_mask:
+        return None
+    kmask = None if mask_ref is None else mask_ref[...]
+    rows_Q1, cols_1K = blocks.iota(i * bq, (bq, 1), 0), blocks.iota(j * bk, (1, bk), 1)
+    return blocks.visible(plan, rows_Q1, cols_1K, kmask)
 
 
 def _tpu_fwd_kernel(q_ref, k_ref, v_ref, mask_ref, o_ref, lse_ref, acc, m, l, *, plan):
@@ -32,22 +33,19 @@ def _tpu_fwd_kernel(q_ref, k_ref, v_ref, mask_ref, o_ref, lse_ref, acc, m, l, *,
 
     @pl.when(j == 0)
     def _init():
-        acc[...], m[...], l[...] = init_carry(bq, plan.d_pad)
+        acc[...], m[...], l[...] = blocks.init_carry(bq, plan.d_pad)
 
     @pl.when(j < kv_range(plan, i, bq, bk)[1])  # causal skipping: blocks past the diagonal
     def _step():
         s_QK = _dot(q_ref[...], k_ref[...], (1, 1)) * plan.scale2
-        keep = None
-        if plan.needs_mask:
-            kmask = None if mask_ref is None else mask_ref[...]
-            keep = visible(plan, iota(i * bq, (bq, 1), 0), iota(j * bk, (1, bk), 1), kmask)
-        acc[...], m[...], l[...] = online_softmax_step(
+        keep = _visible(plan, mask_ref, i, j, bq, bk)
+        acc[...], m[...], l[...] = blocks.online_softmax_step(
             (acc[...], m[...], l[...]), s_QK, keep, v_ref[...]
         )
 
     @pl.when(j == pl.num_programs(3) - 1)
     def _done():
-        out_QDh, lse_Q1 = finish(acc[...], m[...], l[...])
+        out_QDh, lse_Q1 = blocks.finish(acc[...], m[...], l[...])
         o_ref[...] = out_QDh.astype(o_ref.dtype)
         lse_ref[...] = lse_Q1
 
@@ -62,13 +60,10 @@ def _tpu_dq_kernel(q_ref, k_ref, v_ref, mask_ref, do_ref, lse_ref, delta_ref, dq
 
     @pl.when(j < kv_range(plan, i, bq, bk)[1])
     def _step():
-        keep = None
-        if plan.needs_mask:
-            kmask = None if mask_ref is None else mask_ref[...]
-            keep = visible(plan, iota(i * bq, (bq, 1), 0), iota(j * bk, (1, bk), 1), kmask)
+        keep = _visible(plan, mask_ref, i, j, bq, bk)
         k_KDh = k_ref[...]
         rows = (q_ref[...], k_KDh, v_ref[...], do_ref[...], lse_ref[...], delta_ref[...])
-        _, ds_QK = probs_and_dscores(*rows, keep, plan.scale2)
+        _, ds_QK = blocks.probs_and_dscores(*rows, keep, plan.scale2)
         dq[...] += _dot(ds_QK.astype(k_KDh.dtype), k_KDh, (1, 0))
 
     @pl.when(j == pl.num_programs(3) - 1)
@@ -91,12 +86,9 @@ def _tpu_dkdv_kernel(
 
     @pl.when((i >= lo) & (i < end))
     def _step():
-        keep = None
-        if plan.needs_mask:
-            kmask = None if mask_ref is None else mask_ref[...]
-            keep = visible(plan, iota(i * bq, (bq, 1), 0), iota(j * bk, (1, bk), 1), kmask)
+        keep = _visible(plan, mask_ref, i, j, bq, bk)
         q_QDh, do_QDh = q_ref[...], do_ref[...]
-        p_QK, ds_QK = probs_and_dscores(
+        p_QK, ds_QK = blocks.probs_and_dscores(
             q_QDh, k_ref[...], v_ref[...], do_QDh, lse_ref[...], delta_ref[...], keep, plan.scale2
         )
         dv[...] += _dot(p_QK.astype(do_QDh.dtype), do_QDh, (0, 0))
@@ -143,7 +135,8 @@ def _tpu_specs(plan: Plan, bq: int, bk: int, q_outer: bool):
 
 def _tpu_bwd_in_specs(sp, kmask):
     """(q, k, v, mask, dO, lse, delta), in the order the backward kernels take them."""
-    return [sp["q"], sp["k"], sp["k"], maybe_spec(kmask, sp["mask"]), sp["q"], sp["row"], sp["row"]]
+    mask = blocks.maybe_spec(kmask, sp["mask"])
+    return [sp["q"], sp["k"], sp["k"], mask, sp["q"], sp["row"], sp["row"]]
 
 
 def _to_bhtd(x):
@@ -159,7 +152,7 @@ def forward(plan: Plan, q, k, v, kmask):
         functools.partial(_tpu_fwd_kernel, plan=plan),
         out_shape=(q, jax.ShapeDtypeStruct((b, h, plan.t_pad, 1), jnp.float32)),
         grid=(b, h, plan.t_pad // plan.bq, plan.s_pad // plan.bk),
-        in_specs=[sp["q"], sp["k"], sp["k"], maybe_spec(kmask, sp["mask"])],
+        in_specs=[sp["q"], sp["k"], sp["k"], blocks.maybe_spec(kmask, sp["mask"])],
         out_specs=[sp["q"], sp["row"]],
         scratch_shapes=[
             pltpu.VMEM((plan.bq, dp), jnp.float32),
