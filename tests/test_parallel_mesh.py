@@ -381,7 +381,10 @@ def test_sharded_lmjax_train_has_the_unsharded_losses(report):
     """Train losses of every step and validation losses at steps 2 and 4; the sharded run was
     resumed from step 2 onto another mesh. rtol 1e-5: four steps of the reduction-order
     differences above (eps 1e-4 keeps Adam from amplifying them)."""
-    assert report["run_meshes"] == [{"data": 2, "fsdp": 2, "model": 2}, {"fsdp": 8}]
+    assert report["run_meshes"] == [
+        {"data": 2, "fsdp": 2, "model": 2},
+        {"data": 1, "fsdp": 8, "model": 1},
+    ]  # the resumed run asked for fsdp=8; the loop passes the filled-in shape
     # Evaluation batches are split over data x fsdp too (they were replicated host arrays).
     evals = report["eval_inputs"]
     assert evals["plain"] and set(map(str, evals["plain"])) == {"host"}, evals

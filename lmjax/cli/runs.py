@@ -35,6 +35,7 @@ def run_eval(args: argparse.Namespace) -> int:
     from lmjax import train
     from lmjax.checks import require
     from lmjax.train.rundir import RunDir
+    from lmjax.train.runs import eval_tokenizer_dir
 
     if args.step is not None:  # a checkpoint path already names its step
         require(
@@ -46,7 +47,7 @@ def run_eval(args: argparse.Namespace) -> int:
         )
     run = load_run(args.run_path, args.step)
     cfg = _eval_config(args, run)
-    tokenizer_dir = _eval_tokenizer_dir(run, cfg)
+    tokenizer_dir = eval_tokenizer_dir(run, cfg)
     prepared = train.prepare_data(cfg, progress=False, tokenizer_dir=tokenizer_dir)
     train.loop.resolve(cfg, prepared)
     eval_step = train.make_eval_step(run.model)
@@ -83,31 +84,6 @@ def _eval_config(args: argparse.Namespace, run):
     seq_len = changes["seq_len"]
     require(seq_len <= context, "--seq-len", seq_len, f"<= context_length = {context}", "lower it")
     return run.cfg.replace(train=dataclasses.replace(t, **changes))
-
-
-def _eval_tokenizer_dir(run, cfg):
-    """The run's own tokenizer/ where the data must be encoded with it, else None (the data
-    section's tokenizer).
-
-    A fine-tune's corpus was encoded with its base's tokenizer (which the run keeps in
-    tokenizer/): score with those ids even when the cached data directory is gone. A
-    weights-only run with no prepared data (import-hf) is scored with its own tokenizer/ too:
-    its data.tokenizer label (gpt2) need not be the vocabulary its weights were trained on."""
-    from lmjax.checks import require
-    from lmjax.train.rundir import FINETUNED, WEIGHTS, RunDir
-
-    run_dir = RunDir(run.directory)
-    kind = run_dir.kind()
-    unprepared = kind == WEIGHTS and cfg.data.dir is None
-    require(
-        not (unprepared and run.tokenizer is None),
-        "run",
-        str(run.directory),
-        "a tokenizer/ directory (its weights-only config names no prepared data)",
-        "copy the tokenizer/ of the run the weights came from into it",
-        error=FileFormatError,
-    )
-    return run_dir.tokenizer_dir if kind == FINETUNED or unprepared else None
 
 
 def _positive(flag: str, value, default: int) -> int:
