@@ -169,9 +169,9 @@ class MetricsLog:
 
 def plot_losses(records: list[dict], path: str | os.PathLike, title: str = "") -> None:
     """Train and validation loss against step, written atomically as a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
+    # Lazy (tests/test_architecture.py's LAZY_THIRD_PARTY): matplotlib is 0.4-0.7 s of import
+    # for one plot per run. A bare Figure needs no pyplot and no backend switch, so a notebook's
+    # own backend is left alone.
     from matplotlib.figure import Figure
 
     train = [(r["step"], r["loss"]) for r in records if "loss" in r]
