@@ -27,14 +27,14 @@ from _pallas import (
 
 from lmjax.errors import ConfigError, ShapeError
 from pallas_kernels import flash_attention as fa
-from pallas_kernels.flash_attention import plan as fa_plan
-from pallas_kernels.flash_attention import vjp as fa_vjp
 from pallas_kernels.flash_attention import (
     BlockSizes,
     attention_reference,
     flash_attention,
     flash_attention_with_lse,
 )
+from pallas_kernels.flash_attention import plan as fa_plan
+from pallas_kernels.flash_attention import vjp as fa_vjp
 
 # float32: the kernel sums the same products as the reference in a different order (blocked,
 # online rescaling, exp2 with log2(e) folded into the scale), so results differ by a few f32
