@@ -62,18 +62,10 @@ OPS_MAY_IMPORT = ("lmjax.errors", "lmjax.checks", OPS)
 OPS_MUST_NOT_MENTION = re.compile(r"lora|Quantized")
 PARTITION_SPEC = "jax.sharding.PartitionSpec"
 
-_LATER = "issue 21: to be removed"
 
 # (rule, subject) -> why it is still here. Subjects: a cycle's sorted members joined by ", ";
 # "importer -> target" for an import; a file path; "path::qualified.function".
-_KNOWN: list[tuple[str, list[tuple[str, str]]]] = [
-    (
-        _LATER + ": split the function",
-        [
-            ("function-lines", "lmjax/generate/loop.py::stream"),
-        ],
-    ),
-]
+_KNOWN: list[tuple[str, list[tuple[str, str]]]] = []  # issue 21 emptied it
 KNOWN_VIOLATIONS: dict[tuple[str, str], str] = {k: why for why, keys in _KNOWN for k in keys}
 
 

@@ -116,22 +116,15 @@ def stream(
     _check_run(rows, cfg, max_new_tokens, seed, cache, page_size, num_pages)
     stops = _check_stop_tokens(stop_tokens, cfg)
     check_params(params, cfg)
-    lengths = np.array([len(r) for r in rows], np.int32)
-    b, t, s = len(rows), _bucket(lengths.max(), cfg), _bucket(lengths.max() + max_new_tokens, cfg)
-    tokens_BT = np.zeros((b, t), np.int32)  # right padding; the pad id is never attended to
-    for i, row in enumerate(rows):
-        tokens_BT[i, : len(row)] = row
-
-    pages = None
+    tokens_BT, lengths = _right_padded(rows, cfg)
+    b, s = len(rows), _bucket(lengths.max() + max_new_tokens, cfg)
+    pages, worst = None, 0
     if cache == "paged":
         page_size = PAGE_SIZE if page_size is None else page_size
         worst = int(np.ceil((lengths + max_new_tokens - 1) / page_size).sum())
-        num_pages = worst if num_pages is None else num_pages
-        kv = init_paged_cache(cfg, b, num_pages, page_size, s)
-        pages = PageAllocator(num_pages, page_size, b, kv.page_table.shape[1])
-        for i in range(b):
-            _ensure(pages, i, int(lengths[i]), worst, 0)
-        kv = kv._replace(page_table=jnp.asarray(pages.table))
+        kv, pages = _paged_start(
+            cfg, lengths, s, page_size, worst if num_pages is None else num_pages, worst
+        )
     else:
         kv = init_cache(cfg, b, s)
 
@@ -159,6 +152,27 @@ def stream(
                 _ensure(pages, int(i), int(lengths[i] + emitted[i]), worst, step)
             kv = kv._replace(page_table=jnp.asarray(pages.table))
         token_B, finite_B, kv = decode_sample(params, token_B, kv, key, step, cfg, sampling)
+
+
+def _right_padded(rows: list[list[int]], cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
+    """`(tokens [B, T], lengths [B])`: the prompts right-padded to a bucketed T; the pad id (0)
+    is never attended to, as each row's length masks it."""
+    lengths = np.array([len(r) for r in rows], np.int32)
+    tokens_BT = np.zeros((len(rows), _bucket(lengths.max(), cfg)), np.int32)
+    for i, row in enumerate(rows):
+        tokens_BT[i, : len(row)] = row
+    return tokens_BT, lengths
+
+
+def _paged_start(cfg, lengths, s: int, page_size: int, num_pages: int, worst: int):
+    """`(kv, pages)`: a paged cache of `num_pages` pages over `s` slots per row, with each
+    prompt's pages allocated (the pool running out is `_ensure`'s error, at step 0)."""
+    b = len(lengths)
+    kv = init_paged_cache(cfg, b, num_pages, page_size, s)
+    pages = PageAllocator(num_pages, page_size, b, kv.page_table.shape[1])
+    for i in range(b):
+        _ensure(pages, i, int(lengths[i]), worst, 0)
+    return kv._replace(page_table=jnp.asarray(pages.table)), pages
 
 
 def generate(params: dict, prompts, cfg: ModelConfig, **options) -> list[list[int]]:
