@@ -6,8 +6,9 @@ Here, on fake CPU devices (a subprocess with XLA_FLAGS=--xla_force_host_platform
 the kernel interpreted): the loss and every gradient of a tiny flash model on a data=2 x model=2
 mesh equal those on one device, to the float32 tolerance of tests/test_flash_attention.py, and
 so do the train step's loss and gradient norm when its state is sharded on that mesh (the step
-traces on its state's mesh, lmjax.train.step). The subprocess costs ~20 s (three jitted
-forward+backward passes of a 1-layer model); the rest is pure Python.
+traces on its state's mesh, lmjax.train.step) and the eval step's loss on that mesh. The
+subprocess costs ~20 s (three jitted forward+backward passes of a 1-layer model and one eval
+pass); the rest is pure Python.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ import numpy as np
 import optax
 
 from lmjax import models, ops, parallel
-from lmjax.train.step import global_norm, init_state, make_train_step
+from lmjax.train.step import global_norm, init_state, make_eval_step, make_train_step
 
 cfg = models.ModelConfig(
     vocab_size=32, context_length=16, d_model=32, n_heads=2, n_layers=1, d_ff=64,
@@ -77,6 +78,12 @@ state_specs = parallel.state_specs(jax.eval_shape(lambda: init_state(key, cfg, t
 state_sharding = parallel.shardings(state_specs, mesh)
 train_step = make_train_step(cfg, tx, optax.constant_schedule(0.1), state_sharding)
 state = jax.device_put(init_state(key, cfg, tx, lambda _: params), state_sharding)
+# The eval step `lmjax train` builds on the same mesh (make_eval_step(cfg, mesh)), run before
+# the train step donates its state (and with it these params' buffers).
+eval_step = make_eval_step(cfg, mesh)
+eval_params = jax.device_put(params, state_sharding.params)
+eval_jaxpr = str(jax.make_jaxpr(eval_step)(eval_params, inputs, targets))
+eval_loss = eval_step(eval_params, jax.device_put(inputs, rows), jax.device_put(targets, rows))
 tokens_sharding = parallel.batch_sharding(mesh, 3, batch_dim=1)
 batch = {"inputs": inputs[None], "targets": targets[None]}  # one micro-batch
 batch = {name: jax.device_put(a, tokens_sharding) for name, a in batch.items()}
@@ -96,6 +103,8 @@ print(json.dumps({
     "loss": [float(one_loss), float(mesh_loss)],
     "step_shard_maps": step_jaxpr.count("shard_map"),
     "step_loss": float(metrics["loss"]),
+    "eval_shard_maps": eval_jaxpr.count("shard_map"),
+    "eval_loss": float(eval_loss),
     "grad_norm": [float(global_norm(one_grads)), float(metrics["grad_norm"])],
     "grad_errors": {jax.tree_util.keystr(k): v for k, v in jax.tree.leaves_with_path(errors)},
     "grad_max": max(float(np.max(np.abs(g))) for g in jax.tree.leaves(one_grads)),
@@ -123,6 +132,10 @@ def test_flash_on_a_4_device_mesh_gives_the_one_device_loss_and_gradients():
     # The train step (state sharded on the mesh, no jax.set_mesh): shard-mapped, same numbers.
     assert result["step_shard_maps"] >= 1, "the train step did not trace on its state's mesh"
     assert abs(result["step_loss"] - one) <= F32_RTOL * max(1.0, abs(one))
+    # The eval step on that mesh: shard-mapped too (on TPU an unwrapped Mosaic call would not
+    # compile), same loss.
+    assert result["eval_shard_maps"] >= 1, "the eval step did not trace on the mesh"
+    assert abs(result["eval_loss"] - one) <= F32_RTOL * max(1.0, abs(one)), result["eval_loss"]
     norm_one, norm_step = result["grad_norm"]
     assert abs(norm_step - norm_one) <= F32_RTOL * max(1.0, norm_one), result["grad_norm"]
     assert len(result["grad_errors"]) >= 8, result["grad_errors"]  # every parameter's gradient

@@ -191,8 +191,8 @@ def _worker(workdir: Path) -> dict:
     runs, meshes, make_mesh = {}, [], parallel.make_mesh
     eval_inputs, make_eval_step = [], train.loop.make_eval_step
 
-    def recording_eval_step(model):  # records how each run lays out its eval batches
-        step = make_eval_step(model)
+    def recording_eval_step(model, mesh=None):  # records how each run lays out its eval batches
+        step = make_eval_step(model, mesh)
 
         def run(params, inputs, targets):
             spec = inputs.sharding.spec if isinstance(inputs, jax.Array) else "host"

@@ -100,7 +100,7 @@ def build_trainer(plan: Plan, trainable: Trainable, out) -> Trainer:
     eval_sharding = None if mesh is None else parallel.batch_sharding(mesh, 2)
     to_model = trainable.model_params
     val = plan.data.val
-    evaluate_fn = make_eval_step(model)  # looked up here: tests record the eval batches
+    evaluate_fn = make_eval_step(model, mesh)  # looked up here: tests record the eval batches
     evaluator = Evaluator(
         evaluate_fn, val, cfg.train, cfg.seq_len, model.vocab_size, to_model, eval_sharding
     )

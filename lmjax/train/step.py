@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 
 from lmjax import models
 from lmjax.models import ModelConfig
@@ -128,16 +128,22 @@ def make_train_step(
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr(state.step), "finite": finite}
         return new, metrics
 
-    return jax.jit(_traced_on_the_mesh_of(state_sharding, train_step), donate_argnums=0)
+    return jax.jit(_traced_on(_mesh_of(state_sharding), train_step), donate_argnums=0)
 
 
-def _traced_on_the_mesh_of(sharding: Any, fn: Callable) -> Callable:
-    """`fn`, traced with the mesh of `sharding`'s leaves in context (none: `fn` itself), so the
-    model can split what XLA cannot: `lmjax.models.attention` shard-maps the flash kernel."""
+def _mesh_of(sharding: Any) -> Mesh | None:
+    """The one mesh of `sharding`'s `NamedSharding` leaves, else None."""
     meshes = {s.mesh for s in jax.tree.leaves(sharding) if isinstance(s, NamedSharding)}
-    if len(meshes) != 1:
+    return meshes.pop() if len(meshes) == 1 else None
+
+
+def _traced_on(mesh: Mesh | None, fn: Callable) -> Callable:
+    """`fn`, traced with `mesh` in context (None: `fn` itself), so the model can split what XLA
+    cannot: `lmjax.models.attention` shard-maps the flash kernel (a Mosaic call XLA's TPU
+    partitioner refuses)."""
+    if mesh is None:
         return fn
-    abstract = meshes.pop().abstract_mesh
+    abstract = mesh.abstract_mesh
 
     @functools.wraps(fn)
     def traced(*args, **kwargs):
@@ -147,8 +153,11 @@ def _traced_on_the_mesh_of(sharding: Any, fn: Callable) -> Callable:
     return traced
 
 
-def make_eval_step(cfg: ModelConfig):
-    """`eval_step(params, inputs_BT, targets_BT) -> mean loss` (no dropout), jitted."""
-    return jax.jit(
-        lambda params, inputs_BT, targets_BT: loss_fn(params, inputs_BT, targets_BT, cfg)
-    )
+def make_eval_step(cfg: ModelConfig, mesh: Mesh | None = None):
+    """`eval_step(params, inputs_BT, targets_BT) -> mean loss` (no dropout), jitted; traced on
+    `mesh` when one is given, as the train step is on its state's mesh."""
+
+    def eval_step(params, inputs_BT, targets_BT):
+        return loss_fn(params, inputs_BT, targets_BT, cfg)
+
+    return jax.jit(_traced_on(mesh, eval_step))
