@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
+from lmjax.checks import is_positive_int
 from lmjax.errors import ConfigError
 
 KERNELS = ("gpu", "tpu")
@@ -87,7 +87,7 @@ def require_positive_int(value, what: str, fix: str | None = None) -> None:
 
     The error names `what`; its fix is `fix`, or "set <what> to e.g. 64".
     """
-    if not isinstance(value, int | np.integer) or isinstance(value, bool) or value <= 0:
+    if not is_positive_int(value):
         fix = f"set {what} to e.g. 64" if fix is None else fix
         raise ConfigError.describe(what, value, "a positive int", fix)
 

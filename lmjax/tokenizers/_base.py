@@ -12,7 +12,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from lmjax.checks import require
+from lmjax.checks import is_int, require
 from lmjax.errors import CheckpointError, FileFormatError, TokenError
 from lmjax.files import atomic_write_text
 
@@ -137,7 +137,7 @@ def check_ids(ids, vocab_size: int) -> list[int]:
         )
     values = array.reshape(-1).tolist()
     if array.dtype == object:  # python ints past int64 (or mixed types) land here
-        integral = all(isinstance(i, int | np.integer) and not isinstance(i, bool) for i in values)
+        integral = all(is_int(i) for i in values)
         bad = [i for i in values if integral and not 0 <= i < vocab_size]
     else:
         integral = np.issubdtype(array.dtype, np.integer) or array.size == 0

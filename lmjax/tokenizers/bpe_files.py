@@ -24,6 +24,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from lmjax.checks import is_nonnegative_int
 from lmjax.errors import FileFormatError
 from lmjax.files import atomic_write_text
 from lmjax.tokenizers._base import check_regular, write_manifest, writing
@@ -63,7 +64,7 @@ def read_vocab(path: Path) -> dict[str, int]:
     if not isinstance(vocab, dict):
         raise _bad(path, "top level", type(vocab).__name__, "a JSON object {token: id}")
     for token, i in vocab.items():
-        if isinstance(i, bool) or not isinstance(i, int) or i < 0:
+        if not is_nonnegative_int(i):
             raise _bad(path, f"id of {token!r}", i, "a non-negative integer")
         if not token:  # as a special token it would match at every offset of every text
             raise _bad(path, "token", repr(token), "a non-empty string")

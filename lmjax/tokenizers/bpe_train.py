@@ -25,6 +25,7 @@ import heapq
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 
+from lmjax.checks import is_int
 from lmjax.errors import ConfigError
 from lmjax.tokenizers._base import check_text, training_texts
 from lmjax.tokenizers.bpe_scheme import BYTE_ORDER, PATTERN, special_regex
@@ -133,7 +134,7 @@ def train(
 
 def _check_size(vocab_size, special_tokens: list[str]) -> int:
     least = 256 + len(special_tokens)
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < least:
+    if not (is_int(vocab_size) and vocab_size >= least):
         raise ConfigError.describe(
             "vocab_size",
             vocab_size,

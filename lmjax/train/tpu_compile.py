@@ -134,9 +134,11 @@ def parse_topology(name: str) -> TpuChip:
     if match is None or match["generation"] not in TPU_CHIPS:
         known = ", ".join(chip.example for chip in TPU_CHIPS.values())
         raise ConfigError.describe(
-            "--topology", name, f"GENERATION:SHAPE for a generation in {tuple(TPU_CHIPS)}",
+            "--topology",
+            name,
+            f"GENERATION:SHAPE for a generation in {tuple(TPU_CHIPS)}",
             f"pass one of e.g. {known} (larger slices too: v5e:4x4, v4:2x2x2)",
-        )  # fmt: skip
+        )
     return TPU_CHIPS[match["generation"]]
 
 
@@ -164,9 +166,11 @@ def topology_devices(name: str) -> list:
         if not reason.startswith("INVALID_ARGUMENT"):
             raise LMJaxError(f"libtpu could not start for topology {name}: {reason}") from err
         raise ConfigError.describe(
-            "--topology", name, f"a slice shape libtpu knows ({reason})",
+            "--topology",
+            name,
+            f"a slice shape libtpu knows ({reason})",
             f"use a slice shape of that generation, e.g. {chip.example}",
-        ) from err  # fmt: skip
+        ) from err
     return list(topology.devices)
 
 
@@ -194,12 +198,13 @@ def check_mesh(shape: Mapping[str, int], n_devices: int, topology: str) -> dict[
     if math.prod(full.values()) != n_devices:
         text = ",".join(f"{k}={v}" for k, v in full.items())
         raise ConfigError.describe(
-            "--mesh", text,
+            "--mesh",
+            text,
             f"axis sizes whose product is the {n_devices} devices of topology {topology} "
             f"(got {math.prod(full.values())})",
             f"resize the axes so data x fsdp x model = {n_devices} (e.g. --mesh fsdp={n_devices})"
             " or pick a topology with that many devices",
-        )  # fmt: skip
+        )
     return full
 
 
@@ -245,9 +250,17 @@ def compile_train_step(
     compile_s = time.perf_counter() - start
     model_flops = flops_per_token(model, run.seq_len) * t.batch_size * run.seq_len / len(devices)
     return CompileReport(
-        topology, chip, shape, micro, t.grad_accum, run.seq_len,
-        _device_memory(compiled.memory_analysis()), _flops(compiled), model_flops, compile_s,
-    )  # fmt: skip
+        topology,
+        chip,
+        shape,
+        micro,
+        t.grad_accum,
+        run.seq_len,
+        _device_memory(compiled.memory_analysis()),
+        _flops(compiled),
+        model_flops,
+        compile_s,
+    )
 
 
 def _sharded(leaf, sharding) -> jax.ShapeDtypeStruct:
@@ -256,9 +269,12 @@ def _sharded(leaf, sharding) -> jax.ShapeDtypeStruct:
 
 def _device_memory(stats) -> DeviceMemory:
     return DeviceMemory(
-        stats.argument_size_in_bytes, stats.output_size_in_bytes, stats.alias_size_in_bytes,
-        stats.temp_size_in_bytes, stats.generated_code_size_in_bytes,
-    )  # fmt: skip
+        stats.argument_size_in_bytes,
+        stats.output_size_in_bytes,
+        stats.alias_size_in_bytes,
+        stats.temp_size_in_bytes,
+        stats.generated_code_size_in_bytes,
+    )
 
 
 def _flops(compiled) -> float:
@@ -292,9 +308,12 @@ def check_fits(report: CompileReport) -> None:
     """`ConfigError` (needed vs available) unless the compiled step fits one device's HBM."""
     if not report.fits:
         raise not_fitting(
-            report.topology, report.chip, report.memory.total, report.chip.usable_bytes,
+            report.topology,
+            report.chip,
+            report.memory.total,
+            report.chip.usable_bytes,
             "arguments + outputs - aliased + temporaries + code",
-        )  # fmt: skip
+        )
 
 
 def format_report(report: CompileReport) -> str:
@@ -321,9 +340,12 @@ def format_report(report: CompileReport) -> str:
     lines += [f"  {text:{width}}  {_signed(b):>11}  ({b:,} B)" for text, b in rows]
     lines.append(
         f"  {'FLOPs per step (XLA cost analysis, loops once)':{width}}  {report.flops_per_step:.3e}"
-        + (f"  ({report.grad_accum} x {report.flops_per_micro_batch:.3e})"
-           if report.grad_accum > 1 else "")
-    )  # fmt: skip
+        + (
+            f"  ({report.grad_accum} x {report.flops_per_micro_batch:.3e})"
+            if report.grad_accum > 1
+            else ""
+        )
+    )
     lines.append(
         f"  {'model FLOPs per step (6N + attention)':{width}}  {report.model_flops_per_step:.3e}"
     )

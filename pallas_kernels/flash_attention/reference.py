@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lmjax.checks import check_keep_values
+from lmjax.checks import check_keep_values, is_int
 from lmjax.errors import ConfigError, ShapeError
 
 INPUT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -48,7 +48,7 @@ def check_inputs(q, k, v, mask, offset) -> None:
             "mask.shape", np.shape(mask), f"({b}, {k.shape[1]}) = [B, S] key padding", "reshape it"
         )
     check_keep_values(mask)
-    if not isinstance(offset, int | np.integer) or isinstance(offset, bool):
+    if not is_int(offset):
         raise ConfigError.describe(
             "offset",
             offset,
