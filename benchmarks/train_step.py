@@ -64,6 +64,10 @@ from pathlib import Path
 # What the run's process did (the JSON's machine.malloc): set by the script entry point below,
 # not at import, so a test importing this module leaves its own process as it was.
 MALLOC: dict = {"tuned": False, "reason": "not run as a script"}
+if __name__ == "__main__":
+    # A CPU benchmark (PyTorch runs on the CPU). Where libtpu is installed (the test extra) and
+    # no TPU is attached, JAX would probe for one and log libtpu's errors first.
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
