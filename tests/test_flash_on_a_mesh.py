@@ -25,7 +25,7 @@ import pytest
 
 from lmjax import models
 from lmjax.errors import ConfigError
-from lmjax.models import attention
+from lmjax.models import attention, sharding
 from lmjax.parallel import mesh as parallel_mesh
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -145,7 +145,7 @@ def test_flash_on_a_4_device_mesh_gives_the_one_device_loss_and_gradients():
 
 def test_the_axis_names_are_the_meshs():
     """models/ sits below parallel/, so it states the axis names; they must be the mesh's."""
-    assert attention.BATCH_AXES == parallel_mesh.BATCH_AXES
+    assert attention.BATCH_AXES == parallel_mesh.BATCH_AXES == sharding.BATCH_AXES
     assert attention.HEAD_AXIS in parallel_mesh.AXES
     assert attention.HEAD_AXIS not in attention.BATCH_AXES
 

@@ -30,14 +30,11 @@ from jax.sharding import PartitionSpec
 from lmjax import ops
 from lmjax.checks import is_int, require
 from lmjax.models.config import ATTENTION_IMPLS, ModelConfig
+from lmjax.models.sharding import BATCH_AXES, HEAD_AXIS, batch_axes, context_mesh_shape
 from lmjax.ops.attention import check_inputs, keep_mask
 from pallas_kernels.flash_attention import flash_attention
 
 IMPLS = ATTENTION_IMPLS
-# The mesh axes of lmjax.parallel.mesh that split a batch and the heads (models/ sits below
-# parallel/, so the names are stated here; tests/test_flash_on_a_mesh.py checks they agree).
-BATCH_AXES = ("data", "fsdp")
-HEAD_AXIS = "model"
 
 
 def attend(cfg: ModelConfig, q_BTHDh, k_BSHDh, v_BSHDh, *, causal=True, mask=None) -> jax.Array:
@@ -109,14 +106,15 @@ def _flash_on_mesh(q, k, v, key_mask_BS, *, causal: bool, offset: int) -> jax.Ar
         return flash_attention(q, k, v, causal=causal, offset=offset, mask=mask)
 
     args = (q, k, v) + (() if key_mask_BS is None else (key_mask_BS,))
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or math.prod(mesh.shape.values()) == 1:
+    shape = context_mesh_shape()
+    if shape is None:
         return run(*args)
-    batch, heads = mesh_split(mesh.shape, q.shape[0], q.shape[2])
+    batch, heads = mesh_split(shape, q.shape[0], q.shape[2])
     spec_BTHDh = PartitionSpec(batch, None, heads, None)
     specs = (spec_BTHDh,) * 3 + (PartitionSpec(batch, None),) * (len(args) - 3)
     # check_vma=False: the kernel's pallas_call carries no varying-axes types; every output
     # shard is computed from its own inputs alone, so nothing is claimed replicated.
+    mesh = jax.sharding.get_abstract_mesh()
     sharded = jax.shard_map(run, mesh=mesh, in_specs=specs, out_specs=spec_BTHDh, check_vma=False)
     return sharded(*args)
 
@@ -127,14 +125,14 @@ def mesh_split(mesh_shape, batch: int, heads: int) -> tuple[tuple[str, ...], str
     Axes of size 1 are left out (they split nothing); a batch the batch axes do not divide, or
     heads the head axis does not divide, is a `ConfigError` naming the sizes.
     """
-    batch_axes = tuple(a for a in BATCH_AXES if mesh_shape.get(a, 1) > 1)
-    rows = math.prod(mesh_shape[a] for a in batch_axes)
+    rows_axes = batch_axes(mesh_shape)
+    rows = math.prod(mesh_shape[a] for a in rows_axes)
     where = ",".join(f"{a}={n}" for a, n in mesh_shape.items())
     require(
         batch % rows == 0,
         f"batch rows of flash attention on mesh {where}",
         batch,
-        f"a multiple of {' x '.join(batch_axes)} = {rows} (each device attends over whole rows)",
+        f"a multiple of {' x '.join(rows_axes)} = {rows} (each device attends over whole rows)",
         f"make the batch a multiple of {rows}, or use model.attention=xla",
     )
     model = mesh_shape.get(HEAD_AXIS, 1)
@@ -145,7 +143,7 @@ def mesh_split(mesh_shape, batch: int, heads: int) -> tuple[tuple[str, ...], str
         f"a multiple of {HEAD_AXIS} = {model} (each device attends over whole heads)",
         f"set model.n_heads to a multiple of {model}, or use model.attention=xla",
     )
-    return batch_axes, (HEAD_AXIS if model > 1 else None)
+    return rows_axes, (HEAD_AXIS if model > 1 else None)
 
 
 __all__ = ["BATCH_AXES", "HEAD_AXIS", "IMPLS", "attend", "dot_product_attention", "mesh_split"]

@@ -31,6 +31,7 @@ from lmjax.models.attention import attend
 from lmjax.models.config import REMAT_POLICIES, ModelConfig
 from lmjax.models.layout import check_params
 from lmjax.models.projection import project
+from lmjax.models.sharding import rows_on_mesh
 from lmjax.quant.nf4 import QuantizedWeight
 
 
@@ -244,8 +245,10 @@ def features(params: dict, tokens, cfg: ModelConfig, *, dropout_key=None) -> tup
     keys = [None] * (2 * cfg.n_layers + 1)
     if dropout_key is not None and cfg.dropout > 0.0:
         keys = [jax.random.fold_in(dropout_key, i) for i in range(len(keys))]
-    x_BTD = _dropout(cfg, keys[0], embed(p, tokens_BT, cfg))
+    # On a mesh the residual stream stays on each device's own batch rows (models.sharding).
+    x_BTD = rows_on_mesh(_dropout(cfg, keys[0], embed(p, tokens_BT, cfg)))
     run_block = _block_fn(cfg)
     for i in range(cfg.n_layers):
         x_BTD = run_block(p["blocks"][str(i)], x_BTD, (keys[2 * i + 1], keys[2 * i + 2]))
+        x_BTD = rows_on_mesh(x_BTD)
     return p, _norm(cfg, p["final_norm"], x_BTD)
