@@ -17,6 +17,7 @@ POSITIONS = ("learned", "rope", "sinusoidal")
 ATTENTION_IMPLS = ("materialized", "xla", "flash")
 DTYPES = ("float32", "bfloat16", "float16")
 OPS = ("custom", "reference")
+ROPE_SCALINGS = ("none", "linear", "llama3")
 
 # Remat policies: what the backward pass may keep from a block's forward instead of recomputing.
 REMAT_POLICIES: dict[str, Any] = {
@@ -37,6 +38,7 @@ _CHOICES = {
     "dtype": DTYPES,
     "param_dtype": DTYPES,
     "ops": OPS,
+    "rope_scaling": ROPE_SCALINGS,
 }
 
 
@@ -44,9 +46,17 @@ _CHOICES = {
 class ModelConfig:
     """A decoder-only transformer, validated on construction (SPEC section 3).
 
-    Sizes: vocab_size V, context_length C, d_model D, n_heads H (d_head = D / H), n_layers N,
-    d_ff F. The language-model head has a bias exactly when `bias` is set and the head is not
-    tied to the token embedding. `ops="reference"` runs the plain-jnp `*_reference` primitives
+    Sizes: vocab_size V, context_length C, d_model D, n_heads H, n_layers N, d_ff F; key/value
+    heads Hkv = `kv_heads` (`n_kv_heads`, default H: grouped-query attention when fewer, each
+    serving H / Hkv query heads) of `d_head` Dh features (`head_dim`, default D / H). The
+    language-model head has a bias exactly when `bias` is set and the head is not tied to the
+    token embedding; the q/k/v projections have one when `qkv_has_bias` (`qkv_bias`, default
+    `bias`). `qk_norm` RMS-normalises each head of q and k (scale [Dh], eps `eps`) before RoPE.
+    `rope_scaling` stretches RoPE's frequencies ("linear": all by `rope_factor`; "llama3": the
+    low-frequency band by `rope_factor`, the high one not, interpolated between, with
+    `rope_low_freq_factor`, `rope_high_freq_factor`, `rope_original_context`). With
+    `sliding_window` W a query at position i sees keys j with i - W < j <= i.
+    `ops="reference"` runs the plain-jnp `*_reference` primitives
     (differentiated by `jax.grad`) instead of the hand-written VJPs, for gradient comparisons;
     it then uses `attention_reference` whatever `attention` says.
     """
@@ -70,6 +80,16 @@ class ModelConfig:
     dropout: float = 0.0
     rope_theta: float = 10000.0
     ops: str = "custom"
+    n_kv_heads: int | None = None
+    head_dim: int | None = None
+    qkv_bias: bool | None = None
+    qk_norm: bool = False
+    rope_scaling: str = "none"
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_context: int = 8192
+    sliding_window: int | None = None
 
     def __post_init__(self):
         for name in ("dtype", "param_dtype"):  # accept jnp.bfloat16 as well as "bfloat16"
@@ -77,8 +97,29 @@ class ModelConfig:
         _validate(self)
 
     @property
+    def kv_heads(self) -> int:
+        """Hkv: key/value heads (`n_kv_heads`, or one per query head)."""
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
     def d_head(self) -> int:
-        return self.d_model // self.n_heads
+        """Dh: features per head (`head_dim`, or d_model / n_heads)."""
+        return self.d_model // self.n_heads if self.head_dim is None else self.head_dim
+
+    @property
+    def q_features(self) -> int:
+        """H * Dh: the query projection's width (and the output projection's input)."""
+        return self.n_heads * self.d_head
+
+    @property
+    def kv_features(self) -> int:
+        """Hkv * Dh: the key and value projections' width."""
+        return self.kv_heads * self.d_head
+
+    @property
+    def qkv_has_bias(self) -> bool:
+        """Whether query/key/value have biases: `qkv_bias`, or `bias` when that is None."""
+        return self.bias if self.qkv_bias is None else self.qkv_bias
 
     @property
     def head_bias(self) -> bool:
@@ -151,27 +192,6 @@ def _validate(cfg: ModelConfig) -> None:
         value = getattr(cfg, name)
         fix = "write true or false (a YAML boolean, or name=true on the command line)"
         require(isinstance(value, bool), f"model.{name}", value, "True or False", fix)
-    require(
-        cfg.d_model % cfg.n_heads == 0,
-        "model.d_model % model.n_heads",
-        f"{cfg.d_model} % {cfg.n_heads} = {cfg.d_model % cfg.n_heads}",
-        "0 (every head gets d_model / n_heads features)",
-        "pick n_heads dividing d_model",
-    )
-    require(
-        cfg.positions != "rope" or cfg.d_head % 2 == 0,
-        "d_head with positions='rope'",
-        cfg.d_head,
-        "an even d_model / n_heads (RoPE rotates pairs of features)",
-        "change d_model or n_heads so their ratio is even",
-    )
-    require(
-        cfg.positions != "sinusoidal" or cfg.d_model % 2 == 0,
-        "d_model with positions='sinusoidal'",
-        cfg.d_model,
-        "an even number (sine and cosine halves)",
-        "use an even d_model",
-    )
     for name, fix in (
         ("eps", "use e.g. 1e-5 (LayerNorm) or 1e-6 (RMSNorm)"),
         ("rope_theta", "use e.g. 10000.0"),
@@ -181,6 +201,86 @@ def _validate(cfg: ModelConfig) -> None:
         require(ok, f"model.{name}", value, "a finite float > 0", fix)
     ok = is_real(cfg.dropout) and 0.0 <= cfg.dropout < 1.0
     require(ok, "model.dropout", cfg.dropout, "a float in [0, 1)", "use e.g. 0.1, or 0.0 for none")
+    _validate_heads(cfg)
+    _validate_rope(cfg)
+    _validate_positions(cfg)
+
+
+def _optional_size(cfg: ModelConfig, name: str, meaning: str) -> None:
+    value = getattr(cfg, name)
+    ok = value is None or (is_int(value) and 1 <= value <= MAX_SIZE)
+    fix = f"set {name} to a positive integer, or null for {meaning}"
+    require(ok, f"model.{name}", value, f"null or an int in [1, {MAX_SIZE}]", fix)
+
+
+def _validate_heads(cfg: ModelConfig) -> None:
+    """n_kv_heads, head_dim, qkv_bias, qk_norm: the attention projections' shapes."""
+    _optional_size(cfg, "n_kv_heads", "one key/value head per query head")
+    _optional_size(cfg, "head_dim", "d_model / n_heads")
+    require(
+        cfg.n_heads % cfg.kv_heads == 0,
+        "model.n_heads % model.n_kv_heads",
+        f"{cfg.n_heads} % {cfg.kv_heads} = {cfg.n_heads % cfg.kv_heads}",
+        "0 (each key/value head serves n_heads / n_kv_heads query heads)",
+        "pick n_kv_heads dividing n_heads",
+    )
+    require(
+        cfg.head_dim is not None or cfg.d_model % cfg.n_heads == 0,
+        "model.d_model % model.n_heads",
+        f"{cfg.d_model} % {cfg.n_heads} = {cfg.d_model % cfg.n_heads}",
+        "0 (every head gets d_model / n_heads features)",
+        "pick n_heads dividing d_model, or set head_dim explicitly",
+    )
+    fix = "write true or false, or null to follow model.bias"
+    ok = cfg.qkv_bias is None or isinstance(cfg.qkv_bias, bool)
+    require(ok, "model.qkv_bias", cfg.qkv_bias, "True, False or None", fix)
+    fix = "write true or false (a YAML boolean, or name=true on the command line)"
+    require(isinstance(cfg.qk_norm, bool), "model.qk_norm", cfg.qk_norm, "True or False", fix)
+
+
+def _validate_rope(cfg: ModelConfig) -> None:
+    """rope_scaling and its parameters (llama3's bands need high > low > 0)."""
+    require(
+        cfg.rope_scaling == "none" or cfg.positions == "rope",
+        "model.rope_scaling",
+        cfg.rope_scaling,
+        "'none' unless positions='rope' (it scales RoPE's frequencies)",
+        "set positions=rope or rope_scaling=none",
+    )
+    for name in ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor"):
+        value = getattr(cfg, name)
+        ok = is_finite_real(value) and value > 0
+        require(ok, f"model.{name}", value, "a finite float > 0", "use e.g. 1.0 (no scaling)")
+    value = cfg.rope_original_context
+    ok = is_int(value) and 1 <= value <= MAX_SIZE
+    fix = "use the checkpoint's original_max_position_embeddings, e.g. 8192"
+    require(ok, "model.rope_original_context", value, f"an int in [1, {MAX_SIZE}]", fix)
+    require(
+        cfg.rope_scaling != "llama3" or cfg.rope_high_freq_factor > cfg.rope_low_freq_factor,
+        "model.rope_high_freq_factor with rope_scaling='llama3'",
+        cfg.rope_high_freq_factor,
+        f"> rope_low_freq_factor = {cfg.rope_low_freq_factor} (the bands interpolate between)",
+        "use the checkpoint's values, e.g. low 1.0 and high 4.0",
+    )
+
+
+def _validate_positions(cfg: ModelConfig) -> None:
+    """What each position scheme needs of the head size and width; the sliding window."""
+    require(
+        cfg.positions != "rope" or cfg.d_head % 2 == 0,
+        "d_head with positions='rope'",
+        cfg.d_head,
+        "an even head_dim (or d_model / n_heads): RoPE rotates pairs of features",
+        "change head_dim, or d_model or n_heads so their ratio is even",
+    )
+    require(
+        cfg.positions != "sinusoidal" or cfg.d_model % 2 == 0,
+        "d_model with positions='sinusoidal'",
+        cfg.d_model,
+        "an even number (sine and cosine halves)",
+        "use an even d_model",
+    )
+    _optional_size(cfg, "sliding_window", "no window (full causal attention)")
 
 
 _GPT = dict(

@@ -4,8 +4,10 @@
 `jax.ShapeDtypeStruct`s without allocating, `check_params` compares a tree against it, and
 sharding rules (SPEC section 9) map its logical axes to mesh axes.
 
-Logical axes: `vocab` (V), `context` (C), `embed` (D), `heads` (H * d_head, the concatenated
-query/key/value features), `mlp` (F). A linear weight is `[out, in]`, as in `lmjax.ops.linear`.
+Logical axes: `vocab` (V), `context` (C), `embed` (D), `heads` (H * Dh, the concatenated query
+features and the output projection's input), `kv_heads` (Hkv * Dh, the key/value features),
+`head_dim` (Dh, the q/k norm scales; never split), `mlp` (F). A linear weight is `[out, in]`,
+as in `lmjax.ops.linear`.
 """
 
 from __future__ import annotations
@@ -80,12 +82,27 @@ def _norm(name: str, cfg: ModelConfig):
     return specs
 
 
+def _attention(prefix: str, cfg: ModelConfig) -> dict[str, ParamSpec]:
+    """query [H*Dh, D], key/value [Hkv*Dh, D], output [D, H*Dh]; q/k norm scales [Dh]."""
+    embed, heads, kv = (
+        ("embed", cfg.d_model),
+        ("heads", cfg.q_features),
+        ("kv_heads", cfg.kv_features),
+    )
+    specs = _linear(f"{prefix}.query", heads, embed, cfg.qkv_has_bias)
+    specs |= _linear(f"{prefix}.key", kv, embed, cfg.qkv_has_bias)
+    specs |= _linear(f"{prefix}.value", kv, embed, cfg.qkv_has_bias)
+    specs |= _linear(f"{prefix}.output", embed, heads, cfg.bias)
+    if cfg.qk_norm:
+        for name in ("query_norm", "key_norm"):
+            specs[f"{prefix}.{name}.scale"] = ParamSpec((cfg.d_head,), "ones", ("head_dim",))
+    return specs
+
+
 def _block(prefix: str, cfg: ModelConfig) -> dict[str, ParamSpec]:
-    embed, heads, mlp = ("embed", cfg.d_model), ("heads", cfg.d_model), ("mlp", cfg.d_ff)
+    embed, mlp = ("embed", cfg.d_model), ("mlp", cfg.d_ff)
     specs = _norm(f"{prefix}.attention_norm", cfg)
-    for proj in ("query", "key", "value"):
-        specs |= _linear(f"{prefix}.attention.{proj}", heads, embed, cfg.bias)
-    specs |= _linear(f"{prefix}.attention.output", embed, heads, cfg.bias)
+    specs |= _attention(f"{prefix}.attention", cfg)
     specs |= _norm(f"{prefix}.feed_forward_norm", cfg)
     ff = f"{prefix}.feed_forward"
     if cfg.activation == "swiglu":

@@ -58,17 +58,24 @@ def _dropout(cfg: ModelConfig, key, x: jax.Array) -> jax.Array:
 
 
 def project_qkv(cfg: ModelConfig, p: dict, h_BTD: jax.Array, positions_BT=None) -> tuple:
-    """Queries, keys and values `[B, T, H, Dh]` of the normed input `h [B, T, D]`.
+    """Queries `[B, T, H, Dh]`, keys and values `[B, T, Hkv, Dh]` of the normed input `h [B, T, D]`.
 
-    RoPE (positions="rope") rotates q and k by `positions [B|1, T]` (default `0..T-1`); decoding
-    passes each token's absolute position so cached keys keep the rotation of their own slot.
+    K and V keep their Hkv heads (grouped-query attention reads each for H / Hkv query heads;
+    no repeated copy). With `qk_norm`, q and k are RMS-normalised over each head's Dh features
+    (scales `query_norm`, `key_norm`) before RoPE. RoPE (positions="rope") rotates q and k by
+    `positions [B|1, T]` (default `0..T-1`); decoding passes each token's absolute position so
+    cached keys keep the rotation of their own slot.
     """
     b, t, _ = h_BTD.shape
     linear = _linear(cfg)
-    q_BTHDh, k_BTHDh, v_BTHDh = (
-        linear(p[name], h_BTD).reshape(b, t, cfg.n_heads, cfg.d_head)
-        for name in ("query", "key", "value")
+    q_BTHDh = linear(p["query"], h_BTD).reshape(b, t, cfg.n_heads, cfg.d_head)
+    k_BTHDh, v_BTHDh = (
+        linear(p[name], h_BTD).reshape(b, t, cfg.kv_heads, cfg.d_head) for name in ("key", "value")
     )
+    if cfg.qk_norm:
+        rms_norm = _op(cfg, "rms_norm")
+        q_BTHDh = rms_norm(q_BTHDh, p["query_norm"]["scale"], cfg.eps)
+        k_BTHDh = rms_norm(k_BTHDh, p["key_norm"]["scale"], cfg.eps)
     if cfg.positions == "rope":
         rope = functools.partial(_op(cfg, "rope"), positions=positions_BT, theta=cfg.rope_theta)
         q_BTHDh, k_BTHDh = rope(q_BTHDh), rope(k_BTHDh)
@@ -83,7 +90,7 @@ def _attention(cfg: ModelConfig, p: dict, h_BTD: jax.Array, positions_BT, attend
     q_BTHDh, k_BTHDh, v_BTHDh = project_qkv(cfg, p, h_BTD, positions_BT)
     out_BTHDh, aux = attend_fn(cfg, q_BTHDh, k_BTHDh, v_BTHDh)
     b, t, _ = h_BTD.shape
-    return _linear(cfg)(p["output"], out_BTHDh.reshape(b, t, cfg.d_model)), aux
+    return _linear(cfg)(p["output"], out_BTHDh.reshape(b, t, cfg.q_features)), aux
 
 
 def _feed_forward(cfg: ModelConfig, p: dict, x_BTD: jax.Array) -> jax.Array:

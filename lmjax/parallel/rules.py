@@ -1,11 +1,13 @@
 """Sharding rules: parameter name -> `PartitionSpec`, derived from the parameter declaration.
 
 `lmjax.models.declare(cfg)` gives every parameter's logical axes (`vocab`, `context`, `embed`,
-`heads`, `mlp`); `LOGICAL_TO_MESH` maps each logical axis to a mesh axis, so the rules are one
-table, not a second list of parameter names:
+`heads`, `kv_heads`, `head_dim`, `mlp`); `LOGICAL_TO_MESH` maps each logical axis to a mesh
+axis, so the rules are one table, not a second list of parameter names:
 
     embed -> fsdp     every weight, embedding and norm scale is split along d_model (FSDP)
     heads -> model    query/key/value rows and output columns: tensor parallel attention
+    kv_heads -> model key/value rows when grouped-query (Hkv * Dh features)
+    head_dim -> replicated (the q/k norm scales)
     mlp   -> model    expand/gate/up rows and project/down columns: tensor parallel MLP
     vocab, context -> replicated
 
@@ -36,6 +38,8 @@ LOGICAL_TO_MESH: dict[str, str | None] = {
     "context": None,
     "embed": "fsdp",
     "heads": "model",
+    "kv_heads": "model",
+    "head_dim": None,
     "mlp": "model",
 }
 
