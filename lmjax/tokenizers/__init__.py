@@ -8,6 +8,9 @@ directory with `tokenizer.json` (`{"kind": ..., ...}`) plus whatever files its k
 - `CharTokenizer`: one id per distinct character of a training corpus, sorted by code point;
   encoding a character it never saw raises `TokenError` naming it.
 - `BPETokenizer` (`lmjax.tokenizers.bpe`): byte-level BPE in the GPT-2 scheme.
+- `HFTokenizer` (`lmjax.tokenizers.hf_tokenizer`): a Hugging Face `tokenizer.json` (byte-level
+  BPE: Llama 3, Qwen2/3, SmolLM), with its chat template; `load_hf_tokenizer(dir_or_file)`.
+  Saved, it is HF's own files, and `load` recognises them (a tokenizer.json with a 'model').
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from lmjax.errors import ConfigError, FileFormatError
 from lmjax.tokenizers._base import Tokenizer, read_manifest, write_manifest
 from lmjax.tokenizers.bpe import BPETokenizer
 from lmjax.tokenizers.bpe import load_directory as _load_bpe
+from lmjax.tokenizers.hf_tokenizer import HFTokenizer, load_hf_tokenizer
+from lmjax.tokenizers.hf_tokenizer import load_directory as _load_hf
 from lmjax.tokenizers.simple import ByteTokenizer, CharTokenizer
 
 # kind -> loader(directory, manifest). Kinds register here so `load` stays one function.
@@ -28,6 +33,7 @@ _LOADERS = {
         manifest, where=directory / "tokenizer.json"
     ),
     "bpe": _load_bpe,
+    "hf": _load_hf,
 }
 
 
@@ -40,7 +46,8 @@ def load(directory: str | os.PathLike) -> Tokenizer:
     """Read the tokenizer that `tok.save(directory)` wrote (any kind)."""
     directory = Path(directory)
     manifest = read_manifest(directory)
-    kind = manifest.get("kind")
+    # Hugging Face's tokenizer.json has no lmjax 'kind'; its 'model' says what it is.
+    kind = manifest.get("kind", "hf" if "model" in manifest else None)
     if not isinstance(kind, str) or kind not in _LOADERS:  # a list would not even hash
         raise FileFormatError.describe(
             f"{directory / 'tokenizer.json'}: kind",
@@ -77,9 +84,11 @@ __all__ = [
     "BPETokenizer",
     "ByteTokenizer",
     "CharTokenizer",
+    "HFTokenizer",
     "Tokenizer",
     "build",
     "load",
+    "load_hf_tokenizer",
     "register",
     "read_manifest",
     "write_manifest",

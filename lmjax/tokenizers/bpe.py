@@ -61,26 +61,42 @@ ENGINES = ("tiktoken", "python")
 
 
 def bpe_merge(
-    piece: bytes, ranks: Mapping[bytes, int], max_token_bytes: int, stats: dict | None = None
+    piece: bytes,
+    ranks: Mapping[bytes, int],
+    max_token_bytes: int,
+    stats: dict | None = None,
+    *,
+    pair_ranks: Mapping[tuple[bytes, bytes], int] | None = None,
+    whole: bool = True,
 ) -> list[int]:
     """Token ids of one pre-tokenized piece: the merge loop of the module docstring.
 
     `max_token_bytes` is the longest token's length (longer candidates are never looked up).
+    Hugging Face's rule (`lmjax.tokenizers.hf_json`) is the same loop with two changes: with
+    `pair_ranks` a pair (p, q) merges only if it is listed, by its rank there (not by the id of
+    pq), and `whole=False` drops the shortcut for a piece that is itself a token (HF's
+    `ignore_merges: false`). `ranks` still gives the final parts' ids.
     The parts are a linked list over byte offsets: `nxt[s]` is where the part starting at `s`
     ends. A heap entry `(rank, s, m, e)` proposes merging parts [s, m) and [m, e); it is stale
     (skipped) when either part has changed since it was pushed. `stats["lookups"]` (if given) is
     incremented by the number of rank lookups, which is O(n) for an n-byte piece.
     """
     n = len(piece)
-    whole = ranks.get(piece)
-    if whole is not None:
-        return [whole]
+    found = ranks.get(piece) if whole else None
+    if found is not None:
+        return [found]
+
+    def rank_of(s: int, m: int, e: int) -> int | None:
+        if pair_ranks is None:
+            return ranks.get(piece[s:e])
+        return pair_ranks.get((piece[s:m], piece[m:e]))
+
     nxt = list(range(1, n + 1))
     prv = list(range(-1, n - 1))
     alive = [True] * n
     heap = []
     for s in range(n - 1):
-        rank = ranks.get(piece[s : s + 2])
+        rank = rank_of(s, s + 1, s + 2)
         if rank is not None:
             heap.append((rank, s, s + 1, s + 2))
     heapq.heapify(heap)
@@ -94,7 +110,7 @@ def bpe_merge(
         e = nxt[m]
         if e - s <= max_token_bytes:
             lookups += 1
-            rank = ranks.get(piece[s:e])
+            rank = rank_of(s, m, e)
             if rank is not None:
                 heapq.heappush(heap, (rank, s, m, e))
 
