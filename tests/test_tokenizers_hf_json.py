@@ -3,7 +3,7 @@
 Witness: the `tokenizers` library itself. Each tokenizer.json is built offline: a small
 byte-level BPE trained on Python's own documentation with the Llama 3 / Qwen2 split regexes
 (or plain ByteLevel), added tokens, ignore_merges on and off, NFC, a BOS post-processor. Our ids
-must equal `tokenizers.Tokenizer.from_file(path).encode(text).ids`. Cost: ~3 s (training four
+must equal `tokenizers.Tokenizer.from_file(path).encode(text).ids`. Cost: ~3 s (training five
 600-token vocabularies, a pure-Python encode of ~40 kB per case, 150 hypothesis examples).
 """
 
@@ -58,9 +58,13 @@ TEXTS = {
 }
 
 
-def _train(pattern: str | None, ignore_merges: bool, *, nfc=False, bos=False) -> Tokenizer:
+def _train(pattern: str | None, ignore_merges: bool, *, nfc=False, bos=False, digits=False):
     hf = Tokenizer(models.BPE(ignore_merges=ignore_merges))
-    if pattern is None:  # GPT-2 / SmolLM style: ByteLevel's own regex
+    if digits:  # two splits, the first leaving gaps: digit runs, then ByteLevel's own regex
+        split = pre_tokenizers.Split(Regex(r"\p{N}{1,3}"), behavior="isolated", invert=False)
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        hf.pre_tokenizer = pre_tokenizers.Sequence([split, byte_level])
+    elif pattern is None:  # GPT-2 / SmolLM style: ByteLevel's own regex
         hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     else:
         split = pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False)
@@ -90,6 +94,7 @@ FLAVOURS = {
     "qwen2": dict(pattern=QWEN2, ignore_merges=False),
     "gpt2 byte-level regex": dict(pattern=None, ignore_merges=False),
     "qwen2 nfc ignore_merges": dict(pattern=QWEN2, ignore_merges=True, nfc=True),
+    "digit split then byte-level regex": dict(pattern=None, ignore_merges=False, digits=True),
 }
 
 

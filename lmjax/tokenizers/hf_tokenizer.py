@@ -32,6 +32,7 @@ from lmjax.tokenizers.bpe import bpe_merge
 from lmjax.tokenizers.bpe_scheme import special_regex
 from lmjax.tokenizers.hf_json import AddedToken, HFSpec, parse, read_json
 
+_CACHE_PIECES = 200_000  # pieces -> ids kept between encode calls (~50 MB at most)
 TOKENIZER_FILE, CONFIG_FILE, TEMPLATE_FILE = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -64,6 +65,11 @@ def _pieces(text: str, splits) -> list[str]:
     for pattern in splits:
         cut = []
         for piece in pieces:
+            if not pattern.groups:  # findall gives whole matches: the fast path when no gaps
+                found = pattern.findall(piece)
+                if sum(map(len, found)) == len(piece):
+                    cut += [p for p in found if p] if "" in found else found
+                    continue
             start = 0
             for found in pattern.finditer(piece):
                 cut += [p for p in (piece[start : found.start()], found.group()) if p]
@@ -135,6 +141,8 @@ class HFTokenizer:
                 whole=self.spec.ignore_merges,
             )
             got = tuple((i, len(self.spec.token_bytes[i])) for i in ids)
+            if len(self._cache) > _CACHE_PIECES:  # bounded memory over a streamed corpus
+                self._cache.clear()
             if len(piece) < 64:
                 self._cache[piece] = got
         return got
