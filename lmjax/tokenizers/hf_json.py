@@ -29,6 +29,7 @@ from typing import Any
 
 import regex
 
+from lmjax.checks import is_int, is_nonnegative_int
 from lmjax.errors import FileFormatError
 from lmjax.tokenizers._base import check_regular
 from lmjax.tokenizers.bpe_scheme import CHAR_TO_BYTE, GPT2_PATTERN
@@ -128,9 +129,7 @@ def _merge_pair(merge: Any, where: str) -> tuple[str, str]:
 
 def _bpe_vocab(model: dict, where: str) -> dict[str, int]:
     vocab = model.get("vocab")
-    ok = isinstance(vocab, dict) and all(
-        isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in vocab.values()
-    )
+    ok = isinstance(vocab, dict) and all(is_nonnegative_int(i) for i in vocab.values())
     if not ok:
         raise bad(f"{where}.vocab", type(vocab).__name__, "an object {token: id >= 0}")
     missing = [b for c, b in CHAR_TO_BYTE.items() if c not in vocab]
@@ -236,7 +235,7 @@ def parse_added(entries: Any, where: str = "added_tokens") -> tuple[AddedToken, 
         content, i = (
             (entry.get("content"), entry.get("id")) if isinstance(entry, dict) else (None, None)
         )
-        if not isinstance(content, str) or not content or not isinstance(i, int) or i < 0:
+        if not isinstance(content, str) or not content or not is_nonnegative_int(i):
             raise bad(here, entry, "{'id': int >= 0, 'content': non-empty str, ...}")
         for key in ("single_word", "lstrip", "rstrip"):
             _flag(entry, key, f"{here} ({content!r})", False)
@@ -257,7 +256,7 @@ def _template_ids(node: dict, where: str) -> tuple[tuple[int, ...], tuple[int, .
             continue
         name = item.get("SpecialToken", {}).get("id") if isinstance(item, dict) else None
         ids = specials.get(name, {}).get("ids") if isinstance(specials.get(name), dict) else None
-        if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+        if not isinstance(ids, list) or not all(is_int(i) for i in ids):
             raise bad(
                 f"{where}.single[{k}]", item, "a SpecialToken listed in special_tokens, or $A"
             )
