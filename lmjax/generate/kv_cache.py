@@ -1,28 +1,39 @@
 """KV-cached decoding (SPEC section 4): `prefill` a prompt, then `decode_step` one token at a time.
 
 A cache keeps every layer's keys and values at their absolute positions, so a new token attends
-to everything before it without recomputing it. With `p_b` the position of row b's token:
+to everything before it without recomputing it. The cache holds `Hkv = cfg.kv_heads` heads of
+`Dh = cfg.d_head` features (grouped-query attention: H / Hkv query heads share each one, and
+the attention reads them as they are, never a repeated copy). With `p_b` the position of row
+b's token and S the capacity:
 
     prefill(tokens [B, T], lengths [B]):
         the forward pass of the prompt (causal self-attention over its T tokens, the very
-        computation of `models.forward`); each layer's k, v [B, T, H, Dh] stored at slots
-        0..T-1; lengths = lengths (default T).                         -> logits [B, T, V]
+        computation of `models.forward`, sliding window included); each layer's k, v
+        [B, T, Hkv, Dh] of the real positions stored at their slots; lengths = lengths.
+                                                                       -> logits [B, T, V]
     decode_step(token [B]):  p_b = lengths[b]
-        each layer stores its k, v [B, 1, H, Dh] at slot p_b, then attends over the slots
-        u <= p_b (key mask [B, 1, 1, S]); lengths += 1.               -> logits [B, V]
+        each layer stores its k, v [B, 1, Hkv, Dh] at the slot of p_b, then attends over the
+        slots that hold a position u <= p_b (with `cfg.sliding_window` W also p_b - u < W:
+        key mask [B, 1, 1, S]); lengths += 1.                          -> logits [B, V]
 
-Slot j of a row always holds position j, so RoPE, learned and sinusoidal positions all take
-`p_b` and the logits equal the full forward pass at every position. Batches of prompts of
-different lengths are right-padded: row b's prompt is `tokens[b, :lengths[b]]`; causality hides
-the pad tokens from the real ones, and the pad slots (from `lengths[b]` on) are masked out and
-overwritten by the decoded tokens.
+Slots (`slots_of`). Without a sliding window slot j of a row holds position j. With one, the
+cache is a ring: position u lives in slot `u % S`, so a cache of S >= W slots holds every key
+a token can still see, however long the sequence (a position's key is overwritten only once it
+is W or more behind the newest token); with S beyond every position the ring is the identity.
+Keys are stored after RoPE, so RoPE, learned and sinusoidal positions all take `p_b` and the
+logits equal the full forward pass at every position. Batches of prompts of different lengths
+are right-padded: row b's prompt is `tokens[b, :lengths[b]]`; causality hides the pad tokens
+from the real ones, their k, v are never stored, and the decoded tokens take their slots.
 
-Both caches (this contiguous one and `paged.PagedKVCache`) are pytrees with `lengths [B]` and
-two methods, `store(layer, k_BTHK, v_BTHK, positions_BT)` and `read(layer) -> (k_BSHK, v_BSHK)`
-(slot j = position j), so one `prefill` / `decode_step` serves both.
+Both caches (this contiguous one and `paged.PagedKVCache`) are pytrees with `lengths [B]`, a
+`capacity` and two methods, `store(layer, k_BTHK, v_BTHK, slots_BT)` (a slot outside
+[0, capacity) is dropped) and `read(layer) -> (k_BSHK, v_BSHK)` (slot order), so one
+`prefill` / `decode_step` serves both.
 
-Contiguous memory: `2 * N * B * S * D * itemsize` bytes (`cache_bytes`) for capacity S <= C,
-reserved for every row whatever its length (see `paged` for the alternative).
+Contiguous memory: `2 * N * B * S * Hkv * Dh * itemsize` bytes (`cache_bytes`) for capacity
+S <= C, reserved for every row whatever its length (see `paged` for the alternative); GQA makes
+it H / Hkv times smaller than multi-head attention's, and a sliding window bounds the S a
+decoding loop needs by W (`loop.stream` takes S = min(bucket(prompt + new), bucket(W))).
 """
 
 from __future__ import annotations
@@ -41,12 +52,50 @@ from lmjax.models.transformer import cast, check_tokens
 
 
 def cache_bytes(cfg: ModelConfig, slots: int) -> int:
-    """Bytes of keys plus values for `slots` token slots over all layers: `2 N slots D itemsize`."""
-    return 2 * cfg.n_layers * slots * cfg.d_model * cfg.compute_dtype.itemsize
+    """Bytes of keys plus values for `slots` token slots over all layers:
+    `2 N slots Hkv Dh itemsize` (`Hkv Dh = cfg.kv_features`: the cache stores the kv heads)."""
+    return 2 * cfg.n_layers * slots * cfg.kv_features * cfg.compute_dtype.itemsize
+
+
+def slots_of(cfg: ModelConfig, capacity: int, positions):
+    """The cache slot of each absolute position: itself, or `position % capacity` (a ring) when
+    the model has a sliding window (module docstring). Shape-preserving, traceable."""
+    return positions if cfg.sliding_window is None else positions % capacity
+
+
+def visible_slots(cfg: ModelConfig, capacity: int, positions_B1) -> jax.Array:
+    """bool `[B, S]`: the slots a token at `positions [B, 1]` attends to, once it is stored.
+
+    Slot s was last written `age = (p - s) mod S` positions ago (every position up to p has
+    been written, the oldest overwritten first), so it holds position `p - age`: visible iff
+    that position exists (`age <= p`) and, with a window W, is in view (`age < W`). Without a
+    ring (S > p) this is `s <= p` and `p - s < W`.
+    """
+    s_1S = jnp.arange(capacity)[None, :]
+    if cfg.sliding_window is None:
+        return s_1S <= positions_B1
+    age_BS = (positions_B1 - s_1S) % capacity
+    return (age_BS <= positions_B1) & (age_BS < cfg.sliding_window)
+
+
+def is_ring(cfg: ModelConfig, capacity: int) -> bool:
+    """Whether a cache of `capacity` slots may take positions past its capacity: a ring of at
+    least the window's W slots holds every key still in view."""
+    return cfg.sliding_window is not None and capacity >= cfg.sliding_window
+
+
+def prompt_slots(cfg: ModelConfig, capacity: int, t: int, lengths_B) -> jax.Array:
+    """int `[B, T]`: the slot each prompt position is stored at; `capacity` (dropped) for pad
+    positions `>= lengths[b]` and for positions a ring has no room for (`< lengths[b] - S`,
+    outside every later token's window), so no two stored positions share a slot."""
+    positions_BT = jnp.broadcast_to(jnp.arange(t)[None], (lengths_B.shape[0], t))
+    lengths_B1 = lengths_B[:, None]
+    kept_BT = (positions_BT < lengths_B1) & (positions_BT >= lengths_B1 - capacity)
+    return jnp.where(kept_BT, slots_of(cfg, capacity, positions_BT), capacity)
 
 
 class KVCache(NamedTuple):
-    """Contiguous cache: per layer `keys[i]`, `values[i]` `[B, S, H, Dh]`; `lengths [B]` int32."""
+    """Contiguous cache: per layer `keys[i]`, `values[i]` `[B, S, Hkv, Dh]`; `lengths [B]` int32."""
 
     keys: tuple
     values: tuple
@@ -56,12 +105,12 @@ class KVCache(NamedTuple):
     def capacity(self) -> int:
         return self.keys[0].shape[1]
 
-    def store(self, layer: int, k_BTHK, v_BTHK, positions_BT) -> KVCache:
-        """Write each token's k, v at the slot of its position; positions >= S are dropped."""
+    def store(self, layer: int, k_BTHK, v_BTHK, slots_BT) -> KVCache:
+        """Write each token's k, v at its slot `slots [B, T]`; slots >= S are dropped."""
         rows_B1 = jnp.arange(k_BTHK.shape[0])[:, None]
 
         def put(stack, new_BTHK):
-            slab = stack[layer].at[rows_B1, positions_BT].set(new_BTHK, mode="drop")
+            slab = stack[layer].at[rows_B1, slots_BT].set(new_BTHK, mode="drop")
             return stack[:layer] + (slab,) + stack[layer + 1 :]
 
         return self._replace(keys=put(self.keys, k_BTHK), values=put(self.values, v_BTHK))
@@ -80,7 +129,7 @@ def init_cache(cfg: ModelConfig, batch: int, capacity: int | None = None) -> KVC
         ok = is_positive_int(value) and (hi is None or value <= hi)
         bound = f"an int in [1, {hi}] (context_length)" if hi else "an int >= 1"
         require(ok, f"cache {what}", value, bound, f"pass a {what} the model can hold")
-    shape = (batch, capacity, cfg.n_heads, cfg.d_head)
+    shape = (batch, capacity, cfg.kv_heads, cfg.d_head)
     # Distinct buffers for every layer's keys and values: the steps donate each one.
     zeros = [tuple(jnp.zeros(shape, cfg.compute_dtype) for _ in range(cfg.n_layers)) for _ in "kv"]
     return KVCache(*zeros, jnp.zeros((batch,), jnp.int32))
@@ -90,8 +139,7 @@ def prefill_hidden(params: dict, tokens_BT, cfg: ModelConfig, cache, lengths_B) 
     """The prompt's final hidden states `[B, T, D]` (before the head) and the filled cache."""
     check_params(params, cfg)
     p = cast(params, cfg.compute_dtype)
-    b, t = tokens_BT.shape
-    positions_BT = jnp.broadcast_to(jnp.arange(t)[None], (b, t))
+    slots_BT = prompt_slots(cfg, cache.capacity, tokens_BT.shape[1], lengths_B)
     x_BTD = embed(p, tokens_BT, cfg)
 
     def self_attend(cfg, q_BTHK, k_BTHK, v_BTHK):
@@ -99,15 +147,16 @@ def prefill_hidden(params: dict, tokens_BT, cfg: ModelConfig, cache, lengths_B) 
 
     for i in range(cfg.n_layers):
         x_BTD, (k_BTHK, v_BTHK) = cached_block(p["blocks"][str(i)], x_BTD, cfg, None, self_attend)
-        cache = cache.store(i, k_BTHK, v_BTHK, positions_BT)
+        cache = cache.store(i, k_BTHK, v_BTHK, slots_BT)
     return x_BTD, cache._replace(lengths=lengths_B.astype(jnp.int32))
 
 
 def prefill_logits(params: dict, tokens_BT, cfg: ModelConfig, cache, lengths_B) -> tuple:
     """`prefill` without the host-side checks (jit-traceable): `-> (logits [B, T, V], cache)`.
 
-    The caller guarantees what `prefill` checks: T within the capacity and C, and with a paged
-    cache a mapped page for every real prompt position (unmapped writes are dropped silently).
+    The caller guarantees what `prefill` checks: T within the capacity (or a ring, `is_ring`)
+    and C, and with a paged cache a mapped page for the slot of every real prompt position a
+    ring keeps (unmapped writes are dropped silently).
     """
     x_BTD, cache = prefill_hidden(params, tokens_BT, cfg, cache, lengths_B)
     return head(cast(params, cfg.compute_dtype), x_BTD, cfg).astype(jnp.float32), cache
@@ -116,21 +165,26 @@ def prefill_logits(params: dict, tokens_BT, cfg: ModelConfig, cache, lengths_B) 
 def decode_logits(params: dict, token_B, cfg: ModelConfig, cache) -> tuple:
     """`decode_step` without the host-side checks (jit-traceable): `-> (logits [B, V], cache)`.
 
-    The caller guarantees what `decode_step` checks: `lengths < min(capacity, C)` and with a
-    paged cache a mapped page at each row's position `lengths[b]` (`loop.stream` maps them with
-    its `PageAllocator`); otherwise the logits are silently wrong.
+    The caller guarantees what `decode_step` checks: `lengths < min(capacity, C)` (`< C` for a
+    ring, `is_ring`) and with a paged cache a mapped page at the slot of each row's position
+    `lengths[b]` (`loop.stream` maps them with its `PageAllocator`); otherwise the logits are
+    silently wrong.
     """
     check_params(params, cfg)
     p = cast(params, cfg.compute_dtype)
     positions_B1 = cache.lengths[:, None]
+    slots_B1 = slots_of(cfg, cache.capacity, positions_B1)
+    # The query sits at t = 0 of a non-causal call (the window there sees every slot), so the
+    # mask alone says which slots it sees: the causal and window rules at its own position.
+    visible_B11S = visible_slots(cfg, cache.capacity, positions_B1)[:, None, None]
     x_B1D = embed(p, token_B[:, None], cfg, positions_B1)
     for i in range(cfg.n_layers):
 
-        def cached_attend(cfg, q_B1HK, k_B1HK, v_B1HK, i=i, cache=cache):
-            cache = cache.store(i, k_B1HK, v_B1HK, positions_B1)
-            k_BSHK, v_BSHK = cache.read(i)
-            visible_BS = jnp.arange(k_BSHK.shape[1])[None, :] <= positions_B1
-            out = attend(cfg, q_B1HK, k_BSHK, v_BSHK, causal=False, mask=visible_BS[:, None, None])
+        def cached_attend(cfg, q_B1HK, k_B1GK, v_B1GK, i=i, cache=cache):
+            # k, v carry the Hkv kv heads (G here): stored and attended as they are (GQA).
+            cache = cache.store(i, k_B1GK, v_B1GK, slots_B1)
+            k_BSGK, v_BSGK = cache.read(i)
+            out = attend(cfg, q_B1HK, k_BSGK, v_BSGK, causal=False, mask=visible_B11S)
             return out, cache
 
         x_B1D, cache = cached_block(p["blocks"][str(i)], x_B1D, cfg, positions_B1, cached_attend)
@@ -149,8 +203,9 @@ def prefill(params: dict, tokens, cfg: ModelConfig, cache, lengths=None) -> tupl
     tokens `[B, T]`; `lengths [B]` (default T) are the real prompt lengths, `1 <= lengths <= T`.
     The logits at `t < lengths[b]` are the forward pass's; whatever the cache held is replaced.
     Jitted (one compile per shape), and the cache passed in is donated: use the returned one.
-    Raises `ShapeError`/`TokenError` for bad tokens, lengths, `T` beyond the capacity, or (paged
-    cache) a real prompt position whose page is not mapped in `cache.page_table`.
+    Raises `ShapeError`/`TokenError` for bad tokens, lengths, `T` beyond the capacity (a ring,
+    `is_ring`, keeps each row's last `capacity` prompt positions instead), or (paged cache) a
+    stored prompt position whose page is not mapped in `cache.page_table`.
     """
     tokens_BT = check_tokens(tokens, cfg)
     b, t = tokens_BT.shape
@@ -164,7 +219,7 @@ def prefill(params: dict, tokens, cfg: ModelConfig, cache, lengths=None) -> tupl
             "lengths", lengths_B.tolist(), f"each in [1, {t}]", "count only real prompt tokens"
         )
     _check_cache(cache, b, t - 1, cfg)
-    _check_mapped(cache, np.zeros(b, np.int64), lengths_B)
+    _check_mapped(cache, cfg, np.zeros(b, np.int64), lengths_B)
     return _prefill_jit(params, tokens_BT, cfg, cache, jnp.asarray(lengths_B, jnp.int32))
 
 
@@ -174,13 +229,13 @@ def decode_step(params: dict, token, cfg: ModelConfig, cache) -> tuple:
     Jitted once per (batch, capacity); the cache passed in is donated: use the returned one.
     Raises `TokenError` for ids outside the vocabulary and `ShapeError` when a row's cache is
     full (its next position would reach the capacity or the context length C; a paged cache's
-    capacity, a whole number of pages, can exceed C) or, with a paged cache, when the page of a
-    row's position is not mapped in `cache.page_table`.
+    capacity, a whole number of pages, can exceed C; a ring is full only at C) or, with a paged
+    cache, when the page of a row's slot is not mapped in `cache.page_table`.
     """
     token_B = check_tokens(np.asarray(token).reshape(-1, 1), cfg)[:, 0]
     lengths_B = np.asarray(cache.lengths)  # one small host copy: the checks need the values
     _check_cache(cache, token_B.shape[0], int(lengths_B.max()), cfg)
-    _check_mapped(cache, lengths_B, lengths_B + 1)
+    _check_mapped(cache, cfg, lengths_B, lengths_B + 1)
     return _decode_jit(params, token_B, cfg, cache)
 
 
@@ -190,7 +245,9 @@ def _check_cache(cache, batch: int, last_position: int, cfg: ModelConfig) -> Non
             "cache batch", cache.lengths.shape[0], f"{batch} (the token batch)", "init_cache(B)"
         )
     # A paged cache holds whole pages, so its capacity can exceed C: the model's positions end.
-    limit = min(cache.capacity, cfg.context_length)
+    # A ring (sliding window, capacity >= W) takes every position the model has.
+    ring = is_ring(cfg, cache.capacity)
+    limit = cfg.context_length if ring else min(cache.capacity, cfg.context_length)
     if last_position >= limit:
         raise ShapeError.describe(
             "position",
@@ -204,23 +261,30 @@ def _check_cache(cache, batch: int, last_position: int, cfg: ModelConfig) -> Non
         )
 
 
-def _check_mapped(cache, first_B: np.ndarray, stop_B: np.ndarray) -> None:
-    """With a paged cache, every position in `[first_B[b], stop_B[b])` must have a page."""
+def _check_mapped(cache, cfg: ModelConfig, first_B: np.ndarray, stop_B: np.ndarray) -> None:
+    """With a paged cache, the slot of every position in `[first_B[b], stop_B[b])` that is
+    stored (a ring keeps only the last `capacity` of a prompt) must have a page."""
     if not isinstance(cache, PagedKVCache):
         return
     table_BM, size = np.asarray(cache.page_table), cache.page_size
     num_pages = cache.keys[0].shape[0]
     for b in range(table_BM.shape[0]):
-        for page in range(int(first_B[b]) // size, (int(stop_B[b]) - 1) // size + 1):
-            if not 0 <= table_BM[b, page] < num_pages:
-                position = max(int(first_B[b]), page * size)
-                raise ShapeError.describe(
-                    f"page_table[{b}, {page}] (row {b}, position {position})",
-                    int(table_BM[b, page]),
-                    f"a mapped page in [0, {num_pages}) ({num_pages} means none)",
-                    "map the row's pages first: PageAllocator.ensure(row, position + 1), then "
-                    "cache._replace(page_table=jnp.asarray(allocator.table))",
-                )
+        first = max(int(first_B[b]), int(stop_B[b]) - cache.capacity)
+        positions = np.arange(first, int(stop_B[b]))
+        slots = slots_of(cfg, cache.capacity, positions)
+        entries = table_BM[b, slots // size]
+        unmapped = np.flatnonzero((entries < 0) | (entries >= num_pages))
+        if unmapped.size:
+            position, slot = int(positions[unmapped[0]]), int(slots[unmapped[0]])
+            where = f"position {position}" + (f", slot {slot}" if slot != position else "")
+            raise ShapeError.describe(
+                f"page_table[{b}, {slot // size}] (row {b}, {where})",
+                int(entries[unmapped[0]]),
+                f"a mapped page in [0, {num_pages}) ({num_pages} means none)",
+                "map the row's pages first: PageAllocator.ensure(row, slot + 1) (the slot is "
+                "the position, or position % capacity with a sliding window), then "
+                "cache._replace(page_table=jnp.asarray(allocator.table))",
+            )
 
 
 __all__ = [
@@ -229,7 +293,11 @@ __all__ = [
     "decode_logits",
     "decode_step",
     "init_cache",
+    "is_ring",
     "prefill",
     "prefill_hidden",
     "prefill_logits",
+    "prompt_slots",
+    "slots_of",
+    "visible_slots",
 ]

@@ -9,10 +9,13 @@ Policies:
   decodes at its own positions (`kv_cache`), so row b's tokens and logits are those it gets
   alone (greedy: the same tokens; logits to float rounding, the padded shapes differ).
 - Shapes: T is the longest prompt and S = prompt + max_new_tokens, each rounded up to a power
-  of two (at least 8, at most C). The prefill compiles once per (B, T, S) bucket, the decode
-  step once per (B, S); no step of a run compiles anything.
+  of two (at least 8, at most C); with a sliding window W, S is at most W rounded up so (the
+  cache is then a ring, `kv_cache.slots_of`: its memory follows W, not the sequence, and a
+  paged row holds at most ceil(S / page_size) pages). The prefill compiles once per (B, T, S)
+  bucket, the decode step once per (B, S); no step of a run compiles anything.
 - Context: every row must fit, `len(prompt) + max_new_tokens <= C`, else `ConfigError` before
-  any work (no silent truncation or sliding window).
+  any work (no silent truncation; a model's `sliding_window` bounds what each token sees and
+  the cache, not the positions, which end at C).
 - Stops: a row ends after `max_new_tokens` tokens or after emitting one of `stop_tokens` (the
   stop token is its last token); finished rows keep their batch slot but emit nothing, and a
   paged cache returns their pages to the pool at once. The run ends when every row has ended.
@@ -117,11 +120,13 @@ def stream(
     stops = _check_stop_tokens(stop_tokens, cfg)
     check_params(params, cfg)
     tokens_BT, lengths = _right_padded(rows, cfg)
-    b, s = len(rows), _bucket(lengths.max() + max_new_tokens, cfg)
+    b, s = len(rows), cache_slots(cfg, int(lengths.max()) + max_new_tokens)
     pages, worst = None, 0
     if cache == "paged":
         page_size = PAGE_SIZE if page_size is None else page_size
-        worst = int(np.ceil((lengths + max_new_tokens - 1) / page_size).sum())
+        # The last token sampled is never written; a ring row needs no more than its table.
+        slots_B = np.minimum(lengths + max_new_tokens - 1, -(-s // page_size) * page_size)
+        worst = int(np.ceil(slots_B / page_size).sum())
         kv, pages = _paged_start(
             cfg, lengths, s, page_size, worst if num_pages is None else num_pages, worst
         )
@@ -149,7 +154,7 @@ def stream(
         if pages is not None:
             # The token just sampled is written at position len + emitted - 1 by the next step.
             for i in np.flatnonzero(~done):
-                _ensure(pages, int(i), int(lengths[i] + emitted[i]), worst, step)
+                _ensure(pages, int(i), int(lengths[i] + emitted[i] - 1), worst, step)
             kv = kv._replace(page_table=jnp.asarray(pages.table))
         token_B, finite_B, kv = decode_sample(params, token_B, kv, key, step, cfg, sampling)
 
@@ -171,7 +176,7 @@ def _paged_start(cfg, lengths, s: int, page_size: int, num_pages: int, worst: in
     kv = init_paged_cache(cfg, b, num_pages, page_size, s)
     pages = PageAllocator(num_pages, page_size, b, kv.page_table.shape[1])
     for i in range(b):
-        _ensure(pages, i, int(lengths[i]), worst, 0)
+        _ensure(pages, i, int(lengths[i]) - 1, worst, 0)
     return kv._replace(page_table=jnp.asarray(pages.table)), pages
 
 
@@ -189,14 +194,17 @@ def generate(params: dict, prompts, cfg: ModelConfig, **options) -> list[list[in
     return out
 
 
-def _ensure(pages: PageAllocator, row: int, n_slots: int, worst: int, completed: int) -> None:
-    """`pages.ensure`, with an error that gives the run's progress and the worst-case pool."""
+def _ensure(pages: PageAllocator, row: int, position: int, worst: int, completed: int) -> None:
+    """Map the pages `row` needs to write `position` (and all before it: slots 0..position,
+    or the whole table once a ring wraps), with an error that gives the run's progress and the
+    worst-case pool."""
+    n_slots = min(position + 1, pages.table.shape[1] * pages.page_size)
     missing = -(-n_slots // pages.page_size) - len(pages.owned[row])
     if missing > len(pages.free):
         raise ConfigError.describe(
             "num_pages",
             pages.num_pages,
-            f"a free page for row {row}'s position {n_slots - 1} ({len(pages.free)} free) after "
+            f"a free page for row {row}'s position {position} ({len(pages.free)} free) after "
             f"{completed} completed steps (tokens yielded so far stand; generate returns none)",
             f"pass num_pages >= {worst} (the worst case for this batch; None picks it), or "
             "decode fewer or shorter sequences at once",
@@ -223,6 +231,14 @@ def _in_use(pages: PageAllocator | None) -> int | None:
 def _bucket(n: int, cfg: ModelConfig) -> int:
     """The next power of two >= n, at least MIN_BUCKET, at most the context length."""
     return min(cfg.context_length, max(MIN_BUCKET, 1 << (int(n) - 1).bit_length()))
+
+
+def cache_slots(cfg: ModelConfig, n_positions: int) -> int:
+    """The cache capacity S `stream` gives each row for `n_positions` positions (longest
+    prompt + max_new_tokens): `_bucket(n)`, and with a sliding window W at most `_bucket(W)`,
+    a ring of >= W slots (or all C positions) that holds every key still in view."""
+    s = _bucket(n_positions, cfg)
+    return s if cfg.sliding_window is None else min(s, _bucket(cfg.sliding_window, cfg))
 
 
 def _check_prompts(prompts, cfg: ModelConfig) -> list[np.ndarray]:
@@ -330,4 +346,4 @@ def _check_stop_tokens(stop_tokens, cfg: ModelConfig) -> np.ndarray:
     return stops
 
 
-__all__ = ["CACHES", "Step", "generate", "stream"]
+__all__ = ["CACHES", "Step", "cache_slots", "generate", "stream"]

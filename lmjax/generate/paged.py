@@ -1,14 +1,16 @@
 """A paged KV cache (SPEC section 4): fixed-size pages from one pool, a page table per sequence.
 
-Layout, per layer: `keys[i]`, `values[i]` `[P, page_size, H, Dh]` (a pool of P pages);
-`page_table [B, M]` int32 maps row b's slot j to page `page_table[b, j // page_size]`, offset
-`j % page_size`; an entry outside `[0, P)` (P is the sentinel) means "no page": writes there are
-dropped and reads give zeros (always masked out: a row only attends to positions it has written).
+Layout, per layer: `keys[i]`, `values[i]` `[P, page_size, Hkv, Dh]` (a pool of P pages of the
+model's `cfg.kv_heads` key/value heads); `page_table [B, M]` int32 maps row b's slot j (its
+position j, or with a sliding window `j % capacity`: `kv_cache.slots_of`) to page
+`page_table[b, j // page_size]`, offset `j % page_size`; an entry outside `[0, P)` (P is the
+sentinel) means "no page": writes there are dropped and reads give zeros (always masked out: a
+row only attends to positions it has written).
 The table has `M = ceil(capacity / page_size)` entries per row, so the capacity `M * page_size`
 can exceed the context length C; `kv_cache.decode_step` bounds positions by `min(capacity, C)`.
 
 Cost per step, stated plainly: `read` gathers a row's pages into a contiguous
-`[B, M * page_size, H, Dh]` view, for keys and for values, in every layer at every step, so that
+`[B, M * page_size, Hkv, Dh]` view, for keys and for values, in every layer at every step, so that
 `prefill` / `decode_step` of `kv_cache` run unchanged and give the same tokens. That view is as
 large as one layer of a contiguous cache of the same capacity (a transient, one layer at a time),
 and the gather reads the pages once more each step: paging saves resident memory, not per-step
@@ -56,7 +58,7 @@ from lmjax.models import ModelConfig
 
 
 class PagedKVCache(NamedTuple):
-    """Pool `keys[i]`, `values[i]` `[P, page, H, Dh]`, `page_table [B, M]`, `lengths [B]`."""
+    """Pool `keys[i]`, `values[i]` `[P, page, Hkv, Dh]`, `page_table [B, M]`, `lengths [B]`."""
 
     keys: tuple
     values: tuple
@@ -71,13 +73,14 @@ class PagedKVCache(NamedTuple):
     def capacity(self) -> int:
         return self.page_table.shape[1] * self.page_size
 
-    def store(self, layer: int, k_BTHK, v_BTHK, positions_BT) -> PagedKVCache:
-        """Write each token's k, v into its row's page for that position (dropped if unmapped)."""
+    def store(self, layer: int, k_BTHK, v_BTHK, slots_BT) -> PagedKVCache:
+        """Write each token's k, v into its row's page for its slot `slots [B, T]` (dropped if
+        the page is unmapped or the slot >= capacity)."""
         num_pages, page = self.keys[0].shape[:2]
         page_BT = jnp.take_along_axis(
-            self.page_table, positions_BT // page, axis=1, mode="fill", fill_value=num_pages
+            self.page_table, slots_BT // page, axis=1, mode="fill", fill_value=num_pages
         )
-        offset_BT = positions_BT % page
+        offset_BT = slots_BT % page
 
         def put(stack, new_BTHK):
             slab = stack[layer].at[page_BT, offset_BT].set(new_BTHK, mode="drop")
@@ -86,7 +89,7 @@ class PagedKVCache(NamedTuple):
         return self._replace(keys=put(self.keys, k_BTHK), values=put(self.values, v_BTHK))
 
     def read(self, layer: int) -> tuple:
-        """Row b's pages in table order: `[B, M * page, H, Dh]`, slot j = position j."""
+        """Row b's pages in table order: `[B, M * page, Hkv, Dh]`, in slot order."""
 
         def gather(pool_PLHK):
             pages_BMLHK = jnp.take(pool_PLHK, self.page_table, axis=0, mode="fill", fill_value=0)
@@ -114,7 +117,7 @@ def init_paged_cache(
             f"an int in [1, {cfg.context_length}] (context_length)",
             "pass a capacity the model can hold",
         )
-    shape = (num_pages, page_size, cfg.n_heads, cfg.d_head)
+    shape = (num_pages, page_size, cfg.kv_heads, cfg.d_head)
     # Distinct buffers for every layer's keys and values: the steps donate each one.
     zeros = [tuple(jnp.zeros(shape, cfg.compute_dtype) for _ in range(cfg.n_layers)) for _ in "kv"]
     table = jnp.full((batch, math.ceil(capacity / page_size)), num_pages, jnp.int32)

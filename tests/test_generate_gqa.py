@@ -1,0 +1,198 @@
+"""Decoding with grouped-query attention and sliding windows (issue 23): KV and paged caches.
+
+Witnesses are independent of the decoding code: `models.forward` over the whole sequence for
+logits, greedy decoding by re-running `models.forward` on the growing sequence for tokens, and,
+for the window itself, a one-layer RoPE model run *without* a window on just the last W tokens
+(RoPE scores depend only on relative positions, so that is what the windowed query sees).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lmjax import generate as G
+from lmjax import models
+from lmjax.errors import ShapeError
+from lmjax.generate import kv_cache, loop
+
+# C = 24 and prompts up to 11 tokens: every window below is shorter than the longest prompt.
+TINY = dict(vocab_size=27, context_length=24, d_model=32, n_heads=4, n_layers=2, d_ff=64)
+CONFIGS = {
+    "gqa2": models.preset("llama", **TINY, n_kv_heads=2),
+    "mqa-window5": models.preset("llama", **TINY, n_kv_heads=1, sliding_window=5),
+    "gqa2-qknorm-dh12-window6": models.preset(
+        "llama", **TINY, n_kv_heads=2, head_dim=12, qk_norm=True, sliding_window=6
+    ),
+}
+F32_TOL = dict(rtol=1e-5, atol=1e-5)  # float32 at matmul precision highest (conftest)
+PROMPTS = [[3, 1, 4], [1], [5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9]]
+
+
+@pytest.fixture(scope="module")
+def params():
+    return {
+        name: models.init(jax.random.key(i), cfg) for i, (name, cfg) in enumerate(CONFIGS.items())
+    }
+
+
+@functools.cache
+def padded_forward(cfg):
+    return jax.jit(models.forward)
+
+
+def greedy_witness(params, prompt, cfg, n):
+    """Greedy continuation by the full forward pass on the growing sequence (right-padded to C:
+    by causality position len - 1 of the padded pass is the unpadded one's last)."""
+    seq = list(prompt)
+    for _ in range(n):
+        padded = np.asarray([seq + [0] * (cfg.context_length - len(seq))], np.int32)
+        logits_V = padded_forward(cfg)(params, padded, cfg)[0, len(seq) - 1]
+        seq.append(int(np.argmax(logits_V)))
+    return seq[len(prompt) :]
+
+
+def nbytes(cache) -> int:
+    return sum(a.size * a.dtype.itemsize for a in cache.keys + cache.values)
+
+
+# ---- what the caches hold -------------------------------------------------------------------
+
+
+def test_caches_store_the_kv_heads_and_cache_bytes_counts_them():
+    cfg = CONFIGS["gqa2-qknorm-dh12-window6"]  # Hkv 2 of Dh 12 (Hkv * Dh = 24 != D = 32)
+    mha = cfg.replace(n_kv_heads=None)
+    for c in (cfg, mha):
+        contiguous = jax.eval_shape(lambda c=c: G.init_cache(c, 3, 16))
+        assert contiguous.keys[0].shape == (3, 16, c.kv_heads, 12)
+        assert nbytes(contiguous) == G.cache_bytes(c, 3 * 16)
+        pool = jax.eval_shape(lambda c=c: G.init_paged_cache(c, 3, 10, 4, 16))
+        assert pool.values[1].shape == (10, 4, c.kv_heads, 12)
+        assert nbytes(pool) == G.cache_bytes(c, 10 * 4)
+    assert G.cache_bytes(mha, 8) == (mha.n_heads // cfg.kv_heads) * G.cache_bytes(cfg, 8)
+    assert G.cache_bytes(cfg, 1) == 2 * 2 * (2 * 12) * 4  # 2 (k, v) x N x Hkv Dh x float32
+
+
+def test_decoding_attends_over_the_kv_heads_without_a_repeated_copy(monkeypatch):
+    cfg = CONFIGS["mqa-window5"]
+    seen = []
+
+    def spy(cfg, q, k, v, **kwargs):
+        seen.append((q.shape, k.shape, v.shape))
+        return models.attend(cfg, q, k, v, **kwargs)
+
+    monkeypatch.setattr(kv_cache, "attend", spy)
+    p = models.abstract_params(cfg)
+    cache = G.init_cache(cfg, 2, 8)
+    jax.eval_shape(lambda p, t, c: kv_cache.decode_logits(p, t, cfg, c), p, np.zeros(2, int), cache)
+    assert seen == [((2, 1, 4, 8), (2, 8, 1, 8), (2, 8, 1, 8))] * cfg.n_layers
+
+
+# ---- prefill + decode equals the full forward pass ------------------------------------------
+
+
+def paged_cache(cfg, batch, capacity, page_size=4):
+    """Every page of a `capacity`-slot table mapped, rows on interleaved reversed pages."""
+    per_row = math.ceil(capacity / page_size)
+    cache = G.init_paged_cache(cfg, batch, batch * per_row, page_size, capacity)
+    table = np.arange(batch * per_row)[::-1].reshape(per_row, batch).T
+    return cache._replace(page_table=jnp.asarray(table, jnp.int32))
+
+
+@pytest.mark.parametrize("cache_kind", ["contiguous", "paged"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_prefill_then_decode_equals_forward_at_every_position(params, name, cache_kind):
+    """Right-padded rows of lengths 3 and 9 (longer than the windows) decoding up to C. With a
+    window the cache has 8 slots (a ring past W: positions wrap twice); without, C."""
+    cfg, p = CONFIGS[name], params[name]
+    c = cfg.context_length
+    tokens_BC = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, c)).astype(np.int32)
+    full_BCV = np.asarray(models.forward(p, tokens_BC, cfg))
+    lengths = np.array([3, 9])
+    prompt_BT = tokens_BC[:, :9].copy()
+    prompt_BT[0, 3:] = 0  # padding: row 0's prompt is 3 tokens long
+    s = c if cfg.sliding_window is None else 8
+    cache = G.init_cache(cfg, 2, s) if cache_kind == "contiguous" else paged_cache(cfg, 2, s)
+    logits_BTV, cache = G.prefill(p, prompt_BT, cfg, cache, lengths)
+    for b, n in enumerate(lengths):
+        np.testing.assert_allclose(logits_BTV[b, :n], full_BCV[b, :n], **F32_TOL)
+    for step in range(c - 9):
+        pos_B = lengths + step
+        logits_BV, cache = G.decode_step(p, tokens_BC[[0, 1], pos_B], cfg, cache)
+        np.testing.assert_allclose(logits_BV, full_BCV[[0, 1], pos_B], **F32_TOL)
+
+
+def test_a_window_hides_keys_w_or_more_behind_the_query():
+    """One RoPE layer, window 4: decoded position t sees exactly tokens t-3..t, as the same
+    model without a window fed only those four tokens (an independent witness of the rule)."""
+    cfg = models.preset("llama", **TINY | dict(n_layers=1), n_kv_heads=2, sliding_window=4)
+    plain = cfg.replace(sliding_window=None)
+    p = models.init(jax.random.key(7), cfg)
+    tokens_1C = np.random.default_rng(3).integers(0, cfg.vocab_size, (1, 16)).astype(np.int32)
+    logits_1TV, cache = G.prefill(p, tokens_1C[:, :6], cfg, G.init_cache(cfg, 1, 8))
+    for t in range(6, 16):
+        logits_1V, cache = G.decode_step(p, tokens_1C[:, t], cfg, cache)
+        window_1V = padded_forward(plain)(p, tokens_1C[:, t - 3 : t + 1], plain)[:, -1]
+        np.testing.assert_allclose(logits_1V, window_1V, **F32_TOL)
+    # Without the window the same decode sees the whole prefix, and differs.
+    _, cache = G.prefill(p, tokens_1C[:, :15], plain, G.init_cache(plain, 1, 16))
+    full_1V, _ = G.decode_step(p, tokens_1C[:, 15], plain, cache)
+    assert np.abs(np.asarray(full_1V) - np.asarray(window_1V)).max() > 1e-3
+
+
+def test_a_ring_takes_positions_past_its_capacity_a_short_cache_does_not():
+    cfg = CONFIGS["mqa-window5"]
+    p = models.abstract_params(cfg)
+    tokens = np.zeros((1, 9), np.int32)
+    assert kv_cache.is_ring(cfg, 5) and not kv_cache.is_ring(cfg, 4)
+    assert not kv_cache.is_ring(cfg.replace(sliding_window=None), 16)
+    with pytest.raises(ShapeError, match="position = 8; expected < cache capacity 4"):
+        G.prefill(p, tokens, cfg, G.init_cache(cfg, 1, 4))
+    # A paged ring of 8 slots with only its second page mapped: position 8 writes slot 0.
+    paged = G.init_paged_cache(cfg, 1, 2, 4, 8)
+    paged = paged._replace(page_table=jnp.asarray([[2, 0]], jnp.int32), lengths=jnp.asarray([8]))
+    with pytest.raises(ShapeError, match=r"page_table\[0, 0\] \(row 0, position 8, slot 0\)"):
+        G.decode_step(p, [0], cfg, paged)
+    with pytest.raises(ShapeError, match=r"page_table\[0, 0\] \(row 0, position 1\) = 2"):
+        G.prefill(p, tokens, cfg, paged)  # positions 1..8 are kept: slots 1..7 and 0
+
+
+def test_prompt_slots_keep_each_rows_last_capacity_real_positions():
+    cfg = CONFIGS["mqa-window5"]
+    slots_BT = kv_cache.prompt_slots(cfg, 4, 6, np.array([6, 2]))
+    # Row 0 keeps positions 2..5 in slots 2, 3, 0, 1; row 1 its two real positions; 4 = dropped.
+    np.testing.assert_array_equal(slots_BT, [[4, 4, 2, 3, 0, 1], [0, 1, 4, 4, 4, 4]])
+    # Window 5 in 8 slots: position 2 sees slots 0..2; position 11 sees 7..11 = slots 7, 0..3.
+    visible_BS = kv_cache.visible_slots(cfg, 8, np.array([[2], [11]]))
+    np.testing.assert_array_equal(visible_BS, [[1, 1, 1, 0, 0, 0, 0, 0], [1, 1, 1, 1, 0, 0, 0, 1]])
+
+
+# ---- generation ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_greedy_generate_equals_the_full_recompute_witness(params, name):
+    """Batched prompts of lengths 3, 1 and 11 (right-padded), contiguous and paged caches."""
+    cfg, p = CONFIGS[name], params[name]
+    n = cfg.context_length - len(PROMPTS[2])
+    witness = [greedy_witness(p, prompt, cfg, n) for prompt in PROMPTS]
+    assert G.generate(p, PROMPTS, cfg, max_new_tokens=n) == witness
+    assert G.generate(p, PROMPTS, cfg, max_new_tokens=n, cache="paged", page_size=4) == witness
+
+
+def test_a_windowed_stream_holds_at_most_its_ring(params):
+    """Window 5: 8 slots per row (not the 32 of the prompt + 13 tokens), so at most 4 pages of 2
+    per row are ever in use, and the tokens are the contiguous cache's."""
+    cfg, p = CONFIGS["mqa-window5"], params["mqa-window5"]
+    assert loop.cache_slots(cfg, 11 + 13) == 8
+    assert loop.cache_slots(cfg.replace(sliding_window=None), 11 + 13) == 24
+    assert loop.cache_slots(cfg, 3 + 2) == 8  # short runs: the usual bucket
+    contiguous = G.generate(p, PROMPTS, cfg, max_new_tokens=13)
+    steps = list(G.stream(p, PROMPTS, cfg, max_new_tokens=13, cache="paged", page_size=2))
+    assert [[int(s.tokens[b]) for s in steps] for b in range(3)] == contiguous
+    assert max(s.pages_in_use for s in steps) == 3 * 4
