@@ -16,6 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import (
+    AddedToken,
     Regex,
     Tokenizer,
     decoders,
@@ -237,3 +238,17 @@ def test_bad_input_to_encode_and_decode(pair):
         ours.decode([ours.vocab_size])
     with pytest.raises(FileFormatError, match="existing file"):
         load_hf_tokenizer("/nonexistent/tokenizer.json")
+
+
+def test_non_normalized_added_tokens_are_split_out_first(llama_pair, tmp_path):
+    # HF matches normalized=false tokens in the raw text before normalized=true ones, so "cd"
+    # (special, not normalized) wins inside "abcd" (normalized), where one leftmost-longest pass
+    # over both would give "abcd".
+    hf = Tokenizer.from_str(llama_pair[0].to_str())
+    hf.add_tokens([AddedToken("abcd", normalized=True)])
+    hf.add_special_tokens([AddedToken("cd", normalized=False, special=True)])
+    hf.save(str(tmp_path / "tokenizer.json"))
+    ours = load_hf_tokenizer(tmp_path / "tokenizer.json")
+    for text in ("xabcdx", "abcd abcd", "ab" + "cd"):
+        assert ours.encode(text) == hf.encode(text).ids
+    assert hf.token_to_id("cd") in ours.encode("abcd")
