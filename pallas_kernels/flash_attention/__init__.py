@@ -97,33 +97,57 @@ def flash_attention_with_lse(
     causal: bool,
     mask=None,
     offset: int = 0,
+    window: int | None = None,
+    q_segment_ids=None,
+    kv_segment_ids=None,
     block_sizes: BlockSizes | None = None,
     backend: str | None = None,
     interpret: bool | None = None,
 ):
     """(out [B, T, H, Dh], lse [B, H, T] f32); both differentiable. See the module docstring.
 
-    `mask` is a `[B, S]` key-padding mask, bool or 0/1 (1 keeps the key), as in
-    `lmjax.ops.attention`: a concrete mask with any other value is a `ShapeError` (an additive
-    mask converts with `keep = additive == 0`); a traced one is read as "nonzero keeps", so
-    under jit pass a bool mask. Causal: key u is visible to query t iff u <= t + offset
-    (`offset` a static int; a cache of S keys decoding T new queries uses offset = S - T, which
-    is negative when T > S: the first rows then see no key). Rows with no visible key: out 0,
-    lse -inf, and exactly zero gradients (dq of the row, its share of dk and dv).
+    k and v are `[B, S, Hkv, Dh]` with H % Hkv == 0: query head h reads key/value head
+    h // (H // Hkv) through the kernels' index maps (no repeated copy), and dk, dv come back
+    `[B, S, Hkv, Dh]`, summed over each group. `mask` is a `[B, S]` key-padding mask, bool or
+    0/1 (1 keeps the key), as in `lmjax.ops.attention`: a concrete mask with any other value is
+    a `ShapeError` (an additive mask converts with `keep = additive == 0`); a traced one is read
+    as "nonzero keeps", so under jit pass a bool mask. Causal: key u is visible to query t iff
+    u <= t + offset (`offset` a static int; a cache of S keys decoding T new queries uses
+    offset = S - T, which is negative when T > S: the first rows then see no key). `window`
+    (None or a static int >= 1): key u visible only if (t + offset) - u < window; key blocks
+    outside the band are skipped. `q_segment_ids [B, T]`, `kv_segment_ids [B, S]` (integer,
+    both or neither): key u visible only if their ids are equal (per element; blocks are still
+    skipped by the causal and window rules only). Rows with no visible key: out 0, lse -inf,
+    and exactly zero gradients (dq of the row, its share of dk and dv).
     """
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
-    check_inputs(q, k, v, mask, offset)
+    check_inputs(q, k, v, mask, offset, window, q_segment_ids, kv_segment_ids)
     kernel, interpret = resolve_backend(backend, interpret)
     sizes = _backend.block_sizes_or_default(block_sizes, BlockSizes, kernel)
     check_blocks(sizes, kernel, interpret)
     _require_platform(kernel, interpret)
+    segments = q_segment_ids is not None
     plan = make_plan(
-        q.shape, k.shape, sizes, kernel, interpret, bool(causal), int(offset), mask is not None
+        q.shape,
+        k.shape,
+        sizes,
+        kernel,
+        interpret,
+        bool(causal),
+        int(offset),
+        mask is not None,
+        window=None if window is None else int(window),
+        has_segments=segments,
     )
     kmask = None if mask is None else (jnp.asarray(mask) != 0).astype(jnp.int32)
+    qseg, kvseg = (
+        (jnp.asarray(x).astype(jnp.int32) for x in (q_segment_ids, kv_segment_ids))
+        if segments
+        else (None, None)
+    )
     compute = _compute_dtype(kernel, q.dtype)
     q_c, k_c, v_c = (x.astype(compute) for x in (q, k, v))  # no-ops unless float16 on TPU
-    out, lse = flash_padded(plan, q_c, k_c, v_c, kmask)
+    out, lse = flash_padded(plan, q_c, k_c, v_c, kmask, qseg, kvseg)
     return out.astype(q.dtype), lse
 
 
@@ -135,8 +159,9 @@ def _compute_dtype(kernel: str, dtype) -> jnp.dtype:
 
 
 def flash_attention(q, k, v, *, causal: bool, **options):
-    """FlashAttention-2: `out [B, T, H, Dh]`; `options` (mask, offset, block_sizes, backend,
-    interpret) and the contract as in `flash_attention_with_lse`, whose lse it drops."""
+    """FlashAttention-2: `out [B, T, H, Dh]`; `options` (mask, offset, window, q_segment_ids,
+    kv_segment_ids, block_sizes, backend, interpret) and the contract as in
+    `flash_attention_with_lse`, whose lse it drops."""
     return flash_attention_with_lse(q, k, v, causal=causal, **options)[0]
 
 

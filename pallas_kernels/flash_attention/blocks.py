@@ -22,22 +22,38 @@ def fori(lo, hi, body, carry):
     return lax.fori_loop(lo, hi, body, carry)
 
 
-def maybe_spec(kmask, spec):
-    """The mask's BlockSpec, or None when there is no mask (the kernel then gets None)."""
-    return None if kmask is None else spec
+def maybe_spec(array, spec):
+    """`spec` for an optional input (mask, segment ids), or None when it is absent (the kernel
+    then gets None)."""
+    return None if array is None else spec
 
 
-def visible(plan: Plan, rows_Q1, cols_1K, kmask_1K):
-    """bool [Q, K] (or [1, K]): key u visible to query t. None when nothing is masked."""
+def visible(plan: Plan, rows_Q1, cols_1K, kmask_1K, qseg_Q1=None, kvseg_1K=None):
+    """bool [Q, K] (or [1, K]): key u visible to query t. None when nothing is masked.
+
+    keep = mask[u] (or u < S) and (not causal or u <= t + offset)
+           and (window is None or (t + offset) - u < window) and q_seg[t] == kv_seg[u]
+    """
     keep = None
     if kmask_1K is not None:
         keep = kmask_1K != 0  # padded keys carry 0 in the mask already
     elif plan.s_pad != plan.s:
         keep = cols_1K < plan.s
-    if plan.causal:
-        causal = cols_1K <= rows_Q1 + plan.offset
-        keep = causal if keep is None else keep & causal
+    for rule in _pair_rules(plan, rows_Q1, cols_1K, qseg_Q1, kvseg_1K):
+        keep = rule if keep is None else keep & rule
     return keep
+
+
+def _pair_rules(plan: Plan, rows_Q1, cols_1K, qseg_Q1, kvseg_1K):
+    """The [Q, K] rules of `visible` that this plan has (causal, window, segments)."""
+    rules = []
+    if plan.causal:
+        rules.append(cols_1K <= rows_Q1 + plan.offset)
+    if plan.window is not None:
+        rules.append(rows_Q1 + plan.offset - cols_1K < plan.window)
+    if qseg_Q1 is not None:
+        rules.append(qseg_Q1 == kvseg_1K)
+    return rules
 
 
 def iota(start, shape, axis):

@@ -1,7 +1,10 @@
-"""The GPU (Triton) kernels: grid (query or key blocks, B, H), a fori_loop over the other axis.
+"""The GPU (Triton) kernels: grid (query or key blocks, B, heads), a fori_loop over the other axis.
 
-Arrays stay `[B, T, H, Dh]`; each program reads whole rows of k and v (or q) and loops over
-their blocks, skipping the mask arithmetic on blocks that are entirely visible.
+Arrays stay `[B, T, H, Dh]` (k, v `[B, S, Hkv, Dh]`); each program reads whole rows of k and v
+(or q) and loops over their blocks, skipping the mask arithmetic on blocks that are entirely
+visible. Grouped-query attention goes through the index maps: the forward and dq programs of
+query head h read key/value head h // G; the dk/dv program of key/value head h reads the G query
+heads h*G .. h*G + G - 1 and sums their contributions in its own accumulators.
 """
 
 from __future__ import annotations
@@ -24,82 +27,122 @@ from pallas_kernels.flash_attention.blocks import (
     probs_and_dscores,
     visible,
 )
-from pallas_kernels.flash_attention.plan import Plan, kv_range, q_range
+from pallas_kernels.flash_attention.plan import Plan, kv_head, kv_range, q_range
 
 
-def _gpu_fwd_kernel(q_ref, k_ref, v_ref, mask_ref, o_ref, lse_ref, *, plan: Plan):
+def _sweep(ranges, step, carry):
+    """Run step(n, carry, masked) over blocks [lo, end): masked outside [full_lo, full_hi)."""
+    lo, full_lo, full_hi, end = ranges
+    carry = fori(lo, full_lo, functools.partial(step, masked=True), carry)
+    carry = fori(full_lo, full_hi, functools.partial(step, masked=False), carry)
+    return fori(full_hi, end, functools.partial(step, masked=True), carry)
+
+
+def _row_segments(qseg_ref, rows):
+    """int32 [Q, 1] segment ids of query rows `rows`, or None without segments."""
+    return None if qseg_ref is None else qseg_ref[rows][:, None]
+
+
+def _key_keep(plan: Plan, rows_Q1, qseg_Q1, j, bk: int, mask_ref, kvseg_ref):
+    """`visible` for key block j of whole-row refs (forward and dq programs)."""
+    keys = pl.ds(pl.multiple_of(j * bk, bk), bk)
+    kmask = None if mask_ref is None else mask_ref[keys][None, :]
+    kvseg = None if kvseg_ref is None else kvseg_ref[keys][None, :]
+    return visible(plan, rows_Q1, iota(j * bk, (1, bk), 1), kmask, qseg_Q1, kvseg)
+
+
+def _gpu_fwd_kernel(q_ref, k_ref, v_ref, mask_ref, qseg_ref, kvseg_ref, o_ref, lse_ref, *, plan):
     bq, bk = plan.bq, plan.bk
     i = pl.program_id(0)
     q_QDh = q_ref[...]
     rows_Q1 = iota(i * bq, (bq, 1), 0)
+    qseg_Q1 = None if qseg_ref is None else qseg_ref[...][:, None]
 
     def step(j, carry, masked):
         keys = pl.ds(pl.multiple_of(j * bk, bk), bk)
         s_QK = _dot(q_QDh, k_ref[keys, :], (1, 1)) * plan.scale2
-        keep = None
-        if masked:
-            kmask = None if mask_ref is None else mask_ref[keys][None, :]
-            keep = visible(plan, rows_Q1, iota(j * bk, (1, bk), 1), kmask)
+        keep = _key_keep(plan, rows_Q1, qseg_Q1, j, bk, mask_ref, kvseg_ref) if masked else None
         return online_softmax_step(carry, s_QK, keep, v_ref[keys, :])
 
-    full, end = kv_range(plan, i, bq, bk)
-    carry = fori(0, full, functools.partial(step, masked=False), init_carry(bq, plan.d_pad))
-    carry = fori(full, end, functools.partial(step, masked=True), carry)
+    carry = _sweep(kv_range(plan, i, bq, bk), step, init_carry(bq, plan.d_pad))
     out_QDh, lse_Q1 = finish(*carry)
     o_ref[...] = out_QDh.astype(o_ref.dtype)
     lse_ref[...] = lse_Q1
 
 
-def _gpu_dq_kernel(q_ref, k_ref, v_ref, mask_ref, do_ref, lse_ref, delta_ref, dq_ref, *, plan):
+def _gpu_dq_kernel(
+    q_ref, k_ref, v_ref, mask_ref, qseg_ref, kvseg_ref, do_ref, lse_ref, delta_ref, dq_ref, *, plan
+):
     bq, bk = plan.bq_bwd, plan.bk_bwd
     i = pl.program_id(0)
     q_QDh, do_QDh, lse_Q1, delta_Q1 = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
     rows_Q1 = iota(i * bq, (bq, 1), 0)
+    qseg_Q1 = None if qseg_ref is None else qseg_ref[...][:, None]
 
     def step(j, dq_QDh, masked):
         keys = pl.ds(pl.multiple_of(j * bk, bk), bk)
         k_KDh = k_ref[keys, :]
-        keep = None
-        if masked:
-            kmask = None if mask_ref is None else mask_ref[keys][None, :]
-            keep = visible(plan, rows_Q1, iota(j * bk, (1, bk), 1), kmask)
+        keep = _key_keep(plan, rows_Q1, qseg_Q1, j, bk, mask_ref, kvseg_ref) if masked else None
         _, ds_QK = probs_and_dscores(
             q_QDh, k_KDh, v_ref[keys, :], do_QDh, lse_Q1, delta_Q1, keep, plan.scale2
         )
         return dq_QDh + _dot(ds_QK.astype(k_KDh.dtype), k_KDh, (1, 0))
 
-    full, end = kv_range(plan, i, bq, bk)
     dq_QDh = jnp.zeros((bq, plan.d_pad), jnp.float32)
-    dq_QDh = fori(0, full, functools.partial(step, masked=False), dq_QDh)
-    dq_QDh = fori(full, end, functools.partial(step, masked=True), dq_QDh)
+    dq_QDh = _sweep(kv_range(plan, i, bq, bk), step, dq_QDh)
     dq_ref[...] = (dq_QDh * plan.scale).astype(dq_ref.dtype)
 
 
 def _gpu_dkdv_kernel(
-    q_ref, k_ref, v_ref, mask_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, plan
+    q_ref,
+    k_ref,
+    v_ref,
+    mask_ref,
+    qseg_ref,
+    kvseg_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,
+    dk_ref,
+    dv_ref,
+    *,
+    plan,
 ):
+    """dk, dv of one key block of key/value head h: q, dO `[T', G, Dh]` and lse, delta
+    `[G, T', 1]` hold the G query heads of h's group, whose sums land in one accumulator."""
     bq, bk = plan.bq_bwd, plan.bk_bwd
     j = pl.program_id(0)
     k_KDh, v_KDh = k_ref[...], v_ref[...]
     cols_1K = iota(j * bk, (1, bk), 1)
     kmask = None if mask_ref is None else mask_ref[...][None, :]
+    kvseg = None if kvseg_ref is None else kvseg_ref[...][None, :]
+    ranges = q_range(plan, j, bq, bk)
 
-    def step(i, carry, masked):
+    def step(i, carry, masked, g):
         dk_KDh, dv_KDh = carry
         rows = pl.ds(pl.multiple_of(i * bq, bq), bq)
-        q_QDh, do_QDh = q_ref[rows, :], do_ref[rows, :]
-        keep = visible(plan, iota(i * bq, (bq, 1), 0), cols_1K, kmask) if masked else None
+        q_QDh, do_QDh = q_ref[rows, g, :], do_ref[rows, g, :]
+        keep = None
+        if masked:
+            qseg = _row_segments(qseg_ref, rows)
+            keep = visible(plan, iota(i * bq, (bq, 1), 0), cols_1K, kmask, qseg, kvseg)
+        lse_Q1, delta_Q1 = lse_ref[g, rows, :], delta_ref[g, rows, :]
         p_QK, ds_QK = probs_and_dscores(
-            q_QDh, k_KDh, v_KDh, do_QDh, lse_ref[rows, :], delta_ref[rows, :], keep, plan.scale2
+            q_QDh, k_KDh, v_KDh, do_QDh, lse_Q1, delta_Q1, keep, plan.scale2
         )
         dv_KDh = dv_KDh + _dot(p_QK.astype(do_QDh.dtype), do_QDh, (0, 0))
         dk_KDh = dk_KDh + _dot(ds_QK.astype(q_QDh.dtype), q_QDh, (0, 0))
         return dk_KDh, dv_KDh
 
-    lo, full, end = q_range(plan, j, bq, bk)
+    def head(g, carry):
+        return _sweep(ranges, functools.partial(step, g=g), carry)
+
     zeros = jnp.zeros((bk, plan.d_pad), jnp.float32)
-    carry = fori(lo, full, functools.partial(step, masked=True), (zeros, zeros))
-    dk_KDh, dv_KDh = fori(full, end, functools.partial(step, masked=False), carry)
+    # One query head (G = 1) indexes statically; a group loops over its heads in the kernel.
+    carry = (
+        head(0, (zeros, zeros)) if plan.groups == 1 else fori(0, plan.groups, head, (zeros,) * 2)
+    )
+    dk_KDh, dv_KDh = carry
     dk_ref[...] = (dk_KDh * plan.scale).astype(dk_ref.dtype)
     dv_ref[...] = dv_KDh.astype(dv_ref.dtype)
 
@@ -113,60 +156,75 @@ def _gpu_params(plan: Plan, backward: bool):
 
 
 def _gpu_specs(plan: Plan, bq: int, bk: int):
-    """BlockSpecs on [B, T, H, Dh] arrays for a grid (blocks, B, H); `row` is the block axis."""
-    dp = plan.d_pad
+    """BlockSpecs for a grid (blocks, B, heads); `n` is the block axis.
+
+    q-side arrays `[B, T, H, Dh]` (`row_*`: lse, delta `[B, H, T, 1]`), k-side `[B, S, Hkv, Dh]`,
+    mask and key segments `[B, S]`, query segments `[B, T]`. `*_blk`/`*_all`: one block or the
+    whole row of a query (or key) head; `*_group`: the G query heads of key/value head h.
+    """
+    dp, g = plan.d_pad, plan.groups
     return dict(
         q_blk=pl.BlockSpec((None, bq, None, dp), lambda n, b, h: (b, n, h, 0)),
         k_blk=pl.BlockSpec((None, bk, None, dp), lambda n, b, h: (b, n, h, 0)),
-        q_all=pl.BlockSpec((None, plan.t_pad, None, dp), lambda n, b, h: (b, 0, h, 0)),
-        k_all=pl.BlockSpec((None, plan.s_pad, None, dp), lambda n, b, h: (b, 0, h, 0)),
+        q_group=pl.BlockSpec((None, plan.t_pad, g, dp), lambda n, b, h: (b, 0, h, 0)),
+        k_all=pl.BlockSpec((None, plan.s_pad, None, dp), lambda n, b, h: (b, 0, kv_head(h, g), 0)),
         mask_blk=pl.BlockSpec((None, bk), lambda n, b, h: (b, n)),
         mask_all=pl.BlockSpec((None, plan.s_pad), lambda n, b, h: (b, 0)),
+        qseg_blk=pl.BlockSpec((None, bq), lambda n, b, h: (b, n)),
+        qseg_all=pl.BlockSpec((None, plan.t_pad), lambda n, b, h: (b, 0)),
         row_blk=pl.BlockSpec((None, None, bq, 1), lambda n, b, h: (b, h, n, 0)),
-        row_all=pl.BlockSpec((None, None, plan.t_pad, 1), lambda n, b, h: (b, h, 0, 0)),
+        row_group=pl.BlockSpec((None, g, plan.t_pad, 1), lambda n, b, h: (b, h, 0, 0)),
     )
 
 
-def forward(plan: Plan, q, k, v, kmask):
+def forward(plan: Plan, q, k, v, kmask, qseg, kvseg):
     b, _, h, _ = q.shape
     sp = _gpu_specs(plan, plan.bq, plan.bk)
+    optional = [
+        maybe_spec(kmask, sp["mask_all"]),
+        maybe_spec(qseg, sp["qseg_blk"]),
+        maybe_spec(kvseg, sp["mask_all"]),
+    ]
     return pl.pallas_call(
         functools.partial(_gpu_fwd_kernel, plan=plan),
         out_shape=(q, jax.ShapeDtypeStruct((b, h, plan.t_pad, 1), jnp.float32)),
         grid=(plan.t_pad // plan.bq, b, h),
-        in_specs=[sp["q_blk"], sp["k_all"], sp["k_all"], maybe_spec(kmask, sp["mask_all"])],
+        in_specs=[sp["q_blk"], sp["k_all"], sp["k_all"], *optional],
         out_specs=[sp["q_blk"], sp["row_blk"]],
         compiler_params=_gpu_params(plan, backward=False),
         interpret=plan.interpret,
         name="flash_attention_fwd_gpu",
-    )(q, k, v, kmask)
+    )(q, k, v, kmask, qseg, kvseg)
 
 
-def backward(plan: Plan, q, k, v, kmask, do, lse, delta):
+def backward(plan: Plan, q, k, v, kmask, qseg, kvseg, do, lse, delta):
     b, _, h, _ = q.shape
+    h_kv = k.shape[2]
     bq, bk = plan.bq_bwd, plan.bk_bwd
     sp = _gpu_specs(plan, bq, bk)
-    mask_all, mask_blk = (None, None) if kmask is None else (sp["mask_all"], sp["mask_blk"])
+    params = _gpu_params(plan, backward=True)
     dq = pl.pallas_call(
         functools.partial(_gpu_dq_kernel, plan=plan),
         out_shape=q,
         grid=(plan.t_pad // bq, b, h),
-        in_specs=[sp["q_blk"], sp["k_all"], sp["k_all"], mask_all]
-        + [sp["q_blk"], sp["row_blk"], sp["row_blk"]],
+        in_specs=[sp["q_blk"], sp["k_all"], sp["k_all"]]
+        + [maybe_spec(x, sp[n]) for x, n in ((kmask, "mask_all"), (qseg, "qseg_blk"))]
+        + [maybe_spec(kvseg, sp["mask_all"]), sp["q_blk"], sp["row_blk"], sp["row_blk"]],
         out_specs=sp["q_blk"],
-        compiler_params=_gpu_params(plan, backward=True),
+        compiler_params=params,
         interpret=plan.interpret,
         name="flash_attention_dq_gpu",
-    )(q, k, v, kmask, do, lse, delta)
+    )(q, k, v, kmask, qseg, kvseg, do, lse, delta)
     dk, dv = pl.pallas_call(
         functools.partial(_gpu_dkdv_kernel, plan=plan),
         out_shape=(k, v),
-        grid=(plan.s_pad // bk, b, h),
-        in_specs=[sp["q_all"], sp["k_blk"], sp["k_blk"], mask_blk]
-        + [sp["q_all"], sp["row_all"], sp["row_all"]],
+        grid=(plan.s_pad // bk, b, h_kv),
+        in_specs=[sp["q_group"], sp["k_blk"], sp["k_blk"]]
+        + [maybe_spec(x, sp[n]) for x, n in ((kmask, "mask_blk"), (qseg, "qseg_all"))]
+        + [maybe_spec(kvseg, sp["mask_blk"]), sp["q_group"], sp["row_group"], sp["row_group"]],
         out_specs=[sp["k_blk"], sp["k_blk"]],
-        compiler_params=_gpu_params(plan, backward=True),
+        compiler_params=params,
         interpret=plan.interpret,
         name="flash_attention_dkdv_gpu",
-    )(q, k, v, kmask, do, lse, delta)
+    )(q, k, v, kmask, qseg, kvseg, do, lse, delta)
     return dq, dk, dv

@@ -1,7 +1,8 @@
 """The static plan of a flash-attention call: tile sizes, padding, and which blocks run.
 
 Everything here is fixed at trace time from the shapes and `BlockSizes`; the block ranges
-(`kv_range`, `q_range`) also take traced program ids, so the kernels skip causal blocks.
+(`kv_range`, `q_range`) also take traced program ids, so the kernels skip the blocks that the
+causal and sliding-window rules hide entirely.
 Letters as in the package docstring: Q query-block rows, K key-block rows, Dh the head size.
 """
 
@@ -81,6 +82,9 @@ class Plan:
     causal: bool
     offset: int
     has_mask: bool
+    window: int | None  # sliding window: key u visible to query t iff (t + offset) - u < window
+    has_segments: bool  # segment ids given: keep only keys of the query's own segment
+    groups: int  # G = H // Hkv query heads per key/value head (1 = multi-head attention)
     t: int  # query length, key length, head dim before padding
     s: int
     d: int
@@ -105,7 +109,12 @@ class Plan:
 
     @property
     def needs_mask(self) -> bool:
-        return self.causal or self.has_mask or self.s_pad != self.s
+        return self.causal or self.window is not None or self.per_element or self.s_pad != self.s
+
+    @property
+    def per_element(self) -> bool:
+        """A mask read per key (padding) or per pair (segments): no block is entirely visible."""
+        return self.has_mask or self.has_segments
 
 
 def _fit(a: int, b: int, n: int, kernel: str) -> tuple[int, int]:
@@ -127,8 +136,19 @@ def _pad_head_dim(d: int, kernel: str) -> int:
     return max(GPU_MIN_TILE, pl.next_power_of_2(d)) if kernel == "gpu" else _round_up(d, TPU_LANES)
 
 
-def make_plan(q_shape, k_shape, sizes, kernel, interpret, causal, offset, has_mask) -> Plan:
-    (_, t, _, d), s = q_shape, k_shape[1]
+def make_plan(
+    q_shape,
+    k_shape,
+    sizes,
+    kernel,
+    interpret,
+    causal,
+    offset,
+    has_mask,
+    window: int | None = None,
+    has_segments: bool = False,
+) -> Plan:
+    (_, t, h, d), (_, s, h_kv, _) = q_shape, k_shape
     bq, bq_bwd = _fit(sizes.block_q, sizes.block_q_bwd, t, kernel)
     bk, bk_bwd = _fit(sizes.block_k, sizes.block_k_bwd, s, kernel)
     return Plan(
@@ -137,6 +157,9 @@ def make_plan(q_shape, k_shape, sizes, kernel, interpret, causal, offset, has_ma
         causal=causal,
         offset=offset,
         has_mask=has_mask,
+        window=window,
+        has_segments=has_segments,
+        groups=h // h_kv,
         t=t,
         s=s,
         d=d,
@@ -165,36 +188,72 @@ def _min(a, b):
     return min(a, b) if isinstance(a, int) and isinstance(b, int) else jnp.minimum(a, b)
 
 
+def _max(a, b):
+    return max(a, b) if isinstance(a, int) and isinstance(b, int) else jnp.maximum(a, b)
+
+
+def _ordered(lo, full_lo, full_hi, end):
+    """Clamp to lo <= full_lo <= full_hi <= end (a rule's bound may overshoot another's)."""
+    lo = _min(lo, end)
+    full_lo = _min(_max(full_lo, lo), end)
+    return lo, full_lo, _min(_max(full_hi, full_lo), end), end
+
+
+def kv_head(h, groups: int):
+    """The key/value head query head h reads: h // G (lax.div: a program id is >= 0, and the
+    Mosaic lowering has no rule for the sign arithmetic of a floor division)."""
+    return h if groups == 1 else lax.div(h, groups)
+
+
 def kv_range(plan: Plan, i, bq: int, bk: int):
-    """(full, end) for query block i: key blocks [0, full) need no mask, [full, end) do."""
+    """(lo, full_lo, full_hi, end) for query block i (rows t in [i*bq, i*bq + bq)): key blocks
+    [lo, end) are visited, and of them [full_lo, full_hi) need no mask.
+
+    Causal: row t sees keys u <= t + offset, so the last row bounds `end` and the first row
+    bounds the fully visible blocks. Window: row t sees keys u > t + offset - window, so the
+    first row bounds `lo` and the last row the fully visible blocks.
+    """
     end = -(-plan.s // bk)  # blocks holding at least one real key
-    full = plan.s // bk  # blocks holding only real keys
+    lo, full_lo, full_hi = 0, 0, plan.s // bk  # full_hi: blocks holding only real keys
+    first, last = i * bq + plan.offset, i * bq + bq - 1 + plan.offset  # t + offset of the rows
     if plan.causal:
-        # The block's last row t = i*bq + bq - 1 sees keys u <= t + offset; its first row
-        # t = i*bq sees every key of blocks that end at or before t + offset.
-        end = _min(_cdiv0(i * bq + bq + plan.offset, bk), end)
-        full = _min(_div0(i * bq + plan.offset + 1, bk), _min(full, end))
-    if plan.has_mask:
-        full = 0
-    return full, end
+        end = _min(_cdiv0(last + 1, bk), end)
+        full_hi = _min(_div0(first + 1, bk), full_hi)
+    if plan.window is not None:
+        lo = _div0(first - plan.window + 1, bk)
+        full_lo = _cdiv0(last - plan.window + 1, bk)
+    if plan.per_element:
+        full_hi = full_lo  # every visited block is masked
+    return _ordered(lo, full_lo, full_hi, end)
 
 
 def q_range(plan: Plan, j, bq: int, bk: int):
-    """(lo, full, end) for key block j: query blocks [lo, full) need the mask, [full, end) don't."""
+    """(lo, full_lo, full_hi, end) for key block j (keys u in [j*bk, j*bk + bk)): query blocks
+    [lo, end) are visited, and of them [full_lo, full_hi) need no mask.
+
+    Causal: row t sees key u iff t >= u - offset: the block's first key bounds `lo`, its last
+    key the fully visible rows. Window: row t sees key u iff t < u - offset + window: the last
+    key bounds `end`, the first key the fully visible rows.
+    """
     end = -(-plan.t // bq)  # padded query rows past the last real block add nothing
-    lo, full = 0, 0
+    lo, full_lo, full_hi = 0, 0, end
+    first, last = j * bk - plan.offset, j * bk + bk - 1 - plan.offset  # u - offset of the keys
     if plan.causal:
-        # Row t sees key u iff t >= u - offset: the block's first key needs t >= j*bk - offset,
-        # its last key t >= (j+1)*bk - 1 - offset.
-        lo = _min(_div0(j * bk - plan.offset, bq), end)
-        full = _min(_cdiv0((j + 1) * bk - 1 - plan.offset, bq), end)
+        lo = _div0(first, bq)
+        full_lo = _cdiv0(last, bq)
+    if plan.window is not None:
+        end = _min(_cdiv0(last + plan.window, bq), end)  # rows t <= last + window - 1
+        full_hi = _div0(first + plan.window, bq)  # blocks whose every row t < first + window
+    if plan.per_element:
+        full_hi = full_lo
+    lo, full_lo, full_hi, end = _ordered(lo, full_lo, full_hi, end)
     if plan.s_pad != plan.s:
         # A key block with padded keys always needs the mask; one with no real key, no work.
         # int32 on both branches: Triton's select lowering gives weak Python ints the
         # predicate's type (i1), which would turn the loop bounds into booleans.
-        end32 = jnp.int32(end)
-        full = jnp.where((j + 1) * bk > plan.s, end32, jnp.asarray(full, jnp.int32))
-        lo = jnp.where(j * bk >= plan.s, end32, jnp.asarray(lo, jnp.int32))
-    if plan.has_mask:
-        full = end
-    return lo, full, end
+        padded = (j + 1) * bk > plan.s
+        full_hi = jnp.where(padded, jnp.asarray(full_lo, jnp.int32), jnp.int32(full_hi))
+        lo = jnp.where(j * bk >= plan.s, jnp.asarray(end, jnp.int32), jnp.int32(lo))
+        full_lo = jnp.maximum(full_lo, lo)
+        full_hi = jnp.maximum(full_hi, full_lo)
+    return lo, full_lo, full_hi, end

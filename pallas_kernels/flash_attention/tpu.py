@@ -1,7 +1,12 @@
-"""The TPU (Mosaic) kernels: grid (B, H, outer blocks, inner blocks), the inner axis sequential.
+"""The TPU (Mosaic) kernels: grid (B, heads, outer blocks, inner axes), the inner axes sequential.
 
-Mosaic tiles the last two dims (8 x 128), so arrays move to `[B, H, T, Dh]` here; VMEM scratch
-holds the accumulators across the inner (sequential) axis.
+Mosaic tiles the last two dims (8 x 128), so arrays move to `[B, H, T, Dh]` here (k, v
+`[B, Hkv, S, Dh]`); VMEM scratch holds the accumulators across the inner (sequential) axes.
+Segment ids travel as `[B, T, 1]` (queries: one per sublane row) and `[B, 1, S]` (keys: one per
+lane), so a block compares `[Q, 1]` with `[1, K]`. Grouped-query attention goes through the
+index maps: the forward and dq programs of query head h read key/value head h // G; the dk/dv
+grid is (B, Hkv, key blocks, G, query blocks), so its accumulators sum the G query heads of the
+group over the two inner axes, in VMEM.
 """
 
 from __future__ import annotations
@@ -15,30 +20,34 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels._backend import dot as _dot
 from pallas_kernels.flash_attention import blocks
-from pallas_kernels.flash_attention.plan import Plan, kv_range, q_range
+from pallas_kernels.flash_attention.plan import Plan, kv_head, kv_range, q_range
 
 
-def _visible(plan: Plan, mask_ref, i, j, bq: int, bk: int):
-    """bool [Q, K]: which keys of block (i, j) each query row sees; None when nothing is masked."""
+def _visible(plan: Plan, extra_refs, i, j, bq: int, bk: int):
+    """bool [Q, K]: which keys of block (i, j) each query row sees; None when nothing is masked.
+
+    `extra_refs`: the (mask, query segments, key segments) refs, each None when absent."""
     if not plan.needs_mask:
         return None
-    kmask = None if mask_ref is None else mask_ref[...]
+    mask, qseg, kvseg = (None if r is None else r[...] for r in extra_refs)
     rows_Q1, cols_1K = blocks.iota(i * bq, (bq, 1), 0), blocks.iota(j * bk, (1, bk), 1)
-    return blocks.visible(plan, rows_Q1, cols_1K, kmask)
+    return blocks.visible(plan, rows_Q1, cols_1K, mask, qseg, kvseg)
 
 
-def _tpu_fwd_kernel(q_ref, k_ref, v_ref, mask_ref, o_ref, lse_ref, acc, m, l, *, plan):
+def _tpu_fwd_kernel(q_ref, k_ref, v_ref, *refs, plan):
+    *extra, o_ref, lse_ref, acc, m, l = refs
     bq, bk = plan.bq, plan.bk
     i, j = pl.program_id(2), pl.program_id(3)
+    lo, _, _, end = kv_range(plan, i, bq, bk)
 
     @pl.when(j == 0)
     def _init():
         acc[...], m[...], l[...] = blocks.init_carry(bq, plan.d_pad)
 
-    @pl.when(j < kv_range(plan, i, bq, bk)[1])  # causal skipping: blocks past the diagonal
+    @pl.when((j >= lo) & (j < end))  # causal and window skipping: blocks outside the band
     def _step():
         s_QK = _dot(q_ref[...], k_ref[...], (1, 1)) * plan.scale2
-        keep = _visible(plan, mask_ref, i, j, bq, bk)
+        keep = _visible(plan, extra, i, j, bq, bk)
         acc[...], m[...], l[...] = blocks.online_softmax_step(
             (acc[...], m[...], l[...]), s_QK, keep, v_ref[...]
         )
@@ -50,17 +59,19 @@ def _tpu_fwd_kernel(q_ref, k_ref, v_ref, mask_ref, o_ref, lse_ref, acc, m, l, *,
         lse_ref[...] = lse_Q1
 
 
-def _tpu_dq_kernel(q_ref, k_ref, v_ref, mask_ref, do_ref, lse_ref, delta_ref, dq_ref, dq, *, plan):
+def _tpu_dq_kernel(q_ref, k_ref, v_ref, *refs, plan):
+    *extra, do_ref, lse_ref, delta_ref, dq_ref, dq = refs
     bq, bk = plan.bq_bwd, plan.bk_bwd
     i, j = pl.program_id(2), pl.program_id(3)
+    lo, _, _, end = kv_range(plan, i, bq, bk)
 
     @pl.when(j == 0)
     def _init():
         dq[...] = jnp.zeros(dq.shape, jnp.float32)
 
-    @pl.when(j < kv_range(plan, i, bq, bk)[1])
+    @pl.when((j >= lo) & (j < end))
     def _step():
-        keep = _visible(plan, mask_ref, i, j, bq, bk)
+        keep = _visible(plan, extra, i, j, bq, bk)
         k_KDh = k_ref[...]
         rows = (q_ref[...], k_KDh, v_ref[...], do_ref[...], lse_ref[...], delta_ref[...])
         _, ds_QK = blocks.probs_and_dscores(*rows, keep, plan.scale2)
@@ -71,22 +82,22 @@ def _tpu_dq_kernel(q_ref, k_ref, v_ref, mask_ref, do_ref, lse_ref, delta_ref, dq
         dq_ref[...] = (dq[...] * plan.scale).astype(dq_ref.dtype)
 
 
-def _tpu_dkdv_kernel(
-    q_ref, k_ref, v_ref, mask_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, dk, dv, *, plan
-):
+def _tpu_dkdv_kernel(q_ref, k_ref, v_ref, *refs, plan):
+    """Grid (B, Hkv, key blocks j, group heads g, query blocks i): dk, dv of key block j sum
+    over the G query heads and every query block that sees it."""
+    *extra, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, dk, dv = refs
     bq, bk = plan.bq_bwd, plan.bk_bwd
-    j, i = pl.program_id(2), pl.program_id(3)
+    j, g, i = pl.program_id(2), pl.program_id(3), pl.program_id(4)
+    lo, _, _, end = q_range(plan, j, bq, bk)
 
-    @pl.when(i == 0)
+    @pl.when((g == 0) & (i == 0))
     def _init():
         dk[...] = jnp.zeros(dk.shape, jnp.float32)
         dv[...] = jnp.zeros(dv.shape, jnp.float32)
 
-    lo, _, end = q_range(plan, j, bq, bk)
-
     @pl.when((i >= lo) & (i < end))
     def _step():
-        keep = _visible(plan, mask_ref, i, j, bq, bk)
+        keep = _visible(plan, extra, i, j, bq, bk)
         q_QDh, do_QDh = q_ref[...], do_ref[...]
         p_QK, ds_QK = blocks.probs_and_dscores(
             q_QDh, k_ref[...], v_ref[...], do_QDh, lse_ref[...], delta_ref[...], keep, plan.scale2
@@ -94,106 +105,132 @@ def _tpu_dkdv_kernel(
         dv[...] += _dot(p_QK.astype(do_QDh.dtype), do_QDh, (0, 0))
         dk[...] += _dot(ds_QK.astype(q_QDh.dtype), q_QDh, (0, 0))
 
-    @pl.when(i == pl.num_programs(3) - 1)
+    @pl.when((g == pl.num_programs(3) - 1) & (i == pl.num_programs(4) - 1))
     def _done():
         dk_ref[...] = (dk[...] * plan.scale).astype(dk_ref.dtype)
         dv_ref[...] = dv[...].astype(dv_ref.dtype)
 
 
-_TPU_SEMANTICS = pltpu.CompilerParams(
-    dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")
-)
+def _semantics(inner: int):
+    """B, heads and the outer blocks are parallel; the `inner` accumulating axes sequential."""
+    return pltpu.CompilerParams(dimension_semantics=("parallel",) * 3 + ("arbitrary",) * inner)
 
 
-def _tpu_specs(plan: Plan, bq: int, bk: int, q_outer: bool):
-    """BlockSpecs on [B, H, T, Dh] arrays for grid (B, H, outer, inner).
+def _clip(n, lo, end):
+    """A block index in [lo, end) nearest to n (a valid block even when the range is empty)."""
+    hi = jnp.maximum(end - 1, 0)
+    return jnp.clip(n, jnp.minimum(lo, hi), hi)
 
-    The visited-but-skipped inner steps map to the nearest block that is computed, so the
-    pipeline does not fetch blocks that causal skipping never reads.
+
+def _specs(plan: Plan, bq: int, bk: int, q_at, k_at):
+    """BlockSpecs for a grid (B, *ids): q_at(*ids) -> (query head, query block) and
+    k_at(*ids) -> (key/value head, key block).
+
+    Visited-but-skipped inner steps map to the nearest block that is computed (`_clip`), so the
+    pipeline does not fetch blocks that block skipping never reads.
     """
     dp = plan.d_pad
-
-    def q_index(b, h, outer, inner):
-        if q_outer:
-            return outer
-        lo, _, end = q_range(plan, outer, bq, bk)
-        return jnp.clip(inner, lo, jnp.maximum(end - 1, 0))
-
-    def k_index(b, h, outer, inner):
-        if not q_outer:
-            return outer
-        end = kv_range(plan, outer, bq, bk)[1]
-        return jnp.clip(inner, 0, jnp.maximum(end - 1, 0))
-
     return dict(
-        q=pl.BlockSpec((None, None, bq, dp), lambda b, h, o, n: (b, h, q_index(b, h, o, n), 0)),
-        k=pl.BlockSpec((None, None, bk, dp), lambda b, h, o, n: (b, h, k_index(b, h, o, n), 0)),
-        mask=pl.BlockSpec((None, 1, bk), lambda b, h, o, n: (b, 0, k_index(b, h, o, n))),
-        row=pl.BlockSpec((None, None, bq, 1), lambda b, h, o, n: (b, h, q_index(b, h, o, n), 0)),
+        q=pl.BlockSpec((None, None, bq, dp), lambda b, *ids: (b, *q_at(*ids), 0)),
+        k=pl.BlockSpec((None, None, bk, dp), lambda b, *ids: (b, *k_at(*ids), 0)),
+        mask=pl.BlockSpec((None, 1, bk), lambda b, *ids: (b, 0, k_at(*ids)[1])),
+        qseg=pl.BlockSpec((None, bq, 1), lambda b, *ids: (b, q_at(*ids)[1], 0)),
+        row=pl.BlockSpec((None, None, bq, 1), lambda b, *ids: (b, *q_at(*ids), 0)),
     )
 
 
-def _tpu_bwd_in_specs(sp, kmask):
-    """(q, k, v, mask, dO, lse, delta), in the order the backward kernels take them."""
-    mask = blocks.maybe_spec(kmask, sp["mask"])
-    return [sp["q"], sp["k"], sp["k"], mask, sp["q"], sp["row"], sp["row"]]
+def _q_outer_specs(plan: Plan, bq: int, bk: int):
+    """Grid (B, H, query blocks o, key blocks n): the forward and dq kernels."""
+
+    def k_at(h, o, n):
+        lo, _, _, end = kv_range(plan, o, bq, bk)
+        return kv_head(h, plan.groups), _clip(n, lo, end)
+
+    return _specs(plan, bq, bk, lambda h, o, n: (h, o), k_at)
+
+
+def _dkdv_specs(plan: Plan, bq: int, bk: int):
+    """Grid (B, Hkv, key blocks j, group heads g, query blocks n): the dk/dv kernel."""
+
+    def q_at(h, j, g, n):
+        lo, _, _, end = q_range(plan, j, bq, bk)
+        return h * plan.groups + g, _clip(n, lo, end)
+
+    return _specs(plan, bq, bk, q_at, lambda h, j, g, n: (h, j))
+
+
+def _in_specs(sp, extras, backward: bool):
+    """(q, k, v, mask, q segments, key segments[, dO, lse, delta]) in the kernels' order."""
+    kmask, qseg, kvseg = extras
+    specs = [sp["q"], sp["k"], sp["k"]]
+    specs += [blocks.maybe_spec(x, sp[n]) for x, n in ((kmask, "mask"), (qseg, "qseg"))]
+    specs.append(blocks.maybe_spec(kvseg, sp["mask"]))
+    return specs + [sp["q"], sp["row"], sp["row"]] * backward
 
 
 def _to_bhtd(x):
     return x.transpose(0, 2, 1, 3)
 
 
-def forward(plan: Plan, q, k, v, kmask):
+def _tpu_extras(kmask, qseg, kvseg):
+    """Mask and key segments [B, S] -> [B, 1, S] (lanes); query segments [B, T] -> [B, T, 1]."""
+    lanes = lambda x: None if x is None else x[:, None, :]  # noqa: E731
+    return lanes(kmask), None if qseg is None else qseg[:, :, None], lanes(kvseg)
+
+
+def forward(plan: Plan, q, k, v, kmask, qseg, kvseg):
     # Mosaic tiles the last two dims (8 x 128): heads move out of the way, [B,T,H,Dh] -> [B,H,T,Dh].
     q, k, v = _to_bhtd(q), _to_bhtd(k), _to_bhtd(v)
     b, h, _, dp = q.shape
-    sp = _tpu_specs(plan, plan.bq, plan.bk, q_outer=True)
+    extras = _tpu_extras(kmask, qseg, kvseg)
+    sp = _q_outer_specs(plan, plan.bq, plan.bk)
     out, lse = pl.pallas_call(
         functools.partial(_tpu_fwd_kernel, plan=plan),
         out_shape=(q, jax.ShapeDtypeStruct((b, h, plan.t_pad, 1), jnp.float32)),
         grid=(b, h, plan.t_pad // plan.bq, plan.s_pad // plan.bk),
-        in_specs=[sp["q"], sp["k"], sp["k"], blocks.maybe_spec(kmask, sp["mask"])],
+        in_specs=_in_specs(sp, extras, backward=False),
         out_specs=[sp["q"], sp["row"]],
         scratch_shapes=[
             pltpu.VMEM((plan.bq, dp), jnp.float32),
             pltpu.VMEM((plan.bq, 1), jnp.float32),
             pltpu.VMEM((plan.bq, 1), jnp.float32),
         ],
-        compiler_params=_TPU_SEMANTICS,
+        compiler_params=_semantics(1),
         interpret=plan.interpret,
         name="flash_attention_fwd_tpu",
-    )(q, k, v, None if kmask is None else kmask[:, None, :])
+    )(q, k, v, *extras)
     return _to_bhtd(out), lse
 
 
-def backward(plan: Plan, q, k, v, kmask, do, lse, delta):
+def backward(plan: Plan, q, k, v, kmask, qseg, kvseg, do, lse, delta):
     q, k, v, do = _to_bhtd(q), _to_bhtd(k), _to_bhtd(v), _to_bhtd(do)
     b, h, _, dp = q.shape
+    h_kv = k.shape[1]
     bq, bk = plan.bq_bwd, plan.bk_bwd
     nq, nk = plan.t_pad // bq, plan.s_pad // bk
-    kmask = None if kmask is None else kmask[:, None, :]
-    sp = _tpu_specs(plan, bq, bk, q_outer=True)
+    extras = _tpu_extras(kmask, qseg, kvseg)
+    sp = _q_outer_specs(plan, bq, bk)
     dq = pl.pallas_call(
         functools.partial(_tpu_dq_kernel, plan=plan),
         out_shape=q,
         grid=(b, h, nq, nk),
-        in_specs=_tpu_bwd_in_specs(sp, kmask),
+        in_specs=_in_specs(sp, extras, backward=True),
         out_specs=sp["q"],
         scratch_shapes=[pltpu.VMEM((bq, dp), jnp.float32)],
-        compiler_params=_TPU_SEMANTICS,
+        compiler_params=_semantics(1),
         interpret=plan.interpret,
         name="flash_attention_dq_tpu",
-    )(q, k, v, kmask, do, lse, delta)
-    sp = _tpu_specs(plan, bq, bk, q_outer=False)
+    )(q, k, v, *extras, do, lse, delta)
+    sp = _dkdv_specs(plan, bq, bk)
     dk, dv = pl.pallas_call(
         functools.partial(_tpu_dkdv_kernel, plan=plan),
         out_shape=(k, v),
-        grid=(b, h, nk, nq),
-        in_specs=_tpu_bwd_in_specs(sp, kmask),
+        grid=(b, h_kv, nk, plan.groups, nq),
+        in_specs=_in_specs(sp, extras, backward=True),
         out_specs=[sp["k"], sp["k"]],
         scratch_shapes=[pltpu.VMEM((bk, dp), jnp.float32), pltpu.VMEM((bk, dp), jnp.float32)],
-        compiler_params=_TPU_SEMANTICS,
+        compiler_params=_semantics(2),
         interpret=plan.interpret,
         name="flash_attention_dkdv_tpu",
-    )(q, k, v, kmask, do, lse, delta)
+    )(q, k, v, *extras, do, lse, delta)
     return _to_bhtd(dq), _to_bhtd(dk), _to_bhtd(dv)
