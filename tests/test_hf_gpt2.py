@@ -30,7 +30,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from lmjax import models
 from lmjax import params as ptree
 from lmjax.errors import CheckpointError, ConfigError, FileFormatError, ShapeError
-from lmjax.io import hf_gpt2
+from lmjax.io import hf_files, hf_gpt2
 
 C, NEW_TOKENS = 96, 64
 HF_CONFIG = dict(
@@ -302,7 +302,7 @@ def test_names_and_shapes_are_checked_before_any_tensor_is_read(hf_dir, tmp_path
     def refuse(*args, **kwargs):
         raise AssertionError("a tensor was read before the header was checked")
 
-    monkeypatch.setattr(hf_gpt2.safetensors, "safe_open", refuse)
+    monkeypatch.setattr(hf_files.safetensors, "safe_open", refuse)  # the shared reader
     with pytest.raises(CheckpointError, match=r"h\.0\.mlp\.c_fc\.weight shape \(32, 128\)"):
         hf_gpt2.load(path)
 

@@ -1,9 +1,10 @@
-"""Interop and files (SPEC section 8): safetensors parameter files, Hugging Face GPT-2.
+"""Interop and files (SPEC section 8): safetensors parameter files, Hugging Face checkpoints.
 
 lmjax.io.safetensors.save(params, path, metadata=None) / load(path, expected=None)
-lmjax.io.hf_gpt2.load(path) -> (params, cfg) / save(params, cfg, out_dir)
+lmjax.io.hf.load(path) -> (params, cfg) / save(params, cfg, out_dir)   every family:
+    gpt2 (lmjax.io.hf_gpt2), llama, mistral, qwen2, qwen3 (lmjax.io.hf_llama)
 """
 
-from lmjax.io import hf_gpt2, safetensors
+from lmjax.io import hf, hf_gpt2, hf_llama, safetensors
 
-__all__ = ["hf_gpt2", "safetensors"]
+__all__ = ["hf", "hf_gpt2", "hf_llama", "safetensors"]

@@ -38,12 +38,12 @@ from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
-import safetensors
 
 from lmjax import params as ptree
 from lmjax.checks import is_int, is_real, require
-from lmjax.errors import CheckpointError, ConfigError, FileFormatError, ShapeError
+from lmjax.errors import CheckpointError, ConfigError, FileFormatError
 from lmjax.files import atomic_write_text
+from lmjax.io import hf_files
 from lmjax.io import safetensors as st
 from lmjax.models import ModelConfig, check_params, preset
 
@@ -237,106 +237,10 @@ def to_hf(flat: dict[str, np.ndarray], cfg: ModelConfig) -> dict[str, np.ndarray
 # ---- files -----------------------------------------------------------------------------------
 
 
-def _weight_files(path: Path) -> tuple[list[Path], Path | None]:
-    """(safetensors files, config.json or None) for a directory or a single file."""
-    if not path.exists():
-        raise CheckpointError.describe(
-            "Hugging Face GPT-2 path",
-            str(path),
-            "an existing directory or .safetensors file",
-            "check the path (download with huggingface_hub.snapshot_download('gpt2'))",
-        )
-    if not path.is_dir():  # a file (or a pipe, which the safetensors reader refuses)
-        config = path.parent / "config.json"
-        return [path], config if config.exists() else None
-    config = path / "config.json"
-    index = path / "model.safetensors.index.json"
-    if (path / "model.safetensors").exists():
-        files = [path / "model.safetensors"]
-    elif index.exists():
-        files = [path / name for name in _shard_names(index)]
-    else:
-        found = sorted(p.name for p in path.iterdir())[:8]
-        hint = (
-            "convert it: GPT2LMHeadModel.from_pretrained(dir).save_pretrained(out) writes "
-            "model.safetensors"
-            if (path / "pytorch_model.bin").exists()
-            else _FIX_CKPT
-        )
-        raise CheckpointError.describe(
-            f"files in {path}", found, "model.safetensors (or its sharded index)", hint
-        )
-    return files, config if config.exists() else None
-
-
-def _read_json(path: Path):
-    """The JSON in `path`; unreadable, non-UTF-8 or non-JSON content raises FileFormatError."""
-    if path.exists() and not (path.is_file() or path.is_dir()):  # reading a pipe could block
-        raise FileFormatError.describe(
-            str(path), "a pipe, socket or device", "a regular file", _FIX_CKPT
-        )
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, RecursionError) as err:  # UnicodeDecodeError is a ValueError
-        raise FileFormatError.describe(str(path), str(err), "JSON", _FIX_CKPT) from None
-    except OSError as err:  # a directory, no permission...
-        raise FileFormatError.describe(
-            str(path), err.strerror or str(err), "a readable JSON file", _FIX_CKPT
-        ) from None
-
-
-def _shard_names(index: Path) -> list[str]:
-    """The shard file names of `model.safetensors.index.json`: plain names in its directory."""
-    index_json = _read_json(index)
-    weight_map = index_json.get("weight_map") if isinstance(index_json, dict) else None
-    if not isinstance(weight_map, dict) or not weight_map:
-        raise FileFormatError.describe(
-            f"{index} weight_map",
-            weight_map,
-            "a non-empty JSON object {tensor name: file name}",
-            _FIX_CKPT,
-        )
-    for key, name in weight_map.items():
-        plain = isinstance(name, str) and name not in ("", ".", "..")
-        if not (plain and "/" not in name and "\\" not in name and Path(name).name == name):
-            raise FileFormatError.describe(
-                f"{index} weight_map[{key!r}]",
-                name,
-                f"a plain file name inside {index.parent} (no directories)",
-                _FIX_CKPT,
-            )
-    return sorted(set(weight_map.values()))
-
-
-def _read_headers(files: list[Path]) -> dict[str, tuple[Path, str, np.dtype, tuple]]:
-    """`{name: (file, key, dtype, shape)}` from the validated headers (no tensor is read)."""
-    entries: dict[str, tuple[Path, str, np.dtype, tuple]] = {}
-    for file in files:
-        for key, (dtype, shape) in st.read_header(file)[0].items():
-            name = key.removeprefix("transformer.")
-            if name in entries:
-                raise CheckpointError.describe(
-                    f"{file}: key", key, "each parameter once", "remove the duplicate"
-                )
-            if not _BUFFER.fullmatch(name):
-                entries[name] = (file, key, dtype, shape)
-    return entries
-
-
-def _read_state(entries: dict[str, tuple[Path, str, np.dtype, tuple]]) -> dict[str, np.ndarray]:
-    """The tensors of `entries` (checked against the config first, so sizes are known)."""
-    state: dict[str, np.ndarray] = {}
-    for file in dict.fromkeys(file for file, *_ in entries.values()):
-        try:
-            with safetensors.safe_open(str(file), framework="numpy") as handle:
-                for name, (where, key, _, _) in entries.items():
-                    if where == file:
-                        state[name] = handle.get_tensor(key)
-        except (safetensors.SafetensorError, OSError, ValueError) as err:
-            raise FileFormatError.describe(
-                f"{file}: contents", str(err), "a readable safetensors file", _FIX_CKPT
-            ) from None
-    return state
+def _rename(key: str) -> str | None:
+    """The name of a stored key: without `transformer.`; None for a causal-mask buffer."""
+    name = key.removeprefix("transformer.")
+    return None if _BUFFER.fullmatch(name) else name
 
 
 def _infer_config(shapes: dict[str, tuple], n_heads: int | None, where: Path) -> dict:
@@ -355,7 +259,7 @@ def _infer_config(shapes: dict[str, tuple], n_heads: int | None, where: Path) ->
     if bad:
         raise CheckpointError.describe(f"{where}: shapes", bad, "2-d matrices", _FIX_CKPT)
     # Counted, not max(index) + 1: a name like h.99999999999.x must not set the size of anything
-    # (`_check_layers` then requires exactly h.0 .. h.{n-1}).
+    # (`hf_files.check_layers` then requires exactly h.0 .. h.{n-1}).
     layers = {k.split(".", 2)[1] for k in shapes if re.fullmatch(r"h\.\d+\..*", k)}
     return {
         "vocab_size": shapes["wte.weight"][0],
@@ -365,25 +269,6 @@ def _infer_config(shapes: dict[str, tuple], n_heads: int | None, where: Path) ->
         "n_layer": len(layers),
         "n_head": n_heads,
     }
-
-
-def _check_layers(shapes: dict[str, tuple], cfg: ModelConfig, where: Path) -> None:
-    """The weights hold blocks h.0 .. h.{n_layer-1}, no more, no fewer.
-
-    Checked from the names alone before `hf_shapes` lists 12 names per configured layer: a
-    config.json claiming 10**8 layers would otherwise cost minutes and gigabytes to report.
-    """
-    found = {k.split(".", 2)[1] for k in shapes if re.fullmatch(r"h\.\d+\..*", k)}
-    if len(found) != cfg.n_layers or found != {str(i) for i in range(cfg.n_layers)}:
-        blocks = sorted(found, key=lambda i: (len(i), i))
-        shown = ", ".join(f"h.{i}" for i in blocks[:4]) + (", ..." if len(blocks) > 4 else "")
-        shown = shown or "no h.N.* names"
-        raise CheckpointError.describe(
-            f"{where}: blocks in the weights",
-            f"{len(found)} ({shown})",
-            f"h.0 .. h.{cfg.n_layers - 1} ({cfg.n_layers} layers, n_layer in the config)",
-            "point at the config.json saved with these weights",
-        )
 
 
 def _check_shapes(shapes: dict[str, tuple], cfg: ModelConfig, where: Path) -> None:
@@ -399,32 +284,6 @@ def _check_shapes(shapes: dict[str, tuple], cfg: ModelConfig, where: Path) -> No
         _FIX_CKPT,
         unexpected="not a GPT-2 key:",
     )
-
-
-def _check_tied(state: dict, where: Path) -> None:
-    head = state.get("lm_head.weight")
-    if head is not None and not np.array_equal(head, state["wte.weight"]):
-        raise CheckpointError.describe(
-            f"{where}: lm_head.weight",
-            "differs from wte.weight",
-            "tied (equal) weights",
-            "lmjax's gpt2 ties the head to the token embedding; re-tie the model before export",
-        )
-
-
-def _check_finite(state: dict[str, np.ndarray], where: Path) -> None:
-    """Every float weight is finite: a NaN or inf means a corrupt file (no GPT-2 holds one)."""
-    for name, array in state.items():
-        if array.dtype.kind in "biu":  # integers can't be NaN
-            continue
-        finite = np.isfinite(array.astype(np.float32, copy=False))
-        if not finite.all():
-            raise CheckpointError.describe(
-                f"{where}: {name}",
-                f"{finite.size - int(finite.sum())} NaN/inf values",
-                "finite weights",
-                "download or export the checkpoint again (it is corrupt)",
-            )
 
 
 def check_tokenizer(tokenizer, cfg: ModelConfig, where: str | os.PathLike) -> None:
@@ -443,18 +302,19 @@ def load(
 ) -> tuple[dict, ModelConfig]:
     """`(params, cfg)` of a Hugging Face GPT-2 checkpoint; tensors are cast to `dtype`."""
     path = Path(path)
-    files, config_path = _weight_files(path)
-    entries = _read_headers(files)
+    files, config_path = hf_files.weight_files(path)
+    entries = hf_files.read_headers(files, _rename)
     shapes = {name: shape for name, (_, _, _, shape) in entries.items()}
     if config_path is not None:
-        cfg = config_from_hf(_read_json(config_path), dtype, where=str(config_path))
+        cfg = config_from_hf(hf_files.read_json(config_path), dtype, where=str(config_path))
     else:
         cfg = config_from_hf(_infer_config(shapes, n_heads, path), dtype, where=str(path))
-    _check_layers(shapes, cfg, path)  # before the expected names are listed (n_layer of them)
+    # Before the expected names are listed (12 per configured layer).
+    hf_files.check_layers(shapes, cfg.n_layers, "h.", "n_layer", path)
     _check_shapes(shapes, cfg, path)  # before any tensor is read
-    state = _read_state(entries)
-    _check_finite(state, path)
-    _check_tied(state, path)
+    state = hf_files.read_state(entries)
+    hf_files.check_finite(state, path)
+    hf_files.check_tied(state, "lm_head.weight", "wte.weight", path)
     flat = to_lmjax(state, cfg)
     params = ptree.unflatten({name: jnp.asarray(a, dtype=dtype) for name, a in flat.items()})
     check_params(params, cfg)
@@ -465,16 +325,7 @@ def save(params: dict, cfg: ModelConfig, out_dir: str | os.PathLike) -> None:
     """Write `out_dir/config.json` and `out_dir/model.safetensors` (keys `transformer.*`,
     no lm_head: it is tied) so that `GPT2LMHeadModel.from_pretrained(out_dir)` loads them."""
     hf = config_to_hf(cfg)
-    check_params(params, cfg)
-    for name, leaf in ptree.flatten(params).items():
-        if np.dtype(leaf.dtype) != np.dtype(cfg.param_dtype):
-            raise ShapeError.describe(
-                f"parameter {name} dtype",
-                np.dtype(leaf.dtype),
-                f"{cfg.param_dtype} (the config's param_dtype, written to config.json)",
-                "cast the params to cfg.param_dtype, or export with a config whose param_dtype "
-                "matches them",
-            )
+    hf_files.check_export_dtypes(params, cfg)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     flat = {name: np.asarray(a) for name, a in ptree.flatten(params).items()}
