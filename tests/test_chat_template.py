@@ -164,10 +164,15 @@ def test_saved_tokenizer_keeps_its_template(tmp_path, tokenizer_file):
 def test_template_from_chat_template_jinja_and_named_lists(tmp_path, tokenizer_file):
     directory = _directory(tmp_path, tokenizer_file, [{"name": "default", "template": LLAMA}])
     assert load_hf_tokenizer(directory).chat_template == LLAMA
+    named = load_hf_tokenizer(directory)
+    named.save(tmp_path / "named")
+    kept = json.loads((tmp_path / "named" / "tokenizer_config.json").read_text())
+    assert kept["chat_template"] == [{"name": "default", "template": LLAMA}]
     (tmp_path / "chat_template.jinja").write_text(CHATML)  # transformers 5 saves it there
-    assert load_hf_tokenizer(directory).apply_chat_template(MESSAGES) == _theirs(
-        directory, MESSAGES
-    )
+    from_file = load_hf_tokenizer(directory)
+    assert from_file.apply_chat_template(MESSAGES) == _theirs(directory, MESSAGES)
+    from_file.save(tmp_path / "saved")
+    assert load_hf_tokenizer(tmp_path / "saved").chat_template == CHATML
 
 
 def _one_line(info) -> str:

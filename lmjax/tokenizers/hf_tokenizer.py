@@ -30,6 +30,7 @@ from lmjax.tokenizers import chat
 from lmjax.tokenizers._base import check_ids, check_text, writing
 from lmjax.tokenizers.bpe import bpe_merge
 from lmjax.tokenizers.bpe_scheme import special_regex
+from lmjax.tokenizers.chat import config_template
 from lmjax.tokenizers.hf_json import AddedToken, HFSpec, parse, read_json
 
 _CACHE_PIECES = 200_000  # pieces -> ids kept between encode calls (~50 MB at most)
@@ -106,7 +107,7 @@ class HFTokenizer:
         self.bos_token = chat.token_text(self._config.get("bos_token"))
         self.eos_token = chat.token_text(self._config.get("eos_token"))
         self.chat_template = (
-            template if template is not None else chat.config_template(self._config, where)
+            template if template is not None else config_template(self._config, where)
         )
         self._raw_split = _splitter([t for t in spec.added if not t.normalized])
         self._normalized_split = _splitter([t for t in spec.added if t.normalized])
@@ -247,8 +248,8 @@ class HFTokenizer:
         """Write tokenizer.json and tokenizer_config.json (with the chat template), atomically."""
         directory = Path(directory)
         config = dict(self._config)
-        if self.chat_template is not None:
-            config["chat_template"] = self.chat_template
+        if config_template(config, directory / CONFIG_FILE) != self.chat_template:
+            config["chat_template"] = self.chat_template  # it came from chat_template.jinja
         with writing(directory):
             directory.mkdir(parents=True, exist_ok=True)
             atomic_write_text(
@@ -264,19 +265,26 @@ class HFTokenizer:
         )
 
 
-def load_hf_tokenizer(path: str | os.PathLike) -> HFTokenizer:
-    """The tokenizer of a Hugging Face directory (its tokenizer.json, and tokenizer_config.json
-    and chat_template.jinja when present) or of one tokenizer.json file."""
-    path = Path(path)
-    directory, file = (path, path / TOKENIZER_FILE) if path.is_dir() else (path.parent, path)
-    data = read_json(file)
+def _beside(directory: Path) -> tuple[dict, str | None]:
+    """(tokenizer_config.json, chat_template.jinja's text) in `directory`, when present."""
     config = read_json(directory / CONFIG_FILE) if (directory / CONFIG_FILE).is_file() else {}
     template = None
     if (directory / TEMPLATE_FILE).is_file():  # transformers 5 saves the template here
         template = (directory / TEMPLATE_FILE).read_text(encoding="utf-8")
-    return HFTokenizer(data, config, template=template, where=file)
+    return config, template
+
+
+def load_hf_tokenizer(path: str | os.PathLike) -> HFTokenizer:
+    """The tokenizer of a Hugging Face directory (its tokenizer.json, with tokenizer_config.json
+    and chat_template.jinja when present), or of a tokenizer.json file (and those beside it)."""
+    path = Path(path)
+    directory, file = (path, path / TOKENIZER_FILE) if path.is_dir() else (path.parent, path)
+    config, template = _beside(directory)
+    return HFTokenizer(read_json(file), config, template=template, where=file)
 
 
 def load_directory(directory: Path, manifest: dict) -> HFTokenizer:
-    """The `lmjax.tokenizers.load` loader for a Hugging Face tokenizer.json (`manifest` is it)."""
-    return load_hf_tokenizer(directory)
+    """The `lmjax.tokenizers.load` loader for a Hugging Face tokenizer.json (`manifest` is it,
+    already read)."""
+    config, template = _beside(directory)
+    return HFTokenizer(manifest, config, template=template, where=directory / TOKENIZER_FILE)
