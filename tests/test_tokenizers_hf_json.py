@@ -62,8 +62,8 @@ TEXTS = {
 
 def _train(pattern: str | None, ignore_merges: bool, *, nfc=False, bos=False, digits=False):
     hf = Tokenizer(models.BPE(ignore_merges=ignore_merges))
-    if digits:  # two splits, the first leaving gaps: digit runs, then ByteLevel's own regex
-        split = pre_tokenizers.Split(Regex(r"\p{N}{1,3}"), behavior="isolated", invert=False)
+    if digits:  # SmolLM: each digit alone (a split leaving gaps), then ByteLevel's own regex
+        split = pre_tokenizers.Digits(individual_digits=True)
         byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         hf.pre_tokenizer = pre_tokenizers.Sequence([split, byte_level])
     elif pattern is None:  # GPT-2 / SmolLM style: ByteLevel's own regex
@@ -96,7 +96,7 @@ FLAVOURS = {
     "qwen2": dict(pattern=QWEN2, ignore_merges=False),
     "gpt2 byte-level regex": dict(pattern=None, ignore_merges=False),
     "qwen2 nfc ignore_merges": dict(pattern=QWEN2, ignore_merges=True, nfc=True),
-    "digit split then byte-level regex": dict(pattern=None, ignore_merges=False, digits=True),
+    "smollm digits then byte-level regex": dict(pattern=None, ignore_merges=False, digits=True),
 }
 
 
@@ -252,3 +252,20 @@ def test_non_normalized_added_tokens_are_split_out_first(llama_pair, tmp_path):
     for text in ("xabcdx", "abcd abcd", "ab" + "cd"):
         assert ours.encode(text) == hf.encode(text).ids
     assert hf.token_to_id("cd") in ours.encode("abcd")
+
+
+@pytest.mark.parametrize("individual", [True, False])
+@pytest.mark.parametrize("pattern", ["{1,3}", None], ids=["split", "digits"])
+def test_split_and_digits_steps_leave_gaps_like_hf(llama_pair, tmp_path, individual, pattern):
+    data = json.loads(llama_pair[0].to_str())
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True}
+    byte_level["use_regex"] = True
+    first = {"type": "Digits", "individual_digits": individual}
+    if pattern is not None:  # a Split whose matches leave the letters as gaps
+        first = {"type": "Split", "pattern": {"Regex": r"\p{N}" + pattern}}
+        first |= {"behavior": "Isolated", "invert": False}
+    data["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [first, byte_level]}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(data))
+    hf, ours = Tokenizer.from_file(str(tmp_path / "tokenizer.json")), load_hf_tokenizer(tmp_path)
+    for text in ("ab 12345 x٣٤ ²³ 7", TEXTS["code"], TEXTS["multilingual"], "0" * 70):
+        assert ours.encode(text) == hf.encode(text).ids

@@ -1,4 +1,4 @@
-"""Hugging Face `tokenizer.json` (the fast-tokenizer file) read into a checked `HFSpec`.
+r"""Hugging Face `tokenizer.json` (the fast-tokenizer file) read into a checked `HFSpec`.
 
 Only byte-level BPE, as Llama 3, Qwen2/3, SmolLM and GPT-2 ship it, is understood:
 
@@ -6,9 +6,10 @@ Only byte-level BPE, as Llama 3, Qwen2/3, SmolLM and GPT-2 ship it, is understoo
                      HF's order: tokens with normalized=false on the raw text, then the
                      normalizer runs on what is left, then tokens with normalized=true
     normalizer       null or NFC (a Sequence of those)
-    pre_tokenizer    Split(Regex|String, Isolated, invert=false) ... then ByteLevel
+    pre_tokenizer    Split(Regex|String, Isolated, invert=false) or Digits ... then ByteLevel
                      (add_prefix_space=false; use_regex=true adds the GPT-2 pattern), or a
                      plain ByteLevel; each split keeps its matches and the gaps between them
+                     (Digits is the split \p{N}, or \p{N}+ without individual_digits)
     model            BPE: vocab + merges ("a b" strings or [a, b] lists); a pair merges by its
                      rank in `merges`; ignore_merges=true emits a piece that is a token whole
     post_processor   null, ByteLevel, TemplateProcessing (its `single` template: ids before
@@ -202,7 +203,7 @@ def _split_pattern(node: dict, where: str) -> regex.Pattern:
 
 
 def parse_pre_tokenizer(node: Any, where: str = "pre_tokenizer") -> tuple[regex.Pattern, ...]:
-    """The split patterns, in order, of Split ... ByteLevel (ByteLevel last, exactly once)."""
+    """The split patterns, in order, of Split/Digits ... ByteLevel (ByteLevel last, once)."""
     kind = _type(node, where)
     steps = node.get("pretokenizers") if kind == "Sequence" else [node]
     if not isinstance(steps, list) or not steps:
@@ -214,12 +215,14 @@ def parse_pre_tokenizer(node: Any, where: str = "pre_tokenizer") -> tuple[regex.
         last = k == len(steps) - 1
         if step_kind == "Split" and not last:
             patterns.append(_split_pattern(step, here))
+        elif step_kind == "Digits" and not last:  # SmolLM: each digit (Rust is_numeric = \p{N})
+            patterns.append(regex.compile(r"\p{N}" if step.get("individual_digits") else r"\p{N}+"))
         elif step_kind == "ByteLevel" and last:
             _flag(step, "add_prefix_space", here, False)
             if step.get("use_regex", True):
                 patterns.append(regex.compile(GPT2_PATTERN))
         else:
-            expected = "Split steps, then ByteLevel last" if kind == "Sequence" else "'ByteLevel'"
+            expected = "Split/Digits steps, then ByteLevel" if kind == "Sequence" else "ByteLevel"
             raise bad(f"{here}.type", step_kind, expected)
     return tuple(patterns)
 
