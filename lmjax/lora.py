@@ -348,12 +348,12 @@ def objective(cfg, lcfg: LoraConfig):
     argument. The step's dropout key is split between the model's dropout and the adapters'.
     """
 
-    def fn(adapters, base, inputs_BT, targets_BT, key):
+    def fn(adapters, base, inputs_BT, targets_BT, key, **masks):  # masks: loss_fn's keywords
         model_key = adapter_key = None
         if key is not None:
             model_key, adapter_key = jax.random.split(key)
         params = attach(base, adapters, lcfg, adapter_key)
-        return loss_fn(params, inputs_BT, targets_BT, cfg, model_key)
+        return loss_fn(params, inputs_BT, targets_BT, cfg, model_key, **masks)
 
     return Loss(fn, uses_key=cfg.dropout > 0.0 or lcfg.dropout > 0.0)
 

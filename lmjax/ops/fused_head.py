@@ -144,18 +144,21 @@ def linear_cross_entropy(
     ignore_index: int = -100,
     time_range: tuple[int, int] | None = None,
     *,
+    loss_mask: jax.Array | None = None,
     chunk: int = DEFAULT_CHUNK,
 ) -> jax.Array:
     """`cross_entropy(linear(params, x), targets)` without materializing the logits.
 
     Shapes: params `{"weight": [V, D], "bias": [V]}` (bias optional), x `[..., D]`, integer
     targets `[...]` -> scalar (float32 or wider). With z_n = W x_n + b and counted positions c_n
-    (as `cross_entropy`: not `ignore_index`, inside `time_range`), N = sum_n c_n:
+    (as `cross_entropy`: not `ignore_index`, inside `time_range`, `loss_mask` `[...]` (bool or
+    0/1) is 1), N = sum_n c_n:
         L = (1/N) sum_n c_n (logsumexp(z_n) - z_{n, y_n})
     VJP, with dz_n = c_n (softmax(z_n) - onehot(y_n)) / N:
         dx_n = dz_n W,   dW = sum_n dz_n^T x_n,   db = sum_n dz_n
     computed chunk by chunk (`chunk` rows) in the forward pass when a gradient is taken, and
     scaled by the cotangent in the backward. Matmuls accumulate in float32 (or wider).
+    An uncounted row's dx is exactly 0; with nothing counted (N = 0) loss and gradients are 0.
     """
     x, targets = jnp.asarray(x), jnp.asarray(targets)
     raw_targets = targets
@@ -169,8 +172,9 @@ def linear_cross_entropy(
         ignore_index,
         time_range,
         raw_targets,
+        loss_mask,
     )
-    counted = counted_positions(targets, ignore_index, time_range)
+    counted = counted_positions(targets, ignore_index, time_range, loss_mask)
     x_ND = x.reshape(-1, x.shape[-1])
     chunk = min(chunk, max(x_ND.shape[0], 1))
     fused = _FUSED.get(chunk) or _FUSED.setdefault(chunk, _make(chunk))
@@ -179,6 +183,9 @@ def linear_cross_entropy(
     )
 
 
-def linear_cross_entropy_reference(params, x, targets, ignore_index=-100, time_range=None):
+def linear_cross_entropy_reference(
+    params, x, targets, ignore_index=-100, time_range=None, *, loss_mask=None
+):
     """`cross_entropy_reference(linear_reference(params, x), targets)`; `jax.grad` does the rest."""
-    return cross_entropy_reference(linear_reference(params, x), targets, ignore_index, time_range)
+    logits = linear_reference(params, x)
+    return cross_entropy_reference(logits, targets, ignore_index, time_range, loss_mask=loss_mask)

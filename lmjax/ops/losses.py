@@ -8,19 +8,26 @@ import jax.numpy as jnp
 from lmjax.checks import is_int
 from lmjax.errors import ShapeError
 from lmjax.ops._common import (
+    check_keep_values,
     check_token_ids,
     compute_dtype,
     is_concrete,
     require_float,
     require_int,
+    require_shape,
 )
 
 # ---- cross_entropy -----------------------------------------------------------------------------
 
 
-def counted_positions(targets: jax.Array, ignore_index: int, time_range) -> jax.Array:
-    """bool `[...]`: positions that enter the mean (not ignored, inside the time range)."""
+def counted_positions(
+    targets: jax.Array, ignore_index: int, time_range, loss_mask=None
+) -> jax.Array:
+    """bool `[...]`: positions that enter the mean (not ignored, inside the time range, and
+    where `loss_mask` `[...]` (bool or 0/1) is 1)."""
     counted = targets != ignore_index
+    if loss_mask is not None:
+        counted = counted & (jnp.asarray(loss_mask) != 0)
     if time_range is not None:
         offset, count = time_range
         t = jnp.arange(targets.shape[-1])
@@ -96,9 +103,12 @@ def _flat_rows(logits):
     return logits.reshape(-1, logits.shape[-1]).astype(compute_dtype(logits.dtype))
 
 
-def check_cross_entropy_args(logits, targets, ignore_index, time_range, raw_targets):
+def check_cross_entropy_args(
+    logits, targets, ignore_index, time_range, raw_targets, loss_mask=None
+):
     """Raise unless `cross_entropy` accepts these: float logits `[..., V]`, int targets `[...]`,
-    `time_range` an (offset, count) window inside T, concrete targets in range or ignored."""
+    `time_range` an (offset, count) window inside T, concrete targets in range or ignored,
+    `loss_mask` None or bool/0-1 of the targets' shape."""
     require_float(logits, "logits")
     require_int(targets, "targets")
     if logits.ndim < 1 or targets.shape != logits.shape[:-1]:
@@ -126,6 +136,9 @@ def check_cross_entropy_args(logits, targets, ignore_index, time_range, raw_targ
                 f"and offset + count <= {steps} time steps",
                 "pass a window inside the sequence",
             )
+    if loss_mask is not None:
+        require_shape(loss_mask, targets.shape, "loss_mask", "one 0/1 per target")
+        check_keep_values(loss_mask, "loss_mask")
     if is_concrete(raw_targets):
         check_token_ids(
             raw_targets,
@@ -141,13 +154,16 @@ def cross_entropy(
     targets: jax.Array,
     ignore_index: int = -100,
     time_range: tuple[int, int] | None = None,
+    *,
+    loss_mask: jax.Array | None = None,
 ) -> jax.Array:
     """Mean token cross-entropy, fused from logits.
 
     Shapes: logits `[..., V]`, integer targets `[...]` -> scalar (float32 or wider).
 
-    With counted positions c_n = (y_n != ignore_index) and (n's time step in time_range),
-    N = sum_n c_n and a max-subtracted lse_n = log sum_k exp(z_nk):
+    With counted positions c_n = (y_n != ignore_index) and (n's time step in time_range) and
+    (loss_mask_n == 1; `loss_mask` `[...]` bool or 0/1, default all ones), N = sum_n c_n and a
+    max-subtracted lse_n = log sum_k exp(z_nk):
         L = (1/N) sum_n c_n (lse_n - z_{n, y_n})
     VJP: dL/dz_nk = c_n (softmax(z_n)_k - [k = y_n]) / N, exactly 0 at uncounted positions.
 
@@ -159,15 +175,19 @@ def cross_entropy(
     # Range-check the caller's ids before conversion: int32 would wrap an int64 2**32 + 3 to 3.
     raw_targets = targets
     logits, targets = jnp.asarray(logits), jnp.asarray(targets)
-    check_cross_entropy_args(logits, targets, ignore_index, time_range, raw_targets)
-    counted = counted_positions(targets, ignore_index, time_range)
+    check_cross_entropy_args(logits, targets, ignore_index, time_range, raw_targets, loss_mask)
+    counted = counted_positions(targets, ignore_index, time_range, loss_mask)
     return _cross_entropy(_flat_rows(logits), targets.reshape(-1), counted.reshape(-1))
 
 
-def cross_entropy_reference(logits, targets, ignore_index: int = -100, time_range=None):
+def cross_entropy_reference(
+    logits, targets, ignore_index: int = -100, time_range=None, *, loss_mask=None
+):
     """`-log_softmax` gathered at the targets, masked mean; `jax.grad` does the rest."""
     logp = jax.nn.log_softmax(logits.astype(compute_dtype(logits.dtype)), axis=-1)
     counted = targets != ignore_index
+    if loss_mask is not None:
+        counted = counted & jnp.asarray(loss_mask).astype(bool)
     if time_range is not None:  # written out again, not counted_positions: an independent check
         step = jax.lax.broadcasted_iota(jnp.int32, targets.shape, targets.ndim - 1)
         counted = counted & (step >= time_range[0]) & (step < time_range[0] + time_range[1])

@@ -2,6 +2,7 @@
 
     loss(θ; x, y) = mean_{b,t} CE(forward(θ, x)[b, t], y[b, t])
     g = (1/A) Σ_a ∇θ loss(θ; x_a, y_a)          over A micro-batches (gradient accumulation)
+    g = Σ_a (n_a / Σ n) ∇θ loss(θ; x_a, y_a, m_a)   with a loss mask m (n_a its 1s): by tokens
     θ', opt' = optimizer(clip(g), opt, θ)
 
 `train_step(state, batch) -> (state, metrics)` is one `jax.jit` with the state donated, so the
@@ -25,7 +26,9 @@ from jax.sharding import Mesh, NamedSharding
 
 from lmjax import models
 from lmjax.models import ModelConfig
-from lmjax.models.loss import Loss, loss_fn  # re-exported: they sit below lora, which uses them
+
+# Re-exported: they sit below lora, which uses them.
+from lmjax.models.loss import Loss, counted_tokens, loss_fn
 
 
 class TrainState(NamedTuple):
@@ -50,31 +53,59 @@ def init_state(
 def model_loss(cfg: ModelConfig) -> Loss:
     """The default objective: `loss_fn` of every model parameter (nothing frozen)."""
 
-    def loss(params, frozen, inputs_BT, targets_BT, dropout_key):
+    def loss(params, frozen, inputs_BT, targets_BT, dropout_key, **masks):
         del frozen
-        return loss_fn(params, inputs_BT, targets_BT, cfg, dropout_key)
+        return loss_fn(params, inputs_BT, targets_BT, cfg, dropout_key, **masks)
 
     return Loss(loss, uses_key=cfg.dropout > 0.0)
 
 
-def _mean_loss_and_grads(loss: Loss, params, frozen, inputs_ABT, targets_ABT, key):
-    """Average loss and gradient over the A micro-batches, accumulated with `lax.scan`."""
+# Optional batch keys -> the loss's keywords (lmjax.models.loss.loss_fn).
+BATCH_MASKS = {"loss_mask": "loss_mask_BT", "segment_ids": "segment_ids_BT"}
+
+
+def batch_masks(batch: dict) -> dict:
+    """`{loss keyword: array}` for the optional keys `batch` carries (none: {})."""
+    return {kw: batch[key] for key, kw in BATCH_MASKS.items() if key in batch}
+
+
+def token_weights(batch_ABT: dict) -> jax.Array | None:
+    """float32 `[A]`: micro-batch a's share of the step's counted tokens, count_a / Σ count
+    (Σ 0: all zero), so that Σ_a w_a mean_a is the mean over every counted token; None
+    without a loss mask (every micro-batch counts all its B*T tokens: weights 1/A)."""
+    if "loss_mask" not in batch_ABT:
+        return None
+    counts_A = jax.vmap(counted_tokens)(batch_ABT["targets"], batch_ABT["loss_mask"])
+    return counts_A.astype(jnp.float32) / jnp.maximum(jnp.sum(counts_A), 1).astype(jnp.float32)
+
+
+def _mean_loss_and_grads(loss: Loss, params, frozen, batch_ABT: dict, key):
+    """Loss and gradient over the A micro-batches, accumulated with `lax.scan`: the plain mean
+    (1/A) Σ_a without a loss mask, else weighted by tokens, Σ_a w_a (`token_weights`)."""
     grad_fn = jax.value_and_grad(loss.fn)
-    keys = jax.random.split(key, inputs_ABT.shape[0]) if loss.uses_key else None
-    if inputs_ABT.shape[0] == 1:  # no accumulation: skip the scan
+    inputs_ABT, targets_ABT = batch_ABT["inputs"], batch_ABT["targets"]
+    masks_A = batch_masks(batch_ABT)
+    a = inputs_ABT.shape[0]
+    keys = jax.random.split(key, a) if loss.uses_key else None
+    if a == 1:  # no accumulation: skip the scan (one micro-batch's mean is the step's)
         k = None if keys is None else keys[0]
-        return grad_fn(params, frozen, inputs_ABT[0], targets_ABT[0], k)
+        masks = jax.tree.map(lambda m: m[0], masks_A)
+        return grad_fn(params, frozen, inputs_ABT[0], targets_ABT[0], k, **masks)
+    weights_A = token_weights(batch_ABT)
 
     def micro(carry, xs):
-        inputs_BT, targets_BT, k = xs
-        loss_value, grads = grad_fn(params, frozen, inputs_BT, targets_BT, k)
-        return jax.tree.map(jnp.add, carry, (loss_value, grads)), None
+        inputs_BT, targets_BT, k, masks, w = xs
+        value = grad_fn(params, frozen, inputs_BT, targets_BT, k, **masks)
+        if w is not None:  # weighted in the loop: the sum then needs no division
+            value = jax.tree.map(lambda v: (w * v).astype(v.dtype), value)
+        return jax.tree.map(jnp.add, carry, value), None
 
     zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-    xs = (inputs_ABT, targets_ABT, keys)
-    (loss, grads), _ = jax.lax.scan(micro, zero, xs)
-    a = inputs_ABT.shape[0]
-    return loss / a, jax.tree.map(lambda g: g / a, grads)
+    xs = (inputs_ABT, targets_ABT, keys, masks_A, weights_A)
+    (loss_sum, grads), _ = jax.lax.scan(micro, zero, xs)
+    if weights_A is not None:
+        return loss_sum, grads
+    return loss_sum / a, jax.tree.map(lambda g: g / a, grads)
 
 
 def _all_finite(tree) -> jax.Array:
@@ -97,8 +128,11 @@ def make_train_step(
     """`train_step(state, batch, frozen=None) -> (state, metrics)`, jitted, state donated.
 
     batch: `{"inputs": int [A, B, T], "targets": int [A, B, T]}` (A micro-batches; A = 1 for no
-    accumulation) and optionally `"step"`: the step this batch belongs to.
-    metrics: loss, grad_norm (before clipping), lr (used by this step), finite (bool).
+    accumulation) and optionally `"step"`: the step this batch belongs to, and packed or
+    masked data's `"segment_ids"` int `[A, B, T]` (to the model) and `"loss_mask"` `[A, B, T]`
+    (bool or 0/1: the loss is the mean over its 1s across all micro-batches).
+    metrics: loss, grad_norm (before clipping), lr (used by this step), finite (bool), and
+    with a loss mask real_token_fraction = mean(loss_mask).
     `state_sharding`: a `TrainState` of shardings (`lmjax.parallel`) the new state is pinned to,
     so it leaves the step laid out as it came in and the donated buffers are reused; the batch
     arrives already sharded and XLA partitions everything in between.
@@ -110,9 +144,7 @@ def make_train_step(
 
     def train_step(state: TrainState, batch: dict, frozen=None) -> tuple[TrainState, dict]:
         key = jax.random.fold_in(state.key, state.step)
-        loss, grads = _mean_loss_and_grads(
-            objective, state.params, frozen, batch["inputs"], batch["targets"], key
-        )
+        loss, grads = _mean_loss_and_grads(objective, state.params, frozen, batch, key)
         grad_norm = global_norm(grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
@@ -126,6 +158,8 @@ def make_train_step(
         if state_sharding is not None:
             new = jax.lax.with_sharding_constraint(new, state_sharding)
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr(state.step), "finite": finite}
+        if "loss_mask" in batch:
+            metrics["real_token_fraction"] = jnp.mean(batch["loss_mask"].astype(jnp.float32))
         return new, metrics
 
     return jax.jit(_traced_on(_mesh_of(state_sharding), train_step), donate_argnums=0)
@@ -154,10 +188,12 @@ def _traced_on(mesh: Mesh | None, fn: Callable) -> Callable:
 
 
 def make_eval_step(cfg: ModelConfig, mesh: Mesh | None = None):
-    """`eval_step(params, inputs_BT, targets_BT) -> mean loss` (no dropout), jitted; traced on
-    `mesh` when one is given, as the train step is on its state's mesh."""
+    """`eval_step(params, inputs_BT, targets_BT, loss_mask_BT=None, segment_ids_BT=None) ->
+    mean loss` (no dropout; over the mask's 1s), jitted; traced on `mesh` when one is given,
+    as the train step is on its state's mesh."""
 
-    def eval_step(params, inputs_BT, targets_BT):
-        return loss_fn(params, inputs_BT, targets_BT, cfg)
+    def eval_step(params, inputs_BT, targets_BT, loss_mask_BT=None, segment_ids_BT=None):
+        masks = {"loss_mask_BT": loss_mask_BT, "segment_ids_BT": segment_ids_BT}
+        return loss_fn(params, inputs_BT, targets_BT, cfg, **masks)
 
     return jax.jit(_traced_on(mesh, eval_step))
