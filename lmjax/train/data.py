@@ -1,11 +1,20 @@
 """Token files and batches (SPEC section 5).
 
-`prepare` turns a text corpus into a directory:
+`prepare` turns a corpus (a text file, a directory or a glob of `.txt` / `.jsonl[.gz]` /
+`.parquet` files: `corpus_files`) into a directory:
 
-    meta.json        vocab_size, dtype, token counts, corpus sha256, tokenizer kind, split
+    meta.json        vocab_size, dtype, token and document counts, the corpus's content
+                     sha256, tokenizer kind, the split, each split's shards
     tokenizer/       the tokenizer (`lmjax.tokenizers.load` reads it)
-    train.bin        the first (1 - val_fraction) of the text, token ids, uint16 or uint32
-    val.bin          the rest
+    train.bin        the training split's ids, uint16 or uint32 (several shards for a split of
+                     over `shards.SHARD_TOKENS` ids: train-00000.bin, ...)
+    train.idx        int64 document offsets [D + 1] (a corpus of documents: `shards`)
+    val.bin, val.idx the validation split likewise
+
+One text file is one document: its first (1 - val_fraction) of characters are the training
+split, the rest validation (format 1, as before). A corpus of several documents (any other
+corpus: `prepare_docs`) is split by whole documents, a seeded set of them being validation,
+and each document ends with the tokenizer's end-of-text id (data.eot).
 
 ids are stored as uint16 when the vocabulary fits (V <= 65,536), else uint32, and read back as
 a `numpy.memmap`, so a corpus larger than memory is fine. The directory appears atomically (it
@@ -14,9 +23,10 @@ Several processes may prepare the same directory at once (the hosts of a multi-h
 first to finish publishes it, the others check that it is complete and has their settings, and
 use it.
 
-Batches are random crops that are a pure function of (seed, step): crop starts come from
-`numpy.random.default_rng((seed, stream, step))` with stream 0 for training and 1 for
-evaluation, so a resumed run sees exactly the batches an uninterrupted run would have seen.
+Batches are a pure function of (seed, step), from `numpy.random.default_rng((seed, stream,
+step))` with stream 0 for training and 1 for evaluation, so a resumed run sees exactly the
+batches an uninterrupted run would have seen: random crops across documents (the default), or
+with `documents=` (data.packing) rows packed with whole documents (`packing`).
 """
 
 from __future__ import annotations
@@ -25,53 +35,49 @@ import dataclasses
 import hashlib
 import json
 import os
-import re
 from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
 from lmjax import tokenizers
+from lmjax.checks import require
 from lmjax.config import DataConfig, validate_data
-from lmjax.errors import ConfigError, FileFormatError, TokenError
+from lmjax.errors import ConfigError, FileFormatError
 from lmjax.files import atomic_dir, atomic_write_text
 from lmjax.tokenizers import gpt2
+from lmjax.train import encoding
+from lmjax.train import prepare_docs as docs
+from lmjax.train.batches import crops, eval_batch, packed, packing_efficiency, train_batch
 from lmjax.train.corpus import cache_dir, shakespeare_path
+from lmjax.train.corpus_files import corpus_digest, corpus_files, format_of
+from lmjax.train.prepare_docs import DocOptions
+from lmjax.train.shards import open_index, open_shards
 
-FORMAT = 1
+FORMAT = 2
 TOKENIZER_DIR = "tokenizer"  # the saved tokenizer, in a data directory and in a run directory
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
-_CHUNK = 1 << 20  # characters per encode call: bounds memory and drives the progress bar
+_CHUNK = encoding.CHUNK  # characters per encode call: bounds memory and drives the progress bar
 
 
 @dataclasses.dataclass(frozen=True)
 class Prepared:
-    """A prepared data directory, opened: memmapped splits, the tokenizer and meta.json."""
+    """A prepared data directory, opened: memmapped splits, the tokenizer and meta.json.
+
+    `train_documents` / `val_documents`: int64 `[D + 1]` document offsets into the split
+    (`[0, N]` for a split that is one document)."""
 
     directory: Path
-    train: np.ndarray  # [N_train] uint16 | uint32 (memmap)
+    train: np.ndarray  # [N_train] uint16 | uint32 (memmap, or shards.ShardedTokens)
     val: np.ndarray  # [N_val]
     tokenizer: tokenizers.Tokenizer
     meta: dict
+    train_documents: np.ndarray | None = None  # [D_train + 1] int64
+    val_documents: np.ndarray | None = None  # [D_val + 1]
 
     @property
     def vocab_size(self) -> int:
         return int(self.meta["vocab_size"])
-
-
-def corpus_path(corpus: str) -> Path:
-    """ "shakespeare" -> the bundled corpus (fetched once); anything else is a file path."""
-    if corpus == "shakespeare":
-        return shakespeare_path()
-    path = Path(corpus).expanduser()
-    if not path.is_file():
-        raise ConfigError.describe(
-            "data.corpus",
-            corpus,
-            "'shakespeare' or the path of an existing text file",
-            "check the path",
-        )
-    return path
 
 
 def decode_corpus(path: Path, raw: bytes) -> str:
@@ -102,8 +108,15 @@ def prepare(
     val_fraction: float = 0.1,
     progress: bool = True,
     tokenizer_dir: str | os.PathLike | None = None,
+    **options,
 ) -> Path:
     """Build the data directory for `corpus` (or reuse an identical one) and return its path.
+
+    `corpus`: "shakespeare", a file, a directory or a glob (`corpus_files`). One text file is
+    one document, split as always: its last `val_fraction` of characters are the validation
+    split (no end-of-text id is added: there is nothing to separate). Anything else is a set of
+    documents (`prepare_docs`): whole documents are split, each ends with the end-of-text id.
+    `options`: `DocOptions` fields (field, eot, skip_bad, workers, split_seed, shard_tokens).
 
     An existing `out` made from the same corpus with the same settings is reused; any other
     existing path is an error (nothing is overwritten). `tokenizer_dir`: encode with that saved
@@ -111,21 +124,52 @@ def prepare(
     joins the settings and the default directory name.
     """
     validate_data(DataConfig(corpus, None, tokenizer, vocab_size, val_fraction))
-    path = corpus_path(corpus)
-    raw = path.read_bytes()
-    digest = hashlib.sha256(raw).hexdigest()
+    files = [shakespeare_path()] if corpus == "shakespeare" else corpus_files(corpus)
+    one_text = len(files) == 1 and format_of(files[0]) == "text"
+    digest = corpus_digest(files)
     settings = {"corpus_sha256": digest, "tokenizer": tokenizer, "val_fraction": val_fraction}
     settings["bpe_vocab_size"] = vocab_size
     given = None
     if tokenizer_dir is not None:
         given = tokenizers.load(tokenizer_dir)
         settings["tokenizer_sha256"] = _files_sha256(Path(tokenizer_dir))
+    opts = _doc_options(val_fraction, progress, options)
+    if not one_text:  # the documents' reading and splitting are part of the key too
+        keys = ("field", "eot", "skip_bad", "split_seed")
+        settings.update({"split": "documents", **{k: getattr(opts, k) for k in keys}})
+        digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
     kind = tokenizer if given is None else f"{tokenizer}-{settings['tokenizer_sha256'][:12]}"
     out = Path(out) if out else default_dir(digest, kind, vocab_size, val_fraction)
     if out.exists():
         _check_reusable(out, settings)
         return out
-    text = decode_corpus(path, raw)
+    build = _prepare_text if one_text else _prepare_documents
+    build(files, out, settings, given, opts)
+    return out
+
+
+def _doc_options(val_fraction: float, progress: bool, options: dict) -> DocOptions:
+    """The documents' options, checked as the data section's are (`validate_data`)."""
+    known = {"field", "eot", "skip_bad", "workers", "split_seed", "shard_tokens"}
+    unknown = sorted(set(options) - known)
+    require(not unknown, "prepare options", unknown, f"some of {sorted(known)}", "drop them")
+    section = {k: options[k] for k in ("field", "eot", "skip_bad", "workers") if k in options}
+    validate_data(DataConfig(val_fraction=val_fraction, **section))
+    workers = options.get("workers") or default_workers()
+    rest = {k: v for k, v in options.items() if k != "workers"}
+    return DocOptions(workers=workers, val_fraction=val_fraction, progress=progress, **rest)
+
+
+def default_workers() -> int:
+    """Tokenizing processes when none are asked for: min(CPU count, 4)."""
+    return max(1, min(os.cpu_count() or 1, 4))
+
+
+def _prepare_text(files: list[Path], out: Path, settings: dict, given, opts) -> None:
+    """One text document: the train split is its first (1 - val_fraction) characters."""
+    (path,) = files
+    text = decode_corpus(path, path.read_bytes())
+    val_fraction = settings["val_fraction"]
     split = int(len(text) * (1.0 - val_fraction))
     if split == 0 or split == len(text):
         raise FileFormatError.describe(
@@ -134,19 +178,20 @@ def prepare(
             f"enough text for both splits at val_fraction = {val_fraction}",
             "use a longer corpus",
         )
-    tok = given or _build_tokenizer(tokenizer, text[:split], text, vocab_size)
+    tokenizer, vocab_size = settings["tokenizer"], settings["bpe_vocab_size"]
+    tok = given or _build_tokenizer(tokenizer, [text[:split]], text, vocab_size)
     # The directory appears complete or not at all; a twin that another process (another host
     # of the same run, another shell) renamed into place first is reused if it has our settings.
     with atomic_dir(out, twin=lambda twin: _check_twin(twin, settings)) as tmp:
-        dtype = "uint16" if tok.vocab_size <= 1 << 16 else "uint32"
-        bar = _progress(len(text), f"tokenizing {path.name}", progress)
+        dtype = _dtype(tok)
+        bar = _progress(len(text), f"tokenizing {path.name}", opts.progress)
         counts = {}
         for name, part in (("train", text[:split]), ("val", text[split:])):
             counts[name] = _encode_to_file(tok, part, tmp / f"{name}.bin", DTYPES[dtype], bar)
         bar.close()
         tok.save(tmp / TOKENIZER_DIR)
         meta = {
-            "format": FORMAT,
+            "format": 1,  # the layout of format 1: one train.bin, one val.bin, no index
             "vocab_size": tok.vocab_size,
             "dtype": dtype,
             "train_tokens": counts["train"],
@@ -155,7 +200,42 @@ def prepare(
             **settings,
         }
         atomic_write_text(tmp / "meta.json", json.dumps(meta, indent=1))
-    return out
+
+
+def _prepare_documents(files: list[Path], out: Path, settings: dict, given, opts) -> None:
+    """Many documents: a seeded set of whole documents is the validation split."""
+    kind = settings["tokenizer"]
+    found = docs.scan(files, opts, want_alphabet=given is None and kind == "char")
+    is_val = docs.validation_documents(found.n_documents, opts.val_fraction, opts.split_seed)
+    texts = docs.train_texts(files, opts, is_val) if kind == "bpe" and given is None else ()
+    tok = given or _build_tokenizer(kind, texts, found.alphabet, settings["bpe_vocab_size"])
+    eot = docs.eot_id(tok, opts.eot)
+    with atomic_dir(out, twin=lambda twin: _check_twin(twin, settings)) as tmp:
+        tok.save(tmp / TOKENIZER_DIR)
+        dtype = _dtype(tok)
+        splits = docs.write_splits(tmp, files, opts, tmp / TOKENIZER_DIR, dtype, eot, is_val)
+        meta = {
+            "format": FORMAT,
+            "vocab_size": tok.vocab_size,
+            "dtype": dtype,
+            "train_tokens": splits["train"]["tokens"],
+            "val_tokens": splits["val"]["tokens"],
+            "train_documents": splits["train"]["documents"],
+            "val_documents": splits["val"]["documents"],
+            "eot_id": eot,
+            "files": len(files),
+            "skipped_records": found.bad.count,
+            "first_skipped": found.bad.first,
+            "corpus": str(files[0]) if len(files) == 1 else f"{files[0]} and {len(files) - 1} more",
+            **settings,
+            "splits": splits,
+        }
+        atomic_write_text(tmp / "meta.json", json.dumps(meta, indent=1))
+    docs.report_skipped(found.bad)
+
+
+def _dtype(tok) -> str:
+    return "uint16" if tok.vocab_size <= 1 << 16 else "uint32"
 
 
 def _files_sha256(directory: Path) -> str:
@@ -177,13 +257,15 @@ def known_vocab_size(d: DataConfig) -> int | None:
     return d.vocab_size if d.tokenizer == "bpe" else sizes.get(d.tokenizer)
 
 
-def _build_tokenizer(kind: str, train_text: str, all_text: str, vocab_size: int | None):
-    if kind == "char":  # the alphabet of the whole corpus, so no validation char is unknown
+def _build_tokenizer(kind: str, train_texts, all_text: str, vocab_size: int | None):
+    """`train_texts`: the training split's texts (bpe learns from them); `all_text`: text
+    holding every character of the corpus (char's alphabet, so no validation char is unknown)."""
+    if kind == "char":
         return tokenizers.CharTokenizer.train(all_text)
     if kind == "byte":
         return tokenizers.ByteTokenizer()
     if kind == "bpe":
-        return tokenizers.build("bpe", [train_text], vocab_size=vocab_size)
+        return tokenizers.build("bpe", train_texts, vocab_size=vocab_size)
     if kind == "gpt2":
         return gpt2_tokenizer()
     raise ConfigError.describe("tokenizer", kind, "'char', 'byte', 'bpe' or 'gpt2'", "pick one")
@@ -204,24 +286,9 @@ def _encode_to_file(tok, text: str, path: Path, dtype, bar) -> int:
     return n
 
 
-# A cut between "word\n" and the next word: no tokenizer here (GPT-2's pre-tokenizer included)
-# merges across a lone newline between two non-space characters, so the ids of the chunks
-# concatenated equal the ids of the whole text.
-_CUT = re.compile(r"(?<=\S\n)(?=\S)")
-
-
 def _chunks(text: str):
     """Pieces of about `_CHUNK` characters, cut only where tokenization cannot straddle."""
-    start = 0
-    while len(text) - start > _CHUNK:
-        window = text[start + _CHUNK // 2 : start + _CHUNK]
-        cuts = [m.start() for m in _CUT.finditer(window)]
-        if not cuts:  # no safe cut nearby: keep the rest whole rather than risk a split
-            break
-        end = start + _CHUNK // 2 + cuts[-1]
-        yield text[start:end]
-        start = end
-    yield text[start:]
+    return encoding.chunks(text, _CHUNK)
 
 
 def prepare_section(d: DataConfig, progress: bool = True, tokenizer_dir=None) -> Path:
@@ -234,6 +301,10 @@ def prepare_section(d: DataConfig, progress: bool = True, tokenizer_dir=None) ->
         val_fraction=d.val_fraction,
         progress=progress,
         tokenizer_dir=tokenizer_dir,
+        field=d.field,
+        eot=d.eot,
+        skip_bad=d.skip_bad,
+        workers=d.workers,
     )
 
 
@@ -299,7 +370,8 @@ def open_prepared(directory: str | os.PathLike) -> Prepared:
             f"at most {np.iinfo(dtype).max + 1} ids for {meta['dtype']}",
             "prepare the data again (uint32 is chosen for large vocabularies)",
         )
-    splits = {name: _open_split(directory, name, dtype, meta) for name in ("train", "val")}
+    splits = {name: open_shards(directory, name, dtype, meta) for name in ("train", "val")}
+    index = {name: open_index(directory, name, meta, len(splits[name])) for name in splits}
     tok = tokenizers.load(directory / TOKENIZER_DIR)
     if tok.vocab_size != vocab:
         raise FileFormatError.describe(
@@ -308,24 +380,8 @@ def open_prepared(directory: str | os.PathLike) -> Prepared:
             f"meta.json's vocab_size = {vocab}",
             "prepare the data again",
         )
-    return Prepared(directory, splits["train"], splits["val"], tok, meta)
-
-
-def _open_split(directory: Path, name: str, dtype, meta: dict) -> np.ndarray:
-    path = directory / f"{name}.bin"
-    expected = meta[f"{name}_tokens"]
-    size = path.stat().st_size if path.is_file() else None
-    itemsize = np.dtype(dtype).itemsize
-    if size is None or size != expected * itemsize:
-        raise FileFormatError.describe(
-            str(path),
-            "missing" if size is None else f"{size} bytes",
-            f"{expected} {meta['dtype']} tokens = {expected * itemsize} bytes (meta.json)",
-            "prepare the data again (the file is truncated or from another corpus)",
-        )
-    if expected == 0:
-        return np.zeros(0, dtype)
-    return np.memmap(path, dtype=dtype, mode="r")
+    train, val = splits["train"], splits["val"]
+    return Prepared(directory, train, val, tok, meta, index["train"], index["val"])
 
 
 def check_vocab(prepared: Prepared, model_vocab: int) -> None:
@@ -340,65 +396,21 @@ def check_vocab(prepared: Prepared, model_vocab: int) -> None:
         )
 
 
-def crops(tokens, seed, stream, index, n, seq_len, pick=None, vocab_size=None):
-    """`n` random windows of `seq_len + 1` tokens: (inputs, targets), each int32 `[n, seq_len]`.
-
-    `tokens`: `[N]` ids (an array or memmap); the rest are ints (`pick` a sequence of them).
-    The starts are a pure function of (seed, stream, index); `pick` (row indices) reads only
-    those of the `n` windows (a host's share of a sharded batch, `lmjax.parallel`).
-    `vocab_size`: every id must be below it, else `TokenError` naming the id and its position
-    (a corrupt token file: the embedding gather would silently clamp the id).
-    """
-    if len(tokens) < seq_len + 1:
-        raise ConfigError.describe(
-            "token split length",
-            len(tokens),
-            f"at least seq_len + 1 = {seq_len + 1} tokens",
-            "lower train.seq_len or use a longer corpus / smaller data.val_fraction",
-        )
-    rng = np.random.default_rng((seed, stream, index))
-    starts = rng.integers(0, len(tokens) - seq_len, size=n)
-    starts = starts if pick is None else starts[np.asarray(pick, dtype=np.int64)]
-    windows = np.stack([np.asarray(tokens[s : s + seq_len + 1]) for s in starts])
-    if vocab_size is not None and windows.size and int(windows.max()) >= vocab_size:
-        row, col = (int(i[0]) for i in np.nonzero(windows >= vocab_size))
-        where = getattr(tokens, "filename", None) or "the token array"
-        # Training names the step as the loop and metrics.jsonl do (1-based).
-        batch = f"train step {index + 1}" if stream == 0 else f"validation batch {index}"
-        raise TokenError.describe(
-            f"token id at position {int(starts[row]) + col} of {where} ({batch})",
-            int(windows[row, col]),
-            f"an id below the vocabulary size {vocab_size}",
-            "prepare the data again (the token file is corrupt or from another tokenizer)",
-        )
-    windows = windows.astype(np.int32)
-    return windows[:, :-1], windows[:, 1:]
-
-
-def train_batch(
-    tokens,
-    seed: int,
-    step: int,
-    batch_size: int,
-    seq_len: int,
-    accum: int,
-    rows=None,
-    vocab_size: int | None = None,
-) -> dict:
-    """The batch of optimizer step `step`: inputs/targets `[accum, batch_size/accum, T]`.
-
-    `rows`: only these rows of every micro-batch, `[accum, len(rows), T]` (one host's share).
-    `vocab_size`: check every id against it (`crops`).
-    """
-    micro = batch_size // accum
-    pick = None if rows is None else [a * micro + r for a in range(accum) for r in rows]
-    inputs, targets = crops(tokens, seed, 0, step, batch_size, seq_len, pick, vocab_size)
-    shape = (accum, micro if rows is None else len(rows), seq_len)
-    return {"inputs": inputs.reshape(shape), "targets": targets.reshape(shape)}
-
-
-def eval_batch(
-    tokens, seed: int, index: int, batch_size: int, seq_len: int, vocab_size: int | None = None
-):
-    """Evaluation batch `index` (the same every time it is asked for): `([B, T], [B, T])`."""
-    return crops(tokens, seed, 1, index, batch_size, seq_len, vocab_size=vocab_size)
+__all__ = [
+    "DTYPES",
+    "FORMAT",
+    "TOKENIZER_DIR",
+    "Prepared",
+    "check_vocab",
+    "crops",
+    "default_workers",
+    "eval_batch",
+    "gpt2_tokenizer",
+    "known_vocab_size",
+    "open_prepared",
+    "packed",
+    "packing_efficiency",
+    "prepare",
+    "prepare_section",
+    "train_batch",
+]

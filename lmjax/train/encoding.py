@@ -1,0 +1,91 @@
+"""Text to ids for `prepare`: safe chunk cuts, and batches of documents encoded by workers.
+
+`chunks` cuts a long text only where no tokenizer here merges across the cut, so the ids of
+the pieces concatenated are the ids of the whole (bounding the Python list one encode call
+builds). `encode_batches` hands batches of documents to `workers` processes and returns their
+ids in submission order, with at most `2 * workers` batches in flight: memory is bounded by
+that buffer, and the output is the same whatever the worker count.
+"""
+
+from __future__ import annotations
+
+import collections
+import multiprocessing
+import re
+from collections.abc import Iterator
+
+import numpy as np
+
+from lmjax import tokenizers
+from lmjax.errors import LMJaxError
+
+CHUNK = 1 << 20  # characters per encode call
+
+# A cut between "word\n" and the next word: no tokenizer here (GPT-2's pre-tokenizer included)
+# merges across a lone newline between two non-space characters, so the ids of the chunks
+# concatenated equal the ids of the whole text.
+_CUT = re.compile(r"(?<=\S\n)(?=\S)")
+
+
+def chunks(text: str, size: int = CHUNK) -> Iterator[str]:
+    """Pieces of about `size` characters, cut only where tokenization cannot straddle."""
+    start = 0
+    while len(text) - start > size:
+        window = text[start + size // 2 : start + size]
+        cuts = [m.start() for m in _CUT.finditer(window)]
+        if not cuts:  # no safe cut nearby: keep the rest whole rather than risk a split
+            break
+        end = start + size // 2 + cuts[-1]
+        yield text[start:end]
+        start = end
+    yield text[start:]
+
+
+def encode_text(tok, text: str, dtype) -> np.ndarray:
+    """`tok.encode(text)` as a `[L]` array of `dtype`, encoded chunk by chunk."""
+    parts = [np.asarray(tok.encode(piece), dtype=dtype) for piece in chunks(text)]
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+_WORKER: dict = {}  # this process's tokenizer and dtype (set by _start_worker)
+
+
+def _start_worker(tokenizer_dir: str, dtype: str) -> None:
+    _WORKER["tok"], _WORKER["dtype"] = tokenizers.load(tokenizer_dir), np.dtype(dtype)
+
+
+def _encode_batch(texts: list[str]) -> list:
+    """Each text's ids `[L]`, or the message of the error its encoding raised (the caller
+    names the record)."""
+    out = []
+    for text in texts:
+        try:
+            out.append(encode_text(_WORKER["tok"], text, _WORKER["dtype"]))
+        except LMJaxError as err:
+            out.append(str(err))
+    return out
+
+
+def encode_batches(batches, tokenizer_dir, dtype: str, workers: int) -> Iterator[tuple]:
+    """`(tag, ids per text)` for each `(tag, texts)` of `batches`, in order.
+
+    `workers` 1 encodes in this process; more start a pool (fork where the platform has it:
+    a fresh interpreter would import lmjax again per worker), each loading the tokenizer saved
+    at `tokenizer_dir`."""
+    if workers == 1:
+        _start_worker(str(tokenizer_dir), dtype)
+        for tag, texts in batches:
+            yield tag, _encode_batch(texts)
+        return
+    methods = multiprocessing.get_all_start_methods()
+    context = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+    with context.Pool(workers, _start_worker, (str(tokenizer_dir), dtype)) as pool:
+        pending = collections.deque()
+        for tag, texts in batches:
+            pending.append((tag, pool.apply_async(_encode_batch, (texts,))))
+            if len(pending) >= 2 * workers:  # the bound: wait for the oldest batch
+                tag_done, result = pending.popleft()
+                yield tag_done, result.get()
+        while pending:
+            tag_done, result = pending.popleft()
+            yield tag_done, result.get()
