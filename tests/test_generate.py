@@ -92,13 +92,17 @@ def test_prefill_then_decode_equals_forward_at_every_position(params, name, cach
     np.testing.assert_array_equal(cache.lengths, lengths + c - 6)
 
 
+@pytest.mark.parametrize("gqa_window", [False, True], ids=["mha", "mqa-window5-ring"])
 @pytest.mark.parametrize("impl", ["xla", pytest.param("flash", marks=pytest.mark.slow)])
-def test_decoding_with_other_attention_impls_equals_forward(impl):
+def test_decoding_with_other_attention_impls_equals_forward(impl, gqa_window):
     cfg = CONFIGS["llama-rope"].replace(attention=impl)
+    if gqa_window:  # one kv head; window 5 in an 8-slot ring that positions 8..11 wrap
+        cfg = cfg.replace(n_kv_heads=1, sliding_window=5)
     p = models.init(jax.random.key(0), cfg)
     tokens_1C = np.random.default_rng(2).integers(0, cfg.vocab_size, (1, 12)).astype(np.int32)
     full_1CV = np.asarray(models.forward(p, tokens_1C, cfg))
-    logits_1TV, cache = G.prefill(p, tokens_1C[:, :4], cfg, G.init_cache(cfg, 1, 16))
+    cache = G.init_cache(cfg, 1, 8 if gqa_window else 16)
+    logits_1TV, cache = G.prefill(p, tokens_1C[:, :4], cfg, cache)
     np.testing.assert_allclose(logits_1TV, full_1CV[:, :4], **F32_TOL)
     for t in range(4, 12):
         logits_1V, cache = G.decode_step(p, tokens_1C[:, t], cfg, cache)

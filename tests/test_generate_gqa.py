@@ -127,21 +127,6 @@ def test_prefill_then_decode_equals_forward_at_every_position(params, name, cach
         np.testing.assert_allclose(logits_BV, full_BCV[[0, 1], pos_B], **F32_TOL)
 
 
-@pytest.mark.parametrize("impl", ["xla", pytest.param("flash", marks=pytest.mark.slow)])
-def test_other_attention_impls_decode_gqa_windows_through_a_ring(impl):
-    """MQA, window 5, an 8-slot ring wrapping twice: the xla and flash paths of
-    `models.attend` give the forward pass's logits (the window lives in the decode mask)."""
-    cfg = CONFIGS["mqa-window5"].replace(attention=impl, n_layers=1)
-    p = models.init(jax.random.key(5), cfg)
-    tokens_1C = np.random.default_rng(6).integers(0, cfg.vocab_size, (1, 24)).astype(np.int32)
-    full_1CV = np.asarray(models.forward(p, tokens_1C, cfg))
-    logits_1TV, cache = G.prefill(p, tokens_1C[:, :7], cfg, G.init_cache(cfg, 1, 8))
-    np.testing.assert_allclose(logits_1TV, full_1CV[:, :7], **F32_TOL)
-    for t in range(7, 24):
-        logits_1V, cache = G.decode_step(p, tokens_1C[:, t], cfg, cache)
-        np.testing.assert_allclose(logits_1V, full_1CV[:, t], **F32_TOL)
-
-
 def test_a_window_hides_keys_w_or_more_behind_the_query():
     """One RoPE layer, window 4: decoded position t sees exactly tokens t-3..t, as the same
     model without a window fed only those four tokens (an independent witness of the rule)."""
