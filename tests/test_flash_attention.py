@@ -399,6 +399,31 @@ def test_compiled_kernels_lower_for_their_platform(kernel, platform, causal, s, 
     assert text.count(CUSTOM_CALL[kernel]) == 3  # forward, dq, dk/dv
 
 
+@pytest.mark.parametrize("kernel, platform", [("gpu", "cuda"), ("tpu", "tpu")])
+@pytest.mark.parametrize("groups", [1, 4])
+def test_gqa_window_segments_lower_for_their_platform(kernel, platform, groups):
+    """Grouped-query attention (8 query heads on 8 // groups key/value heads: the dk/dv
+    kernels' loop or grid axis over a group), a sliding window, segment ids and a key mask,
+    ragged T and S: forward + backward lower to Triton / Mosaic IR (test_flash_gqa runs them
+    interpreted; tests/test_tpu_compile.py compiles the TPU one with libtpu)."""
+    q = jax.ShapeDtypeStruct((2, 200, 8, 64), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((2, 300, 8 // groups, 64), jnp.bfloat16)
+    q_ids, kv_ids = (jax.ShapeDtypeStruct((2, n), jnp.int32) for n in (200, 300))
+    mask = jax.ShapeDtypeStruct((2, 300), jnp.int32)
+    sizes = BlockSizes.default(kernel)
+    plan = fa_plan.make_plan(
+        q.shape, k.shape, sizes, kernel, False, True, 100, True, window=96, has_segments=True
+    )
+    assert plan.groups == groups
+
+    def loss(q, k, v, mask, q_ids, kv_ids):
+        out, lse = fa_vjp.flash_padded(plan, q, k, v, mask, q_ids, kv_ids)
+        return out.astype(jnp.float32).sum() + jnp.where(jnp.isfinite(lse), lse, 0.0).sum()
+
+    lowered = jax.jit(jax.grad(loss, (0, 1, 2))).trace(q, k, k, mask, q_ids, kv_ids)
+    assert lowered_text(lowered, platform).count(CUSTOM_CALL[kernel]) == 3
+
+
 # ---- the GPU smoke subset is addressable -------------------------------------------------------
 
 

@@ -21,7 +21,7 @@ load", "failed to legalize operation 'tpu.pack_subelements'"), so the TPU path c
 in float32 and rounds the results once (the kernels' docstrings); the last tests check those
 numerics with the TPU kernels interpreted, against the float32 reference.
 
-Cost: about 1-2 s per compile on 2 cores (12 compiles, plus libtpu's start of about 1 s).
+Cost: about 1-2 s per compile on 2 cores (13 compiles, plus libtpu's start of about 1 s).
 """
 
 from __future__ import annotations
@@ -204,6 +204,29 @@ def test_flash_attention_forward_alone_compiles_for_tpu(tpu_device):
     assert [len(calls[n]) for n in FLASH_KERNELS] == [1, 0, 0]
     out, lse = compiled.out_info
     assert (out.shape, out.dtype, lse.shape, lse.dtype) == (q.shape, q.dtype, (2, 4, 1), "float32")
+
+
+def test_flash_attention_gqa_window_segments_compile_for_tpu(tpu_device):
+    """Grouped-query attention (8 query heads on 2 key/value heads), a sliding window and
+    segment ids, forward and backward, on v5e: the dk/dv grid's five axes (B, Hkv, key blocks,
+    G, query blocks), the segment blocks ([Q, 1] rows, [1, K] lanes) and T = S = 300 ragged
+    (padded ids) all pass Mosaic; dk and dv come back with Hkv heads."""
+    q = jax.ShapeDtypeStruct((1, 300, 8, 64), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((1, 300, 2, 64), jnp.bfloat16)
+    ids = jax.ShapeDtypeStruct((1, 300), jnp.int32)
+
+    def loss(q, k, v, ids):
+        out, lse = flash_attention_with_lse(
+            q, k, v, causal=True, window=160, q_segment_ids=ids, kv_segment_ids=ids
+        )
+        return out.astype(jnp.float32).sum() + jnp.where(jnp.isfinite(lse), lse, 0.0).sum()
+
+    grad = jax.grad(loss, argnums=(0, 1, 2))
+    compiled = _compile_for(tpu_device("v5e"), grad, q, k, k, ids)
+    calls = _custom_calls(compiled, FLASH_KERNELS)
+    assert {n: len(c) for n, c in calls.items()} == dict.fromkeys(FLASH_KERNELS, 1)
+    dq, dk, dv = compiled.out_info
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, k.shape)
 
 
 # ---- NF4 matmul --------------------------------------------------------------------------------
