@@ -1,9 +1,11 @@
 """FlashAttention-2 in Pallas: a GPU (Triton) kernel and a TPU (Mosaic) kernel, one custom VJP.
 
 Shapes (the layout of `jax.nn.dot_product_attention`): q `[B, T, H, Dh]`, k and v
-`[B, S, H, Dh]`, optional key-padding mask `[B, S]` (0/1 or bool) -> out `[B, T, H, Dh]` and the
-per-row logsumexp `[B, H, T]` (float32). Letters: B batch, T queries, S keys, H heads, Dh head
-size (the legend of `lmjax.models`); inside a kernel, one block's arrays are suffixed with Q (its
+`[B, S, Hkv, Dh]` with H % Hkv == 0, optional key-padding mask `[B, S]` (0/1 or bool) and
+segment ids `[B, T]`, `[B, S]` (int) -> out `[B, T, H, Dh]` and the per-row logsumexp
+`[B, H, T]` (float32). Letters: B batch, T queries, S keys, H query heads, Hkv key/value heads,
+G = H // Hkv query heads per key/value head, Dh head size (the legend of `lmjax.models`);
+inside a kernel, one block's arrays are suffixed with Q (its
 query rows, `block_q`), K (its key rows, `block_k`) and Dh (the padded head size), e.g. q_QDh,
 s_QK; a trailing 1 is a kept unit axis (m_Q1).
 
@@ -11,10 +13,14 @@ Modules: `plan` (BlockSizes, padding, which blocks run), `blocks` (the block mat
 share), `gpu` and `tpu` (the kernels and their pallas_calls), `vjp` (the custom VJP over padded
 inputs), `reference` (the argument checks and the plain-jnp oracle).
 
-Forward, per batch row b and head h, with c = 1/sqrt(Dh) (Dh the head size *before* padding):
+Forward, per batch row b and query head h, with c = 1/sqrt(Dh) (Dh the head size *before*
+padding) and k, v the key/value head h // G (grouped-query attention, Hugging Face's repeat_kv
+order; read through the kernels' index maps, never a repeated copy):
 
     s[t,u]    = c * q[t,:] . k[u,:]
     keep[t,u] = mask[u] and (not causal or u <= t + offset)
+                and (window is None or (t + offset) - u < window)
+                and (no segment ids or q_segment_ids[t] == kv_segment_ids[u])
     over key blocks j (online softmax; f32 running max m, sum l, unnormalised output acc):
         m'  = max(m, max_{u in j, keep} s[t,u])
         p   = exp(s[t,u] - m') where keep, else 0
@@ -22,7 +28,8 @@ Forward, per batch row b and head h, with c = 1/sqrt(Dh) (Dh the head size *befo
     out[t] = acc / l          lse[t] = m + log l
     A row with no visible key has l = 0: out = 0 and lse = -inf (never NaN).
 
-The forward saves only (q, k, v, mask, out, lse): O(T) memory, no [T, S] probabilities.
+The forward saves only (q, k, v, mask, segment ids, out, lse): O(T) memory, no [T, S]
+probabilities.
 Dtypes: float32, bfloat16 or float16 inputs; matmul operands stay in the input dtype (p and ds
 are rounded to it before their matmuls), every accumulator and softmax statistic is float32.
 Float16 on the TPU kernel: Mosaic has no float16 vector loads (libtpu 0.0.42 refuses them,
@@ -38,26 +45,33 @@ Backward (FlashAttention-2), given dO = dL/dout and dlse = dL/dlse (zero unless 
     dv = p^T dO      dp = dO v^T      ds = p * (dp - delta)
     dq = c ds k      dk = c ds^T q
   One kernel accumulates dk, dv over query blocks; another accumulates dq over key blocks.
+  Grouped-query attention: dk, dv of a key/value head sum over its G query heads inside the
+  dk/dv kernel (a loop over the group on GPU, a grid axis on TPU, both into the same f32
+  accumulators), so no `[B, S, H, Dh]` per-query-head intermediate is formed.
 
-Causal block skipping: query block i only visits key blocks that hold a key u <= t + offset for
-some row t of the block; the dk/dv kernel likewise starts at the first query block that sees its
-keys. Blocks that are entirely visible skip the mask arithmetic (GPU kernel).
+Block skipping (plan.kv_range / plan.q_range): query block i only visits the key blocks that
+hold a key some row of it sees by the causal rule (u <= t + offset) and the window rule
+(u > t + offset - window); the dk/dv kernel likewise visits only the query blocks that see its
+keys. Skipped blocks are never read. Blocks that are entirely visible skip the mask arithmetic
+(GPU kernel); with a key mask or segment ids every visited block is masked per element
+(segments do not skip blocks).
 
 Padding (done in the wrapper, undone on the way out, so callers never see it):
   * T is padded to a multiple of the query blocks, S to a multiple of the key blocks. Padded keys
     are masked; padded query rows are computed and dropped (their dO is 0, so they add nothing
-    to dk, dv).
+    to dk, dv). Segment ids are padded with ids no real one on the other side matches.
   * Dh is zero-padded (zero columns change no score and give zero output columns):
     GPU kernel to the next power of two >= 16 (Triton tiles are powers of two, `tl.dot` needs
     >= 16); TPU kernel to a multiple of 128 (the vector lane width).
   * A block larger than its (rounded-up) sequence shrinks to it, so short inputs are not padded
     up to a full default block.
 
-Backends: `backend="gpu"` (grid (query blocks, B, H), fori_loop over key blocks in the kernel)
-or `backend="tpu"` (grid (B, H, query blocks, key blocks), key axis sequential, VMEM scratch
-accumulators). `backend=None` follows the platform compiled for (`jax.default_device`'s, e.g. a
-compile-only TPU device on a CPU host, else `jax.default_backend()`); on CPU it runs the GPU
-kernel (`CPU_KERNEL`) in interpret mode. Both kernels run interpreted on CPU (`interpret=True`).
+Backends: `backend="gpu"` (grid (query blocks, B, H), fori_loop over key blocks in the kernel;
+dk/dv: grid (key blocks, B, Hkv)) or `backend="tpu"` (grid (B, H, query blocks, key blocks), key
+axis sequential, VMEM scratch accumulators; dk/dv: grid (B, Hkv, key blocks, G, query blocks)).
+`backend=None` follows the platform compiled for (`jax.default_device`'s, e.g. a compile-only
+TPU device on a CPU host, else `jax.default_backend()`); on CPU it runs the GPU kernel
+(`CPU_KERNEL`) in interpret mode. Both kernels run interpreted on CPU (`interpret=True`).
 """
 
 from __future__ import annotations
