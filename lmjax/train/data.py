@@ -55,7 +55,7 @@ from lmjax.train.prepare_docs import DocOptions
 from lmjax.train.shards import open_index, open_shards
 
 FORMAT = 2
-TOKENIZER_DIR = "tokenizer"  # the saved tokenizer, in a data directory and in a run directory
+TOKENIZER_DIR = docs.TOKENIZER_DIR  # the saved tokenizer, in a data and in a run directory
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 _CHUNK = encoding.CHUNK  # characters per encode call: bounds memory and drives the progress bar
 
@@ -213,7 +213,7 @@ def _prepare_documents(files: list[Path], out: Path, settings: dict, given, opts
     with atomic_dir(out, twin=lambda twin: _check_twin(twin, settings)) as tmp:
         tok.save(tmp / TOKENIZER_DIR)
         dtype = _dtype(tok)
-        splits = docs.write_splits(tmp, files, opts, tmp / TOKENIZER_DIR, dtype, eot, is_val)
+        splits = docs.write_splits(tmp, files, opts, tok, dtype, eot, is_val)
         meta = {
             "format": FORMAT,
             "vocab_size": tok.vocab_size,

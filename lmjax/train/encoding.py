@@ -47,7 +47,7 @@ def encode_text(tok, text: str, dtype) -> np.ndarray:
     return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
-_WORKER: dict = {}  # this process's tokenizer and dtype (set by _start_worker)
+_WORKER: dict = {}  # this process's tokenizer and dtype (set by encode_batches / _start_worker)
 
 
 def _start_worker(tokenizer_dir: str, dtype: str) -> None:
@@ -66,26 +66,30 @@ def _encode_batch(texts: list[str]) -> list:
     return out
 
 
-def encode_batches(batches, tokenizer_dir, dtype: str, workers: int) -> Iterator[tuple]:
-    """`(tag, ids per text)` for each `(tag, texts)` of `batches`, in order.
+def encode_batches(batches, tok, tokenizer_dir, dtype: str, workers: int) -> Iterator[tuple]:
+    """`(tag, ids per text)` for each `(tag, texts)` of `batches`, in order, encoded by `tok`.
 
-    `workers` 1 encodes in this process; more start a pool (fork where the platform has it:
-    a fresh interpreter would import lmjax again per worker), each loading the tokenizer saved
-    at `tokenizer_dir`."""
+    `workers` 1 encodes in this process; more start a pool. Forked workers inherit `tok` (no
+    reload, no fresh interpreter importing lmjax again); where the platform cannot fork, each
+    worker loads the tokenizer saved at `tokenizer_dir`."""
+    _WORKER["tok"], _WORKER["dtype"] = tok, np.dtype(dtype)
     if workers == 1:
-        _start_worker(str(tokenizer_dir), dtype)
         for tag, texts in batches:
             yield tag, _encode_batch(texts)
         return
-    methods = multiprocessing.get_all_start_methods()
-    context = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
-    with context.Pool(workers, _start_worker, (str(tokenizer_dir), dtype)) as pool:
+    fork = "fork" in multiprocessing.get_all_start_methods()
+    context = multiprocessing.get_context("fork" if fork else "spawn")
+    start = (None, ()) if fork else (_start_worker, (str(tokenizer_dir), dtype))
+    with context.Pool(workers, *start) as pool:
         pending = collections.deque()
         for tag, texts in batches:
             pending.append((tag, pool.apply_async(_encode_batch, (texts,))))
             if len(pending) >= 2 * workers:  # the bound: wait for the oldest batch
-                tag_done, result = pending.popleft()
-                yield tag_done, result.get()
+                yield _done(pending)
         while pending:
-            tag_done, result = pending.popleft()
-            yield tag_done, result.get()
+            yield _done(pending)
+
+
+def _done(pending: collections.deque) -> tuple:
+    tag, result = pending.popleft()
+    return tag, result.get()

@@ -29,6 +29,7 @@ from lmjax.train.corpus_files import BadRecords, Document, documents
 from lmjax.train.shards import SHARD_TOKENS, ShardWriter
 
 ENDOFTEXT = "<|endoftext|>"
+TOKENIZER_DIR = "tokenizer"  # the saved tokenizer, in a data directory and in a run directory
 _BATCH_CHARS = 1 << 20  # characters per worker batch (about): bounds the in-flight buffer
 _BATCH_DOCS = 512
 
@@ -129,13 +130,15 @@ def _tagged(docs: list[Document], bar) -> list[str]:
     return [d.where for d in docs]
 
 
-def write_splits(out: Path, files, opts: DocOptions, tok_dir, dtype: str, eot, is_val) -> dict:
-    """Encode every document into `out`'s train and val shards; meta.json's split entries."""
+def write_splits(out: Path, files, opts: DocOptions, tok, dtype: str, eot, is_val) -> dict:
+    """Encode every document into `out`'s train and val shards; meta.json's split entries.
+    `tok` is also saved in `out`/tokenizer (what workers that cannot fork load)."""
     writers = {s: ShardWriter(out, s, dtype, opts.shard_tokens) for s in ("train", "val")}
     bar = _bar(files, "tokenizing", opts.progress)
     index = 0
     batches = _batches(files, opts, bar)
-    for wheres, results in encoding.encode_batches(batches, tok_dir, dtype, opts.workers):
+    encoded = encoding.encode_batches(batches, tok, out / TOKENIZER_DIR, dtype, opts.workers)
+    for wheres, results in encoded:
         for where, ids in zip(wheres, results, strict=True):
             if isinstance(ids, str):  # the tokenizer refused the text (a special token's text)
                 raise FileFormatError.describe(
