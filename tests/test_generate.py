@@ -6,7 +6,6 @@ logits, and greedy decoding by re-running `models.forward` on the growing sequen
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
@@ -14,6 +13,7 @@ import jax.monitoring
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _decoding import F32_TOL, check_padded_decode, greedy_witness, paged_cache
 
 from lmjax import generate as G
 from lmjax import models
@@ -27,7 +27,6 @@ CONFIGS = {
     "llama-rope": models.preset("llama"),
     "gpt-sinusoidal": models.preset("gpt", positions="sinusoidal"),
 }
-F32_TOL = dict(rtol=1e-5, atol=1e-5)  # float32 at matmul precision highest (conftest)
 # bfloat16 keeps 8 significant bits: logits of magnitude < 4 are spaced 2**-6 apart, and the
 # cached and full passes round in different orders through every layer; 4 such spacings.
 BF16_TOL = dict(rtol=0, atol=4 * 2**-6)
@@ -40,33 +39,6 @@ def params():
     }
 
 
-def paged_cache(cfg, batch, page_size=4):
-    """A paged cache whose rows own interleaved, reversed pages, so a table slip would show."""
-    per_row = math.ceil(cfg.context_length / page_size)
-    cache = G.init_paged_cache(cfg, batch, batch * per_row, page_size)
-    table = np.arange(batch * per_row)[::-1].reshape(per_row, batch).T
-    return cache._replace(page_table=jnp.asarray(table, jnp.int32))
-
-
-@functools.cache
-def padded_forward(cfg):
-    return jax.jit(models.forward)
-
-
-def greedy_witness(params, prompt, cfg, n):
-    """Greedy continuation by re-running the full forward pass on the growing sequence.
-
-    The sequence is right-padded to C (one compile); by causality, position len - 1 of the
-    padded forward is the last position of the unpadded one.
-    """
-    seq = list(prompt)
-    for _ in range(n):
-        padded = jnp.asarray([seq + [0] * (cfg.context_length - len(seq))])
-        logits_V = padded_forward(cfg)(params, padded, cfg)[0, len(seq) - 1]
-        seq.append(int(jnp.argmax(logits_V)))
-    return seq[len(prompt) :]
-
-
 # ---- prefill + decode equals the full forward pass ------------------------------------------
 
 
@@ -75,21 +47,8 @@ def greedy_witness(params, prompt, cfg, n):
 def test_prefill_then_decode_equals_forward_at_every_position(params, name, cache_kind):
     """Right-padded rows of different prompt lengths; each row decodes at its own positions."""
     cfg, p = CONFIGS[name], params[name]
-    c = cfg.context_length
-    tokens_BC = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, c)).astype(np.int32)
-    full_BCV = np.asarray(models.forward(p, tokens_BC, cfg))
-    lengths = np.array([3, 6])
-    prompt_BT = tokens_BC[:, :6].copy()
-    prompt_BT[0, 3:] = 0  # padding: row 0's prompt is 3 tokens long
     cache = G.init_cache(cfg, 2) if cache_kind == "contiguous" else paged_cache(cfg, 2)
-    logits_BTV, cache = G.prefill(p, prompt_BT, cfg, cache, lengths)
-    for b, n in enumerate(lengths):
-        np.testing.assert_allclose(logits_BTV[b, :n], full_BCV[b, :n], **F32_TOL)
-    for step in range(c - 6):
-        pos_B = lengths + step
-        logits_BV, cache = G.decode_step(p, tokens_BC[[0, 1], pos_B], cfg, cache)
-        np.testing.assert_allclose(logits_BV, full_BCV[[0, 1], pos_B], **F32_TOL)
-    np.testing.assert_array_equal(cache.lengths, lengths + c - 6)
+    check_padded_decode(p, cfg, cache, [3, 6])
 
 
 @pytest.mark.parametrize("gqa_window", [False, True], ids=["mha", "mqa-window5-ring"])

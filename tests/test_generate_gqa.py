@@ -8,13 +8,11 @@ for the window itself, a one-layer RoPE model run *without* a window on just the
 
 from __future__ import annotations
 
-import functools
-import math
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _decoding import F32_TOL, check_padded_decode, greedy_witness, padded_forward, paged_cache
 
 from lmjax import generate as G
 from lmjax import models
@@ -30,7 +28,6 @@ CONFIGS = {
         "llama", **TINY, n_kv_heads=2, head_dim=12, qk_norm=True, sliding_window=6
     ),
 }
-F32_TOL = dict(rtol=1e-5, atol=1e-5)  # float32 at matmul precision highest (conftest)
 PROMPTS = [[3, 1, 4], [1], [5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9]]
 
 
@@ -39,22 +36,6 @@ def params():
     return {
         name: models.init(jax.random.key(i), cfg) for i, (name, cfg) in enumerate(CONFIGS.items())
     }
-
-
-@functools.cache
-def padded_forward(cfg):
-    return jax.jit(models.forward)
-
-
-def greedy_witness(params, prompt, cfg, n):
-    """Greedy continuation by the full forward pass on the growing sequence (right-padded to C:
-    by causality position len - 1 of the padded pass is the unpadded one's last)."""
-    seq = list(prompt)
-    for _ in range(n):
-        padded = np.asarray([seq + [0] * (cfg.context_length - len(seq))], np.int32)
-        logits_V = padded_forward(cfg)(params, padded, cfg)[0, len(seq) - 1]
-        seq.append(int(np.argmax(logits_V)))
-    return seq[len(prompt) :]
 
 
 def nbytes(cache) -> int:
@@ -96,35 +77,15 @@ def test_decoding_attends_over_the_kv_heads_without_a_repeated_copy(monkeypatch)
 # ---- prefill + decode equals the full forward pass ------------------------------------------
 
 
-def paged_cache(cfg, batch, capacity, page_size=4):
-    """Every page of a `capacity`-slot table mapped, rows on interleaved reversed pages."""
-    per_row = math.ceil(capacity / page_size)
-    cache = G.init_paged_cache(cfg, batch, batch * per_row, page_size, capacity)
-    table = np.arange(batch * per_row)[::-1].reshape(per_row, batch).T
-    return cache._replace(page_table=jnp.asarray(table, jnp.int32))
-
-
 @pytest.mark.parametrize("cache_kind", ["contiguous", "paged"])
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_prefill_then_decode_equals_forward_at_every_position(params, name, cache_kind):
     """Right-padded rows of lengths 3 and 9 (longer than the windows) decoding up to C. With a
     window the cache has 8 slots (a ring past W: positions wrap twice); without, C."""
     cfg, p = CONFIGS[name], params[name]
-    c = cfg.context_length
-    tokens_BC = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, c)).astype(np.int32)
-    full_BCV = np.asarray(models.forward(p, tokens_BC, cfg))
-    lengths = np.array([3, 9])
-    prompt_BT = tokens_BC[:, :9].copy()
-    prompt_BT[0, 3:] = 0  # padding: row 0's prompt is 3 tokens long
-    s = c if cfg.sliding_window is None else 8
+    s = cfg.context_length if cfg.sliding_window is None else 8
     cache = G.init_cache(cfg, 2, s) if cache_kind == "contiguous" else paged_cache(cfg, 2, s)
-    logits_BTV, cache = G.prefill(p, prompt_BT, cfg, cache, lengths)
-    for b, n in enumerate(lengths):
-        np.testing.assert_allclose(logits_BTV[b, :n], full_BCV[b, :n], **F32_TOL)
-    for step in range(c - 9):
-        pos_B = lengths + step
-        logits_BV, cache = G.decode_step(p, tokens_BC[[0, 1], pos_B], cfg, cache)
-        np.testing.assert_allclose(logits_BV, full_BCV[[0, 1], pos_B], **F32_TOL)
+    check_padded_decode(p, cfg, cache, [3, 9])
 
 
 def test_a_window_hides_keys_w_or_more_behind_the_query():
