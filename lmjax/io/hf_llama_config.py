@@ -213,9 +213,9 @@ def _window_to_hf(cfg: ModelConfig, family: str) -> dict[str, Any]:
     if family == "mistral":
         return {"sliding_window": window}
     if family in ("qwen2", "qwen3"):  # max_window_layers 0: every layer slides
-        first = 0 if window is not None else cfg.n_layers
-        use = window is not None
-        return {"use_sliding_window": use, "sliding_window": window, "max_window_layers": first}
+        if window is None:  # max_window_layers then means nothing: transformers' default stays
+            return {"use_sliding_window": False, "sliding_window": None}
+        return {"use_sliding_window": True, "sliding_window": window, "max_window_layers": 0}
     return {}
 
 
@@ -242,6 +242,8 @@ def config_to_hf(cfg: ModelConfig, layout: Layout) -> dict[str, Any]:
         "eos_token_id": None,
         "dtype": cfg.param_dtype,
     }
+    if family == "qwen2" and cfg.head_dim is None:  # Qwen2Config has no head_dim field
+        del hf["head_dim"]  # (Qwen2Attention reads one if present, else D / H)
     if family in ("llama", "qwen3"):
         hf["attention_bias"] = layout.qkv_bias
     if family == "llama":
@@ -256,8 +258,8 @@ def _refuse(what: str, value: Any, why: str) -> ConfigError:
 
 
 def choose_layout(cfg: ModelConfig, nonzero: dict[str, bool]) -> Layout:
-    """The family that expresses `cfg`: qk_norm -> qwen3; q/k/v biases alone -> qwen2; a sliding
-    window -> mistral (qwen2 with q/k/v biases); else llama.
+    """The family that expresses `cfg`: qk_norm -> qwen3; q/k/v biases without `bias` -> qwen2;
+    a sliding window -> mistral; else llama.
 
     `nonzero[kind]` says whether the params hold a nonzero bias of kind "o", "mlp" or "head":
     lmjax's `bias` declares all three, and a zero one need not be written.
@@ -275,7 +277,7 @@ def choose_layout(cfg: ModelConfig, nonzero: dict[str, bool]) -> Layout:
     qkv, o, mlp = cfg.qkv_has_bias, nonzero["o"], nonzero["mlp"]
     if cfg.qk_norm:
         family = "qwen3"
-    elif qkv and not (o or mlp):
+    elif qkv and not cfg.bias:  # Qwen2's q/k/v biases (lmjax declares no o/MLP bias then)
         family = "qwen2"
     elif cfg.sliding_window is not None:
         family = "mistral"
@@ -284,7 +286,9 @@ def choose_layout(cfg: ModelConfig, nonzero: dict[str, bool]) -> Layout:
     if family in ("qwen3", "mistral") and mlp:
         raise _refuse("feed_forward biases", "nonzero", f"zero ({family} has no MLP bias)")
     if family == "mistral" and (qkv or o):
-        raise _refuse("attention biases", "present", "none with a sliding window and no qk_norm")
+        raise _refuse(
+            "attention biases", "present", "none with a sliding window (or qkv_bias alone: qwen2)"
+        )
     attention = qkv or o  # llama/qwen3's attention_bias: q, k, v and o together
     return Layout(
         family=family,
