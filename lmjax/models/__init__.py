@@ -36,6 +36,7 @@ from lmjax.models.config import (
 )
 from lmjax.models.layout import ParamSpec, abstract_params, check_params, declare, init
 from lmjax.models.projection import project
+from lmjax.models.segments import segment_positions
 from lmjax.models.summary import (
     MemoryEstimate,
     format_summary,
@@ -90,4 +91,5 @@ __all__ = [
     "project",
     "project_qkv",
     "residual_bytes",
+    "segment_positions",
 ]

@@ -295,6 +295,20 @@ _LLAMA = dict(
     tie_embeddings=False,
     eps=1e-6,
 )
+_QWEN = dict(_LLAMA, tie_embeddings=True, rope_theta=1000000.0, eps=1e-6)
+
+
+def _sizes(vocab, context, d_model, n_heads, n_layers, d_ff) -> dict[str, int]:
+    return dict(
+        vocab_size=vocab,
+        context_length=context,
+        d_model=d_model,
+        n_heads=n_heads,
+        n_layers=n_layers,
+        d_ff=d_ff,
+    )
+
+
 _GPT2_SMALL = dict(
     vocab_size=50257, context_length=1024, d_model=768, n_heads=12, n_layers=12, d_ff=3072
 )
@@ -316,6 +330,43 @@ PRESETS: dict[str, dict[str, Any]] = {
     # not SPEC section 5's overfit model, which is the "llama" preset above).
     "llama-tiny": dict(
         _LLAMA, vocab_size=256, context_length=256, d_model=128, n_heads=4, n_layers=4, d_ff=384
+    ),
+    # The shapes of today's open checkpoints (random weights; lmjax.io.hf loads the real ones).
+    # Each count equals transformers' for the same config (tests/test_models_families.py).
+    # HuggingFaceTB/SmolLM2-135M (LlamaForCausalLM): 134,515,008 parameters.
+    "smollm2-135m": dict(
+        _LLAMA,
+        **_sizes(49152, 8192, 576, 9, 30, 1536),
+        n_kv_heads=3,
+        tie_embeddings=True,
+        rope_theta=100000.0,
+        eps=1e-5,
+    ),
+    # meta-llama/Llama-3.2-1B: 1,235,814,400 parameters, RoPE with Llama 3.1's scaling.
+    "llama-3.2-1b": dict(
+        _LLAMA,
+        **_sizes(128256, 131072, 2048, 32, 16, 8192),
+        n_kv_heads=8,
+        tie_embeddings=True,
+        rope_theta=500000.0,
+        eps=1e-5,
+        rope_scaling="llama3",
+        rope_factor=32.0,
+        rope_low_freq_factor=1.0,
+        rope_high_freq_factor=4.0,
+        rope_original_context=8192,
+    ),
+    # Qwen/Qwen2.5-0.5B: 494,032,768 parameters; biases on q, k, v only.
+    "qwen2.5-0.5b": dict(
+        _QWEN, **_sizes(151936, 32768, 896, 14, 24, 4864), n_kv_heads=2, qkv_bias=True
+    ),
+    # Qwen/Qwen3-0.6B: 596,049,920 parameters; head_dim 128 (16 x 128 != 1024), q/k norms.
+    "qwen3-0.6b": dict(
+        _QWEN,
+        **_sizes(151936, 40960, 1024, 16, 28, 3072),
+        n_kv_heads=8,
+        head_dim=128,
+        qk_norm=True,
     ),
 }
 

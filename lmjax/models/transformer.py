@@ -7,6 +7,9 @@
                                          W_down (silu(W_gate h) * W_up h)
     logits = norm_final(x) W_head^T (+ b_head)      W_head = E_token when tie_embeddings
 
+Packed rows (`segment_ids [B, T]`, lmjax.models.segments): attention stays inside each
+segment and positions restart at 0 at each segment's first token.
+
 Dropout (rate `cfg.dropout`, only when a `dropout_key` is given) is applied to the embedding
 sum and to each residual branch's output. Loss and optimizer live outside the model.
 
@@ -31,7 +34,9 @@ from lmjax.models.attention import attend
 from lmjax.models.config import REMAT_POLICIES, ModelConfig
 from lmjax.models.layout import check_params
 from lmjax.models.projection import project
+from lmjax.models.segments import check_segment_ids, same_segment_mask, segment_positions
 from lmjax.models.sharding import rows_on_mesh
+from lmjax.ops.rope import RopeScaling
 from lmjax.quant.nf4 import QuantizedWeight
 
 
@@ -77,13 +82,30 @@ def project_qkv(cfg: ModelConfig, p: dict, h_BTD: jax.Array, positions_BT=None) 
         q_BTHDh = rms_norm(q_BTHDh, p["query_norm"]["scale"], cfg.eps)
         k_BTHDh = rms_norm(k_BTHDh, p["key_norm"]["scale"], cfg.eps)
     if cfg.positions == "rope":
-        rope = functools.partial(_op(cfg, "rope"), positions=positions_BT, theta=cfg.rope_theta)
+        rope = functools.partial(
+            _op(cfg, "rope"), positions=positions_BT, theta=cfg.rope_theta, scaling=_scaling(cfg)
+        )
         q_BTHDh, k_BTHDh = rope(q_BTHDh), rope(k_BTHDh)
     return q_BTHDh, k_BTHDh, v_BTHDh
 
 
-def _self_attend(cfg: ModelConfig, q_BTHDh, k_BTHDh, v_BTHDh) -> tuple:
-    return attend(cfg, q_BTHDh, k_BTHDh, v_BTHDh), None
+def _scaling(cfg: ModelConfig) -> RopeScaling | None:
+    """The config's RoPE frequency scaling for `ops.rope` (None: the plain frequencies)."""
+    if cfg.rope_scaling == "none":
+        return None
+    return RopeScaling(
+        cfg.rope_scaling,
+        cfg.rope_factor,
+        cfg.rope_low_freq_factor,
+        cfg.rope_high_freq_factor,
+        cfg.rope_original_context,
+    )
+
+
+def _self_attend(cfg: ModelConfig, q_BTHDh, k_BTHDh, v_BTHDh, segment_ids_BT=None) -> tuple:
+    # Until attend takes segment_ids= itself, a packed row is a [B, 1, T, T] keep mask.
+    mask = None if segment_ids_BT is None else same_segment_mask(segment_ids_BT)
+    return attend(cfg, q_BTHDh, k_BTHDh, v_BTHDh, mask=mask), None
 
 
 def _attention(cfg: ModelConfig, p: dict, h_BTD: jax.Array, positions_BT, attend_fn) -> tuple:
@@ -111,9 +133,15 @@ def _block(p, x_BTD, keys, cfg, positions_BT, attend_fn) -> tuple:
     return x_BTD + _dropout(cfg, ff_key, _feed_forward(cfg, p["feed_forward"], h_BTD)), aux
 
 
-def block(p: dict, x_BTD: jax.Array, keys: tuple, cfg: ModelConfig) -> jax.Array:
-    """One pre-norm block: `x + Attn(norm(x))`, then `x + FF(norm(x))`; `[B,T,D] -> [B,T,D]`."""
-    return _block(p, x_BTD, keys, cfg, None, _self_attend)[0]
+def block(p: dict, x_BTD: jax.Array, keys: tuple, cfg: ModelConfig, segment_ids_BT=None):
+    """One pre-norm block: `x + Attn(norm(x))`, then `x + FF(norm(x))`; `[B,T,D] -> [B,T,D]`.
+
+    With `segment_ids [B, T]` attention stays inside each segment and RoPE restarts per segment.
+    """
+    if segment_ids_BT is None:
+        return _block(p, x_BTD, keys, cfg, None, _self_attend)[0]
+    attend_fn = functools.partial(_self_attend, segment_ids_BT=segment_ids_BT)
+    return _block(p, x_BTD, keys, cfg, segment_positions(segment_ids_BT), attend_fn)[0]
 
 
 def cached_block(
@@ -129,7 +157,9 @@ def cached_block(
 
 
 def _block_fn(cfg: ModelConfig):
-    fn = functools.partial(block, cfg=cfg)
+    def fn(p, x_BTD, keys, segment_ids_BT):
+        return block(p, x_BTD, keys, cfg, segment_ids_BT)
+
     if cfg.remat == "none":
         return fn
     # prevent_cse keeps XLA from merging the recomputation back into the forward pass.
@@ -227,35 +257,42 @@ def _cast_leaf(a, dtype):
     return a.astype(dtype) if floating and a.dtype != dtype else a
 
 
-def forward(params: dict, tokens, cfg: ModelConfig, *, dropout_key=None) -> jax.Array:
+def forward(
+    params: dict, tokens, cfg: ModelConfig, *, dropout_key=None, segment_ids=None
+) -> jax.Array:
     """Logits `[B, T, V]` (float32) for tokens `[B, T]`; see the module docstring.
 
     The computation runs in `cfg.dtype` (params are cast from `cfg.param_dtype`, so gradients
     come back in the master dtype); the logits are returned in float32 for the loss. Without a
     `dropout_key` dropout is off (evaluation). Raises `ShapeError` for a bad token shape, `T > C`
     or params that do not match `cfg`, and `TokenError` for an id outside `[0, V)` when the ids
-    are concrete (under `jit` the caller checks ids at its host-side boundary).
+    are concrete (under `jit` the caller checks ids at its host-side boundary). `segment_ids
+    [B, T]` (ints, one per document of a packed row) keep each document to itself: its logits
+    are those it gets alone.
     """
-    p, x_BTD = features(params, tokens, cfg, dropout_key=dropout_key)
+    p, x_BTD = features(params, tokens, cfg, dropout_key=dropout_key, segment_ids=segment_ids)
     return _linear(cfg)(head_params(p, cfg), x_BTD).astype(jnp.float32)
 
 
-def features(params: dict, tokens, cfg: ModelConfig, *, dropout_key=None) -> tuple:
+def features(params: dict, tokens, cfg: ModelConfig, *, dropout_key=None, segment_ids=None):
     """`forward` up to the head: `-> (params in cfg.compute_dtype, final-normed x [B, T, D])`.
 
     `forward` applies the head to x; the train step instead feeds x and `head_params` to
     `ops.linear_cross_entropy`, which never materializes the logits. Checks as `forward`.
     """
     tokens_BT = check_tokens(tokens, cfg)
+    segment_ids_BT = check_segment_ids(segment_ids, tokens_BT)
+    positions_BT = None if segment_ids_BT is None else segment_positions(segment_ids_BT)
     check_params(params, cfg)
     p = cast(params, cfg.compute_dtype)
     keys = [None] * (2 * cfg.n_layers + 1)
     if dropout_key is not None and cfg.dropout > 0.0:
         keys = [jax.random.fold_in(dropout_key, i) for i in range(len(keys))]
     # On a mesh the residual stream stays on each device's own batch rows (models.sharding).
-    x_BTD = rows_on_mesh(_dropout(cfg, keys[0], embed(p, tokens_BT, cfg)))
+    x_BTD = rows_on_mesh(_dropout(cfg, keys[0], embed(p, tokens_BT, cfg, positions_BT)))
     run_block = _block_fn(cfg)
     for i in range(cfg.n_layers):
-        x_BTD = run_block(p["blocks"][str(i)], x_BTD, (keys[2 * i + 1], keys[2 * i + 2]))
+        keys_i = (keys[2 * i + 1], keys[2 * i + 2])
+        x_BTD = run_block(p["blocks"][str(i)], x_BTD, keys_i, segment_ids_BT)
         x_BTD = rows_on_mesh(x_BTD)
     return p, _norm(cfg, p["final_norm"], x_BTD)
