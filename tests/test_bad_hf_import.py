@@ -17,6 +17,7 @@ import shutil
 import time
 import tracemalloc
 
+import ml_dtypes
 import numpy as np
 import pytest
 import safetensors.numpy
@@ -466,3 +467,222 @@ def test_eval_of_an_imported_run_without_tokenizer_is_one_line(
     assert len(lines) == 1 and captured.out == "", captured
     assert "tokenizer/" in lines[0] and "Fix:" in lines[0], lines[0]
     assert not (tmp_path / "cache").exists()
+
+
+# ---- the llama family (lmjax.io.hf): the same rules for llama / mistral / qwen2 / qwen3 --------
+
+LLAMA_CONFIG = dict(
+    vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+    bos_token_id=None, eos_token_id=None,
+)  # fmt: skip
+L = "model.layers"
+
+
+@pytest.fixture(scope="module")
+def llama_source(tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = tmp_path_factory.mktemp("llama_source")
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**LLAMA_CONFIG)).save_pretrained(out)
+    return out
+
+
+def _edit_rope(**changes):
+    def edit(d):
+        config = json.loads((d / "config.json").read_text())
+        config["rope_parameters"] |= changes
+        (d / "config.json").write_text(json.dumps(config))
+
+    return edit
+
+
+def _qwen2_window_on_one_layer(d):
+    _edit_config(model_type="qwen2", use_sliding_window=True, sliding_window=4)(d)
+    _edit_config(max_window_layers=1, layer_types=None)(d)
+
+
+def _sharded_llama_missing(d):
+    (d / "model.safetensors").unlink()
+    weight_map = {"model.embed_tokens.weight": "model-00001-of-00002.safetensors"}
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+
+LLAMA_CASES = {
+    "another model_type": (_edit_config(model_type="gpt_neox"), FileFormatError, "gpt_neox"),
+    "hidden_act gelu": (_edit_config(hidden_act="gelu"), FileFormatError, "hidden_act = 'gelu'"),
+    "rope_type yarn": (
+        _edit_rope(rope_type="yarn", factor=4.0),
+        FileFormatError,
+        "rope_parameters.rope_type = 'yarn'; expected one of 'default', 'linear', 'llama3'",
+    ),
+    "llama3 rope without low_freq_factor": (
+        _edit_rope(rope_type="llama3", factor=8.0, high_freq_factor=4.0),
+        FileFormatError,
+        "low_freq_factor = None",
+    ),
+    "partial rotary": (
+        _edit_rope(partial_rotary_factor=0.5),
+        FileFormatError,
+        "rope_parameters.partial_rotary_factor = 0.5",
+    ),
+    "legacy rope_scaling dynamic": (
+        _edit_config(rope_parameters=None, rope_theta=1e4, rope_scaling={"type": "dynamic"}),
+        FileFormatError,
+        "rope_scaling.rope_type = 'dynamic'",
+    ),
+    "quantized": (
+        _edit_config(quantization_config={"quant_method": "bitsandbytes"}),
+        FileFormatError,
+        "quantization_config",
+    ),
+    "qwen2 window on one layer of two": (
+        _qwen2_window_on_one_layer,
+        FileFormatError,
+        "layer_types / max_window_layers = '1 of 2 layers with a sliding window'",
+    ),
+    "head_dim a string": (_edit_config(head_dim="4"), FileFormatError, "head_dim = '4'"),
+    "tie_word_embeddings a string": (
+        _edit_config(tie_word_embeddings="yes"),
+        FileFormatError,
+        "tie_word_embeddings = 'yes'; expected true or false",
+    ),
+    "no hidden_size": (
+        lambda d: _write("config.json", json.dumps({"model_type": "llama"}))(d),
+        FileFormatError,
+        "keys (model_type 'llama')",
+    ),
+    "key/value heads not dividing heads": (
+        _edit_config(num_key_value_heads=3),
+        ConfigError,
+        "n_heads % model.n_kv_heads",
+    ),
+    "mlp_bias without the biases": (
+        _edit_config(mlp_bias=True),
+        CheckpointError,
+        f"missing {L}.0.mlp.down_proj.bias (16,)",
+    ),
+    "multi-head k_proj in a GQA config": (
+        _edit_state(lambda s: s.update({f"{L}.1.self_attn.k_proj.weight": np.zeros((16, 16))})),
+        CheckpointError,
+        f"{L}.1.self_attn.k_proj.weight shape (16, 16) (expected (8, 16))",
+    ),
+    "a qwen3 norm in a llama": (
+        _edit_state(lambda s: s.update({f"{L}.0.self_attn.q_norm.weight": np.ones(4, np.float32)})),
+        CheckpointError,
+        f"not a llama key: {L}.0.self_attn.q_norm.weight",
+    ),
+    "the final norm missing": (
+        _edit_state(lambda s: s.pop("model.norm.weight")),
+        CheckpointError,
+        "missing model.norm.weight (16,)",
+    ),
+    "the untied head missing": (
+        _edit_state(lambda s: s.pop("lm_head.weight")),
+        CheckpointError,
+        f"missing lm_head.weight ({VOCAB}, 16)",
+    ),
+    "a tied head that differs": (
+        _edit_config(tie_word_embeddings=True),
+        CheckpointError,
+        "lm_head.weight = 'differs from model.embed_tokens.weight'",
+    ),
+    "a NaN": (
+        _edit_state(lambda s: s[f"{L}.1.mlp.up_proj.weight"].__setitem__((0, 0), np.nan)),
+        CheckpointError,
+        f"{L}.1.mlp.up_proj.weight = '1 NaN/inf values'",
+    ),
+    "claims 10**8 layers": (
+        _edit_config(num_hidden_layers=10**8),
+        CheckpointError,
+        f"blocks in the weights = '2 ({L}.0, {L}.1)'; expected {L}.0 .. {L}.99999999",
+    ),
+    "a shard named by the index is missing": (
+        _sharded_llama_missing,
+        FileFormatError,
+        "existing file",
+    ),
+    "tokenizer.json not JSON": (
+        _write("tokenizer.json", "{"),
+        FileFormatError,
+        "tokenizer.json",
+    ),
+}
+LLAMA_TOKENIZER_CASES = {"tokenizer.json not JSON"}
+
+
+def _broken_llama(llama_source, tmp_path, case):
+    src = tmp_path / "src"
+    shutil.copytree(llama_source, src)
+    LLAMA_CASES[case][0](src)
+    return src
+
+
+@pytest.mark.parametrize("case", sorted(set(LLAMA_CASES) - LLAMA_TOKENIZER_CASES))
+def test_broken_llama_family_checkpoints_give_one_lmjax_error(llama_source, tmp_path, case):
+    from lmjax.io import hf
+
+    _, error, message = LLAMA_CASES[case]
+    src = _broken_llama(llama_source, tmp_path, case)
+    before = _snapshot(tmp_path)
+    with pytest.raises(error) as err:
+        hf.load(src)
+    assert message in str(err.value), str(err.value)
+    assert "\n" not in str(err.value) and "Fix:" in str(err.value)
+    assert _snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("case", sorted(LLAMA_CASES))
+def test_import_hf_of_a_broken_llama_exits_2_and_writes_nothing(
+    llama_source, tmp_path, case, capsys
+):
+    _, _, message = LLAMA_CASES[case]
+    src = _broken_llama(llama_source, tmp_path, case)
+    before = _snapshot(tmp_path)
+    capsys.readouterr()
+    assert cli.main(["import-hf", str(src), "--out", str(tmp_path / "run")]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("lmjax import-hf: error: "), captured.err
+    assert message in lines[0] and captured.out == ""
+    assert _snapshot(tmp_path) == before
+
+
+def test_the_unbroken_llama_imports_and_bf16_loads_exactly(llama_source, tmp_path):
+    from transformers import LlamaForCausalLM
+
+    from lmjax import params as ptree
+    from lmjax.io import hf
+
+    params, cfg = hf.load(llama_source)
+    assert (cfg.n_kv_heads, cfg.d_model, cfg.vocab_size) == (2, 16, VOCAB)
+    # A bfloat16 checkpoint (as the hub ships them) loads as float32 holding the same values.
+    LlamaForCausalLM.from_pretrained(llama_source, dtype=torch.bfloat16).save_pretrained(
+        tmp_path / "bf16"
+    )
+    bf16, bf16_cfg = hf.load(tmp_path / "bf16")
+    assert bf16_cfg == cfg
+    for name, leaf in ptree.flatten(params).items():
+        rounded = np.asarray(leaf).astype(ml_dtypes.bfloat16).astype(np.float32)
+        assert ptree.flatten(bf16)[name].dtype == np.float32
+        np.testing.assert_array_equal(np.asarray(ptree.flatten(bf16)[name]), rounded, name)
+
+
+def test_export_of_a_config_no_family_expresses_is_one_error(llama_source, tmp_path):
+    import jax
+
+    from lmjax import models
+    from lmjax.io import hf
+
+    _, cfg = hf.load(llama_source)
+    windowed = cfg.replace(sliding_window=4, bias=True)  # mistral has no biases at all
+    with pytest.raises(ConfigError, match="attention biases = 'present'") as err:
+        hf.save(models.init(jax.random.PRNGKey(0), windowed), windowed, tmp_path / "out")
+    assert "\n" not in str(err.value)
+    biased = cfg.replace(bias=True)  # zero biases are dropped; a nonzero head bias has no home
+    params = models.init(jax.random.PRNGKey(0), biased)
+    params["language_model_head"]["bias"] = params["language_model_head"]["bias"] + 1.0
+    with pytest.raises(ConfigError, match="language_model_head.bias = 'nonzero'"):
+        hf.save(params, biased, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
