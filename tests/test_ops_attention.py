@@ -203,7 +203,7 @@ def test_flash_impl_needs_a_static_offset():
     [
         (((2, 3, 8), (2, 3, 2, 4), (2, 3, 2, 4)), "rank 4"),
         (((2, 3, 2, 4), (2, 3, 2, 4), (2, 4, 2, 4)), "v.shape"),
-        (((2, 3, 2, 4), (2, 3, 1, 4), (2, 3, 1, 4)), "k.shape"),
+        (((2, 3, 2, 4), (2, 3, 3, 4), (2, 3, 3, 4)), "H a multiple of Hkv"),
         (((2, 3, 2, 4), (2, 3, 2, 8), (2, 3, 2, 8)), "k.shape"),
     ],
 )
@@ -242,9 +242,9 @@ def test_long_causal_self_attention_takes_the_query_block_path(monkeypatch):
     calls = []
     blocked = module._attention_causal_blocked
 
-    def spy(q, k, v, block):
+    def spy(q, k, v, block, *window_segments):
         calls.append(block)
-        return blocked(q, k, v, block)
+        return blocked(q, k, v, block, *window_segments)
 
     monkeypatch.setattr(module, "CAUSAL_BLOCK_MIN", 2)
     monkeypatch.setattr(module, "_attention_causal_blocked", spy)

@@ -85,9 +85,9 @@ def test_the_blocked_attention_case_runs_by_query_blocks(monkeypatch):
     module = importlib.import_module("lmjax.ops.attention")  # ops.attention is the function
     blocked, calls = module._attention_causal_blocked, []
 
-    def spy(q, k, v, block):
+    def spy(q, k, v, block, *window_segments):
         calls.append((q.shape[1], block))
-        return blocked(q, k, v, block)
+        return blocked(q, k, v, block, *window_segments)
 
     monkeypatch.setattr(module, "_attention_causal_blocked", spy)
     case = testing.case("attention_causal_blocked")

@@ -31,21 +31,28 @@ from lmjax import ops
 from lmjax.checks import is_int, require
 from lmjax.models.config import ATTENTION_IMPLS, ModelConfig
 from lmjax.models.sharding import BATCH_AXES, HEAD_AXIS, batch_axes, context_mesh_shape
-from lmjax.ops.attention import check_inputs, keep_mask
+from lmjax.ops.attention_mask import check_inputs, keep_mask, segment_pair
 from pallas_kernels.flash_attention import flash_attention
 
 IMPLS = ATTENTION_IMPLS
 
 
-def attend(cfg: ModelConfig, q_BTHDh, k_BSHDh, v_BSHDh, *, causal=True, mask=None) -> jax.Array:
-    """Attention with the config's impl (`cfg.attention`) and op set: `-> [B, T, H, Dh]`.
+def attend(
+    cfg: ModelConfig, q_BTHDh, k_BSHDh, v_BSHDh, *, causal=True, mask=None, segment_ids=None
+) -> jax.Array:
+    """Attention with the config's impl (`cfg.attention`), op set and sliding window:
+    `-> [B, T, H, Dh]` (k and v may have fewer heads, `cfg.kv_heads`).
 
     `cfg.ops="reference"` runs `ops.attention_reference` whatever `cfg.attention` says."""
-    if cfg.ops != "custom":
-        return ops.attention_reference(q_BTHDh, k_BSHDh, v_BSHDh, causal=causal, mask=mask)
-    return dot_product_attention(
-        q_BTHDh, k_BSHDh, v_BSHDh, causal=causal, mask=mask, impl=cfg.attention
+    options = dict(
+        causal=causal,
+        mask=mask,
+        window=cfg.sliding_window,
+        segment_ids=segment_ids,
     )
+    if cfg.ops != "custom":
+        return ops.attention_reference(q_BTHDh, k_BSHDh, v_BSHDh, **options)
+    return dot_product_attention(q_BTHDh, k_BSHDh, v_BSHDh, impl=cfg.attention, **options)
 
 
 def dot_product_attention(
@@ -56,37 +63,48 @@ def dot_product_attention(
     causal: bool,
     offset=0,
     mask=None,
+    window=None,
+    segment_ids=None,
     impl: str = "materialized",
     return_probabilities: bool = False,
 ):
-    """`lmjax.ops.attention`'s contract (shapes, masks, offset, empty rows) for every impl.
+    """`lmjax.ops.attention`'s contract (shapes, grouped-query heads, masks, offset, window,
+    segment ids, empty rows) for every impl.
 
-    q `[B, T, H, Dh]`, k and v `[B, S, H, Dh]` -> out `[B, T, H, Dh]` (and p with
+    q `[B, T, H, Dh]`, k and v `[B, S, Hkv, Dh]` -> out `[B, T, H, Dh]` (and p with
     `return_probabilities`, materialized only). "flash" takes float32/bf16/f16 inputs, a static
     int `offset` and only key-padding masks (broadcastable from [B, 1, 1, S]); anything else is
-    a `ConfigError`. On a mesh it runs shard-mapped (module docstring).
+    a `ConfigError`. Its segment ids go to the kernel as `q_segment_ids`, `kv_segment_ids`
+    (int32). On a mesh it runs shard-mapped (module docstring).
     """
     require(impl in IMPLS, "impl", impl, f"one of {IMPLS}", "pick a listed impl")
     if impl != "flash":
-        kwargs = dict(
-            offset=offset, mask=mask, impl=impl, return_probabilities=return_probabilities
+        kwargs = dict(offset=offset, mask=mask, window=window, segment_ids=segment_ids)
+        return ops.attention(
+            q, k, v, causal=causal, impl=impl, return_probabilities=return_probabilities, **kwargs
         )
-        return ops.attention(q, k, v, causal=causal, **kwargs)
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
-    check_inputs(q, k, v, impl, return_probabilities, mask)
+    check_inputs(q, k, v, impl, return_probabilities, mask, window, segment_ids)
     fix = "pass an int offset, or use impl='materialized' or impl='xla' for a traced one"
     static = "a static Python int (the kernel fixes its causal block skipping at trace time)"
     require(is_int(offset), "offset with impl='flash'", offset, static, fix)
-    key_mask_BS = None if mask is None else _key_padding(mask, q.shape, k.shape[1])
-    return _flash_on_mesh(q, k, v, key_mask_BS, causal=causal, offset=int(offset))
+    arrays_BX = {}  # the kernel's [B, T] and [B, S] arguments, those in use
+    if mask is not None:
+        arrays_BX["mask"] = _key_padding(mask, q.shape, k.shape)
+    if segment_ids is not None:
+        pair = segment_pair(segment_ids, q.shape, k.shape)
+        arrays_BX["q_segment_ids"], arrays_BX["kv_segment_ids"] = (
+            ids.astype(jnp.int32) for ids in pair
+        )
+    return _flash_on_mesh(q, k, v, arrays_BX, causal=causal, offset=int(offset), window=window)
 
 
-def _key_padding(mask, q_shape, s: int) -> jax.Array:
+def _key_padding(mask, q_shape, k_shape) -> jax.Array:
     """bool [B, S] from a mask broadcastable from [B, 1, 1, S]; other masks are refused."""
-    (b, _, h, _), mask = q_shape, jnp.asarray(mask)
+    b, s, mask = q_shape[0], k_shape[1], jnp.asarray(mask)
     # A mask no impl could use is the ShapeError every impl raises; checked abstractly, so no
     # [B, H, T, S] array is allocated.
-    jax.eval_shape(lambda m: keep_mask(q_shape, (b, s, h, 1), causal=False, mask=m), mask)
+    jax.eval_shape(lambda m: keep_mask(q_shape, k_shape, causal=False, mask=m), mask)
     mask_4d = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
     require(
         mask_4d.shape[1:3] == (1, 1),
@@ -98,20 +116,25 @@ def _key_padding(mask, q_shape, s: int) -> jax.Array:
     return jnp.broadcast_to(mask_4d[:, 0, 0, :] != 0, (b, s))
 
 
-def _flash_on_mesh(q, k, v, key_mask_BS, *, causal: bool, offset: int) -> jax.Array:
-    """The kernel on the context mesh's shards (batch rows x heads), or whole without a mesh."""
+def _flash_on_mesh(q, k, v, arrays_BX: dict, *, causal: bool, offset: int, window) -> jax.Array:
+    """The kernel on the context mesh's shards (batch rows x heads, query and key/value heads
+    alike), or whole without a mesh. `arrays_BX`: the kernel's keyword arrays in use, each
+    [B, T] or [B, S] (mask, q_segment_ids, kv_segment_ids), split over the batch only."""
+    names = tuple(arrays_BX)
+    # The window goes to the kernel only when set, as the arrays do only when in use.
+    static = {} if window is None else {"window": window}
 
-    def run(q, k, v, *key_mask_BS):  # the mask, when there is one, is the fourth argument
-        mask = key_mask_BS[0] if key_mask_BS else None
-        return flash_attention(q, k, v, causal=causal, offset=offset, mask=mask)
+    def run(q, k, v, *arrays):
+        options = dict(zip(names, arrays, strict=True), **static)
+        return flash_attention(q, k, v, causal=causal, offset=offset, **options)
 
-    args = (q, k, v) + (() if key_mask_BS is None else (key_mask_BS,))
+    args = (q, k, v, *arrays_BX.values())
     shape = context_mesh_shape()
     if shape is None:
         return run(*args)
-    batch, heads = mesh_split(shape, q.shape[0], q.shape[2])
+    batch, heads = mesh_split(shape, q.shape[0], q.shape[2], k.shape[2])
     spec_BTHDh = PartitionSpec(batch, None, heads, None)
-    specs = (spec_BTHDh,) * 3 + (PartitionSpec(batch, None),) * (len(args) - 3)
+    specs = (spec_BTHDh,) * 3 + (PartitionSpec(batch, None),) * len(names)
     # check_vma=False: the kernel's pallas_call carries no varying-axes types; every output
     # shard is computed from its own inputs alone, so nothing is claimed replicated.
     mesh = jax.sharding.get_abstract_mesh()
@@ -119,11 +142,16 @@ def _flash_on_mesh(q, k, v, key_mask_BS, *, causal: bool, offset: int) -> jax.Ar
     return sharded(*args)
 
 
-def mesh_split(mesh_shape, batch: int, heads: int) -> tuple[tuple[str, ...], str | None]:
-    """(batch axes, head axis) of a mesh `{axis: size}` that split `batch` rows and `heads`.
+def mesh_split(
+    mesh_shape, batch: int, heads: int, kv_heads: int | None = None
+) -> tuple[tuple[str, ...], str | None]:
+    """(batch axes, head axis) of a mesh `{axis: size}` that split `batch` rows and `heads`
+    (and `kv_heads` key/value heads, None = `heads`).
 
     Axes of size 1 are left out (they split nothing); a batch the batch axes do not divide, or
-    heads the head axis does not divide, is a `ConfigError` naming the sizes.
+    heads (query or key/value) the head axis does not divide, is a `ConfigError` naming the
+    sizes. Each device then holds whole groups: its H / model query heads read exactly its
+    Hkv / model key/value heads (query head h reads h // G).
     """
     rows_axes = batch_axes(mesh_shape)
     rows = math.prod(mesh_shape[a] for a in rows_axes)
@@ -142,6 +170,14 @@ def mesh_split(mesh_shape, batch: int, heads: int) -> tuple[tuple[str, ...], str
         heads,
         f"a multiple of {HEAD_AXIS} = {model} (each device attends over whole heads)",
         f"set model.n_heads to a multiple of {model}, or use model.attention=xla",
+    )
+    kv_heads = heads if kv_heads is None else kv_heads
+    require(
+        kv_heads % model == 0,
+        f"key/value heads of flash attention on mesh {where}",
+        kv_heads,
+        f"a multiple of {HEAD_AXIS} = {model} (each device attends over whole head groups)",
+        f"set model.n_kv_heads to a multiple of {model}, or use model.attention=xla",
     )
     return rows_axes, (HEAD_AXIS if model > 1 else None)
 
