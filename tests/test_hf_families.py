@@ -66,10 +66,10 @@ BATCH = [PROMPT[:5], [int(t) for t in np.random.default_rng(2).integers(0, V, 12
 forward = jax.jit(models.forward)
 
 
-def _hf_model(family: str):
+def _hf_model(family: str, **changes):
     config_class, extra, _ = FAMILIES[family]
     torch.manual_seed(0)
-    config = getattr(transformers, config_class)(**COMMON | extra)
+    config = getattr(transformers, config_class)(**COMMON | extra | changes)
     return transformers.AutoModelForCausalLM.from_config(config).eval()
 
 
@@ -164,3 +164,67 @@ def test_sharded_checkpoint_loads_the_same_params(tmp_path):
     assert sorted(ptree.flatten(back)) == sorted(flat)
     for key, leaf in ptree.flatten(back).items():
         np.testing.assert_array_equal(np.asarray(leaf), np.asarray(flat[key]))
+
+
+def _hf_tokenizer(directory, vocab_size: int) -> None:
+    """A byte-level BPE tokenizer.json (+ tokenizer_config.json) of `vocab_size` tokens, built
+    offline with `tokenizers` and saved as transformers does."""
+    from tokenizers import Tokenizer, decoders, pre_tokenizers, trainers
+    from tokenizers import models as bpe_models
+
+    tok = Tokenizer(bpe_models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=["<|endoftext|>"], show_progress=False,
+    )  # fmt: skip
+    tok.train_from_iterator(["the cat sat on the mat; the end. " * 8], trainer)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+    fast.save_pretrained(directory)
+
+
+def test_import_and_export_commands_carry_the_tokenizer(tmp_path, capsys):
+    from lmjax import cli, train
+
+    model = _hf_model("qwen2", vocab_size=300)  # byte-level BPE needs 256 byte tokens
+    model.save_pretrained(tmp_path / "hf")
+    _hf_tokenizer(tmp_path / "hf", 280)
+    text = "the cat sat on the mat"
+    ids = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf").encode(text)
+    assert cli.main(["import-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "run")]) == 0
+    assert "qwen2" in capsys.readouterr().out
+    run = train.load_run(tmp_path / "run")
+    assert run.tokenizer.kind == "hf" and run.tokenizer.encode(text) == ids
+    assert cli.main(["export-hf", str(tmp_path / "run"), "--out", str(tmp_path / "back")]) == 0
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path / "back").encode(text) == ids
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back")
+    assert type(back) is type(model)
+    for key, tensor in back.state_dict().items():
+        assert torch.equal(tensor, model.state_dict()[key]), key
+
+
+def _config(family: str, **changes) -> dict:
+    config_class, extra, _ = FAMILIES[family]
+    return getattr(transformers, config_class)(**COMMON | extra | changes).to_dict()
+
+
+def test_older_rope_and_window_spellings_map_the_same():
+    from lmjax.io.hf_llama_config import config_from_hf
+
+    new = _config("llama")
+    old = {k: v for k, v in new.items() if k != "rope_parameters"}
+    old |= {"rope_theta": 500000.0, "rope_scaling": dict(LLAMA3_ROPE, rope_type=None)}
+    old["rope_scaling"] = {k: v for k, v in old["rope_scaling"].items() if k != "rope_type"}
+    old["rope_scaling"]["type"] = "llama3"  # transformers 4's spelling
+    del old["rope_scaling"]["rope_theta"]
+    assert config_from_hf(old, "float32", "old")[0] == config_from_hf(new, "float32", "new")[0]
+    linear = _config("llama", rope_parameters=dict(rope_type="linear", factor=2.0))
+    cfg = config_from_hf(linear, "float32", "linear")[0]
+    assert (cfg.rope_scaling, cfg.rope_factor, cfg.rope_theta) == ("linear", 2.0, 10000.0)
+    # Qwen2's window counts only with use_sliding_window, and then on every layer from
+    # max_window_layers on (here all of them).
+    off = _config("qwen2", sliding_window=8, use_sliding_window=False)
+    on = _config("qwen2", sliding_window=8, use_sliding_window=True, max_window_layers=0)
+    assert config_from_hf(off, "float32", "off")[0].sliding_window is None
+    assert config_from_hf(on, "float32", "on")[0].sliding_window == 8
