@@ -46,7 +46,7 @@ from lmjax.config import DataConfig, validate_data
 from lmjax.errors import ConfigError, FileFormatError
 from lmjax.files import atomic_dir, atomic_write_text
 from lmjax.tokenizers import gpt2
-from lmjax.train import encoding
+from lmjax.train import encoding, text_stream
 from lmjax.train import prepare_docs as docs
 from lmjax.train.batches import crops, eval_batch, packed, packing_efficiency, train_batch
 from lmjax.train.corpus import cache_dir, shakespeare_path
@@ -78,20 +78,6 @@ class Prepared:
     @property
     def vocab_size(self) -> int:
         return int(self.meta["vocab_size"])
-
-
-def decode_corpus(path: Path, raw: bytes) -> str:
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise FileFormatError.describe(
-            f"corpus {path}", f"not UTF-8 (byte {err.start})", "UTF-8 text", "convert it to UTF-8"
-        ) from None
-    if not text:
-        raise FileFormatError.describe(
-            f"corpus {path}", "an empty file", "some text", "point data.corpus at a non-empty file"
-        )
-    return text
 
 
 def default_dir(digest: str, tokenizer: str, vocab_size: int | None, val_fraction: float) -> Path:
@@ -166,28 +152,32 @@ def default_workers() -> int:
 
 
 def _prepare_text(files: list[Path], out: Path, settings: dict, given, opts) -> None:
-    """One text document: the train split is its first (1 - val_fraction) characters."""
+    """One text document: the train split is its first (1 - val_fraction) characters. The
+    file is streamed (`text_stream`); only a bpe vocabulary learns from the train text whole."""
     (path,) = files
-    text = decode_corpus(path, path.read_bytes())
+    tokenizer, vocab_size = settings["tokenizer"], settings["bpe_vocab_size"]
+    n_chars, alphabet = text_stream.scan_text(path, given is None and tokenizer == "char")
     val_fraction = settings["val_fraction"]
-    split = int(len(text) * (1.0 - val_fraction))
-    if split == 0 or split == len(text):
+    split = int(n_chars * (1.0 - val_fraction))
+    if split == 0 or split == n_chars:
         raise FileFormatError.describe(
             f"corpus {path}",
-            f"{len(text)} characters",
+            f"{n_chars} characters",
             f"enough text for both splits at val_fraction = {val_fraction}",
             "use a longer corpus",
         )
-    tokenizer, vocab_size = settings["tokenizer"], settings["bpe_vocab_size"]
-    tok = given or _build_tokenizer(tokenizer, [text[:split]], text, vocab_size)
+    parts = {"train": (0, split), "val": (split, n_chars)}
+    train_text = [""] if tokenizer != "bpe" else ["".join(text_stream.char_range(path, 0, split))]
+    tok = given or _build_tokenizer(tokenizer, train_text, alphabet, vocab_size)
     # The directory appears complete or not at all; a twin that another process (another host
     # of the same run, another shell) renamed into place first is reused if it has our settings.
     with atomic_dir(out, twin=lambda twin: _check_twin(twin, settings)) as tmp:
         dtype = _dtype(tok)
-        bar = _progress(len(text), f"tokenizing {path.name}", opts.progress)
+        bar = _progress(n_chars, f"tokenizing {path.name}", opts.progress)
         counts = {}
-        for name, part in (("train", text[:split]), ("val", text[split:])):
-            counts[name] = _encode_to_file(tok, part, tmp / f"{name}.bin", DTYPES[dtype], bar)
+        for name, (start, stop) in parts.items():
+            blocks = text_stream.char_range(path, start, stop)
+            counts[name] = _encode_to_file(tok, blocks, tmp / f"{name}.bin", DTYPES[dtype], bar)
         bar.close()
         tok.save(tmp / TOKENIZER_DIR)
         meta = {
@@ -275,15 +265,28 @@ def _progress(total: int, desc: str, enabled: bool):
     return tqdm(total=total, desc=desc, unit="char", unit_scale=True, disable=not enabled)
 
 
-def _encode_to_file(tok, text: str, path: Path, dtype, bar) -> int:
+def _encode_to_file(tok, blocks, path: Path, dtype, bar) -> int:
+    """Encode the text of `blocks` (an iterable of str) into `path`; returns the id count."""
     n = 0
     with open(path, "wb") as handle:
-        for chunk in _chunks(text):
+        for chunk in _pieces(blocks):
             ids = np.asarray(tok.encode(chunk), dtype=dtype)
             handle.write(ids.tobytes())
             n += ids.size
             bar.update(len(chunk))
     return n
+
+
+def _pieces(blocks):
+    """The text of `blocks` re-cut into `_chunks` (safe cuts): memory is one chunk."""
+    buffer = ""
+    for block in blocks:
+        buffer += block
+        if len(buffer) > _CHUNK:
+            *ready, buffer = _chunks(buffer)
+            yield from ready
+    if buffer:
+        yield buffer
 
 
 def _chunks(text: str):
