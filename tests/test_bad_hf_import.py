@@ -352,8 +352,11 @@ def test_broken_checkpoints_give_one_lmjax_error(source, tmp_path, case):
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_import_hf_exits_2_with_one_line_and_writes_nothing(source, tmp_path, case, capsys):
-    _, error, message = CASES[case]
-    src = _broken(source, tmp_path, case)
+    _check_import_fails(_broken(source, tmp_path, case), tmp_path, CASES[case][2], capsys)
+
+
+def _check_import_fails(src, tmp_path, message: str, capsys) -> None:
+    """import-hf of `src` exits 2 with one stderr line holding `message`, and writes nothing."""
     before = _snapshot(tmp_path)
     capsys.readouterr()
     assert cli.main(["import-hf", str(src), "--out", str(tmp_path / "run")]) == 2
@@ -637,16 +640,8 @@ def test_broken_llama_family_checkpoints_give_one_lmjax_error(llama_source, tmp_
 def test_import_hf_of_a_broken_llama_exits_2_and_writes_nothing(
     llama_source, tmp_path, case, capsys
 ):
-    _, _, message = LLAMA_CASES[case]
     src = _broken_llama(llama_source, tmp_path, case)
-    before = _snapshot(tmp_path)
-    capsys.readouterr()
-    assert cli.main(["import-hf", str(src), "--out", str(tmp_path / "run")]) == 2
-    captured = capsys.readouterr()
-    lines = captured.err.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("lmjax import-hf: error: "), captured.err
-    assert message in lines[0] and captured.out == ""
-    assert _snapshot(tmp_path) == before
+    _check_import_fails(src, tmp_path, LLAMA_CASES[case][2], capsys)
 
 
 def test_the_unbroken_llama_imports_and_bf16_loads_exactly(llama_source, tmp_path):
