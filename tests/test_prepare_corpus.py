@@ -268,3 +268,20 @@ def test_memory_is_bounded_by_the_buffer_not_the_corpus(tmp_path, suffix):
     assert growth < 4 * 1024, f"RSS grew {growth} KiB preparing a 16 MiB corpus"
     written = sum(p.stat().st_size for p in (tmp_path / "big").glob("*.bin"))
     assert written > 15 << 20
+
+
+def test_a_text_the_tokenizer_refuses_is_a_bad_record(tmp_path, capsys):
+    path = tmp_path / "c.jsonl"
+    texts = ["hello there", "a <|endoftext|> inside", "third", "fourth one"]
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    with pytest.raises(FileFormatError, match=f"record {path}:2 = .*refused.*<\\|endoftext\\|>"):
+        D.prepare(str(path), tmp_path / "a", tokenizer="bpe", vocab_size=260, progress=False)
+    assert not (tmp_path / "a").exists()
+    out = D.prepare(
+        str(path), tmp_path / "b", tokenizer="bpe", vocab_size=260, progress=False, skip_bad=True
+    )
+    assert (
+        f"skipped 1 bad record (first: {path}:2: the tokenizer refused" in capsys.readouterr().err
+    )
+    meta = D.open_prepared(out).meta
+    assert meta["train_documents"] + meta["val_documents"] == 3 and meta["skipped_records"] == 1

@@ -203,7 +203,7 @@ def _prepare_documents(files: list[Path], out: Path, settings: dict, given, opts
     with atomic_dir(out, twin=lambda twin: _check_twin(twin, settings)) as tmp:
         tok.save(tmp / TOKENIZER_DIR)
         dtype = _dtype(tok)
-        splits = docs.write_splits(tmp, files, opts, tok, dtype, eot, is_val)
+        splits = docs.write_splits(tmp, files, opts, tok, dtype, eot, is_val, found.bad)
         meta = {
             "format": FORMAT,
             "vocab_size": tok.vocab_size,

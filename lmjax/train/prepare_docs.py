@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from lmjax.checks import require
 from lmjax.errors import ConfigError, FileFormatError
 from lmjax.train import encoding
 from lmjax.train.corpus_files import BadRecords, Document, documents
@@ -130,9 +131,10 @@ def _tagged(docs: list[Document], bar) -> list[str]:
     return [d.where for d in docs]
 
 
-def write_splits(out: Path, files, opts: DocOptions, tok, dtype: str, eot, is_val) -> dict:
+def write_splits(out: Path, files, opts: DocOptions, tok, dtype: str, eot, is_val, bad) -> dict:
     """Encode every document into `out`'s train and val shards; meta.json's split entries.
-    `tok` is also saved in `out`/tokenizer (what workers that cannot fork load)."""
+    `tok` is also saved in `out`/tokenizer (what workers that cannot fork load). A text the
+    tokenizer refuses (a special token's text inside it) is a bad record (`bad`)."""
     writers = {s: ShardWriter(out, s, dtype, opts.shard_tokens) for s in ("train", "val")}
     bar = _bar(files, "tokenizing", opts.progress)
     index = 0
@@ -140,17 +142,20 @@ def write_splits(out: Path, files, opts: DocOptions, tok, dtype: str, eot, is_va
     encoded = encoding.encode_batches(batches, tok, out / TOKENIZER_DIR, dtype, opts.workers)
     for wheres, results in encoded:
         for where, ids in zip(wheres, results, strict=True):
-            if isinstance(ids, str):  # the tokenizer refused the text (a special token's text)
-                raise FileFormatError.describe(
-                    f"record {where}", ids, "text the tokenizer encodes", "fix the record"
-                )
+            split, index = "val" if is_val[index] else "train", index + 1
+            if isinstance(ids, str):
+                bad(where, f"the tokenizer refused it: {ids.split('; expected')[0]}")
+                continue
             if eot is not None:
                 ids = np.append(ids, np.asarray([eot], ids.dtype))
-            writers["val" if is_val[index] else "train"].add(ids)
-            index += 1
+            writers[split].add(ids)
         bar.set_postfix(documents=index, refresh=False)
     bar.close()
-    return {s: w.close() for s, w in writers.items()}
+    entries = {s: w.close() for s, w in writers.items()}
+    empty = [s for s, e in entries.items() if e["documents"] == 0]
+    require(not empty, "documents in split", empty, "at least one in each", "add documents",
+            FileFormatError)  # fmt: skip
+    return entries
 
 
 def report_skipped(bad: BadRecords) -> None:
