@@ -27,6 +27,13 @@ Targets are globs (`lmjax.params.matches`) over linear layer names of `lmjax.mod
 i.e. weight names without `.weight` (`blocks.3.attention.query`; a glob over the weight name,
 `*.query.weight`, selects the same layer); `"all-linear"` selects every
 linear layer of the blocks (as peft's "all-linear": not the embeddings, norms or output head).
+The Hugging Face / peft module names of Llama-family projections are aliases (`HF_TARGETS`),
+so peft's `target_modules=["q_proj", "v_proj"]` is `targets=q_proj|v_proj` here:
+
+    q_proj k_proj v_proj o_proj   ->  *.attention.query  .key  .value  .output
+    gate_proj up_proj down_proj   ->  *.feed_forward.gate  .up  .down
+
+With grouped-query attention the key/value adapters are `A [r, D]`, `B [Hkv*Dh, r]`, as peft's.
 """
 
 from __future__ import annotations
@@ -54,6 +61,16 @@ from lmjax.quant import nf4
 ALL_LINEAR = "all-linear"
 INITS = ("kaiming", "gaussian")
 DEFAULT_TARGETS = ("*.attention.query", "*.attention.value")
+# peft's module names (a peft name matches a module whose name ends with it) -> lmjax's globs.
+HF_TARGETS = {
+    "q_proj": "*.attention.query",
+    "k_proj": "*.attention.key",
+    "v_proj": "*.attention.value",
+    "o_proj": "*.attention.output",
+    "gate_proj": "*.feed_forward.gate",
+    "up_proj": "*.feed_forward.up",
+    "down_proj": "*.feed_forward.down",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,7 +219,7 @@ def _select(layers: dict[str, tuple[int, int]], targets) -> dict[str, tuple[int,
                 "lora target",
                 pattern,
                 f"a glob matching at least one of the {len(layers)} linear layers (e.g. "
-                f"{example!r}), or 'all-linear'",
+                f"{example!r}), a peft name ({', '.join(HF_TARGETS)}), or 'all-linear'",
                 "check the spelling against `lmjax inspect`'s parameter names (drop '.weight')",
             )
     chosen = lambda name: any(_selects(p, name) for p in targets)  # noqa: E731
@@ -210,7 +227,9 @@ def _select(layers: dict[str, tuple[int, int]], targets) -> dict[str, tuple[int,
 
 
 def _selects(pattern: str, layer: str) -> bool:
-    """A glob over the layer name (`blocks.0.attention.query`) or its weight's name."""
+    """A glob over the layer name (`blocks.0.attention.query`) or its weight's name, or a peft
+    module name (`HF_TARGETS`)."""
+    pattern = HF_TARGETS.get(pattern, pattern)
     return ptree.matches(layer, pattern) or ptree.matches(f"{layer}.weight", pattern)
 
 
@@ -440,6 +459,7 @@ def count(adapters: dict) -> int:
 __all__ = [
     "ALL_LINEAR",
     "Adapter",
+    "HF_TARGETS",
     "LoraConfig",
     "adapter_layers",
     "adapter_shapes",

@@ -1,0 +1,213 @@
+"""LoRA and QLoRA over a Llama-family model (SPEC section 6, issue 23) against peft.
+
+A tiny random `transformers` LlamaForCausalLM (grouped-query attention: 4 heads, 2 key/value
+heads, so key/value are [Hkv*Dh, D] = [32, 64]; untied head) is saved offline and loaded with
+`lmjax.io.hf.load`. peft wraps it (`get_peft_model` with `target_modules` as peft spells them:
+the attention projections, the MLP projections, or "all-linear"); every lora_A and lora_B is
+redrawn at random (B nonzero, so the adapters change the logits), and the same tensors are
+copied into lmjax's adapter tree under lmjax's names (`targets=` the same peft names).
+
+Checked (float32):
+- lmjax's attached model gives peft's logits within 1e-5;
+- `lora.merge` + `io.hf.save` loads in transformers with lmjax's merged logits (1e-5), and those
+  equal peft's `merge_and_unload` (1e-5);
+- QLoRA: the same adapters over the NF4 base (`quantize_params`) give the logits of lmjax's
+  LoRA model over the dequantized base (1e-5), and of peft over a transformers model holding
+  bitsandbytes' dequantization of the same NF4 codes (the outside witness of the weights).
+  Every input width is >= 64 (D = 64): bitsandbytes 0.50's CPU dequantize_4bit reads weights
+  narrower than its 64-weight block wrongly (a [16, 32] weight: blocks after the first are off
+  by up to 0.2, where [40, 192] or [16, 64] are bit-equal to lmjax's).
+
+Cost: about 10 s on 2 CPU cores (3 target sets; one jit of each adapted tree).
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import bitsandbytes.functional as bnbf
+import jax
+import jax.numpy as jnp
+import numpy as np
+import peft
+import pytest
+import torch
+import transformers
+
+from lmjax import lora, models
+from lmjax import params as ptree
+from lmjax.io import hf
+from lmjax.quant import nf4
+from lmjax.quant.params import quantize_params
+
+V, R, ALPHA = 96, 4, 8
+TOKENS = np.random.default_rng(0).integers(0, V, (2, 12))
+TARGET_SETS = {
+    "attention": ["q_proj", "k_proj", "v_proj", "o_proj"],
+    "mlp": ["gate_proj", "up_proj", "down_proj"],
+    "all-linear": "all-linear",
+}
+# peft module name suffix -> lmjax layer name (the test's own table, not lmjax's aliases)
+HF_TO_LMJAX = {
+    "self_attn.q_proj": "attention.query",
+    "self_attn.k_proj": "attention.key",
+    "self_attn.v_proj": "attention.value",
+    "self_attn.o_proj": "attention.output",
+    "mlp.gate_proj": "feed_forward.gate",
+    "mlp.up_proj": "feed_forward.up",
+    "mlp.down_proj": "feed_forward.down",
+}
+forward = jax.jit(models.forward, static_argnums=2)
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """(transformers model, lmjax params, lmjax cfg) of one tiny GQA Llama with an untied head."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+        initializer_range=0.1, tie_word_embeddings=False, bos_token_id=None,
+        eos_token_id=None, pad_token_id=None,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config).eval()
+    directory = tmp_path_factory.mktemp("llama")
+    model.save_pretrained(directory)
+    params, cfg = hf.load(directory)
+    assert (cfg.kv_heads, cfg.tie_embeddings) == (2, False)
+    return model, params, cfg
+
+
+def _peft_model(model, targets):
+    """peft over a copy of `model`, every lora_A / lora_B redrawn (B nonzero)."""
+    lcfg = peft.LoraConfig(r=R, lora_alpha=ALPHA, target_modules=targets, lora_dropout=0.0)
+    wrapped = peft.get_peft_model(copy.deepcopy(model), lcfg).eval()
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, param in wrapped.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.1)
+    return wrapped
+
+
+def _adapters_of(wrapped) -> dict:
+    """peft's lora_A [r, in] / lora_B [out, r] under lmjax's adapter names."""
+    flat = {}
+    for name, module in wrapped.named_modules():
+        found = re.search(r"layers\.(\d+)\.(\w+\.\w+)$", name)
+        if found and hasattr(module, "lora_A"):
+            layer = f"blocks.{found[1]}.{HF_TO_LMJAX[found[2]]}"
+            flat[f"{layer}.lora_a"] = jnp.asarray(module.lora_A["default"].weight.detach().numpy())
+            flat[f"{layer}.lora_b"] = jnp.asarray(module.lora_B["default"].weight.detach().numpy())
+    return ptree.unflatten(flat)
+
+
+def _torch_logits(model) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor(TOKENS)).logits.numpy()
+
+
+def _lmjax_logits(params, cfg) -> np.ndarray:
+    return np.asarray(forward(params, jnp.asarray(TOKENS), cfg))
+
+
+@pytest.fixture(scope="module", params=sorted(TARGET_SETS))
+def adapted(request, base):
+    """(peft model, lmjax adapters, lmjax LoraConfig) for one target set."""
+    model, params, _ = base
+    targets = TARGET_SETS[request.param]
+    wrapped = _peft_model(model, targets)
+    adapters = _adapters_of(wrapped)
+    spec = "|".join(targets) if isinstance(targets, list) else targets
+    lcfg = lora.LoraConfig.parse(f"r={R},alpha={ALPHA},targets={spec}")
+    # lmjax's aliases select exactly the layers peft adapted (GQA shapes included).
+    assert lora.target_layers(params, lcfg) == {
+        name: (out, inp) for name, (out, inp, _) in lora.adapter_shapes(adapters).items()
+    }
+    return wrapped, adapters, lcfg
+
+
+def test_peft_names_select_the_llama_projections(base):
+    _, _, cfg = base
+    lcfg = lora.LoraConfig(r=2, targets=("k_proj", "down_proj"))
+    chosen = lora.target_layers(cfg, lcfg)
+    # key: [Hkv * Dh, D] = [2 * 16, 64]; down: [D, d_ff] = [64, 128]
+    assert chosen == {
+        "blocks.0.attention.key": (32, 64),
+        "blocks.0.feed_forward.down": (64, 128),
+        "blocks.1.attention.key": (32, 64),
+        "blocks.1.feed_forward.down": (64, 128),
+    }
+    shapes = lora.adapter_shapes(lora.init(jax.random.PRNGKey(0), cfg, lcfg))
+    assert shapes["blocks.1.attention.key"] == (32, 64, 2)
+
+
+def test_logits_equal_peft(base, adapted):
+    model, params, cfg = base
+    wrapped, adapters, lcfg = adapted
+    ours = _lmjax_logits(lora.attach(params, adapters, lcfg), cfg)
+    plain = _lmjax_logits(params, cfg)
+    assert np.abs(ours - plain).max() > 1e-2  # the adapters matter
+    np.testing.assert_allclose(ours, _torch_logits(wrapped), atol=1e-5, rtol=0)
+
+
+def test_merged_export_loads_in_transformers(base, adapted, tmp_path):
+    _, params, cfg = base
+    wrapped, adapters, lcfg = adapted
+    merged = lora.merge(params, adapters, lcfg)
+    ours = _lmjax_logits(merged, cfg)
+    hf.save(merged, cfg, tmp_path)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    np.testing.assert_allclose(_torch_logits(loaded), ours, atol=1e-5, rtol=0)
+    peft_merged = copy.deepcopy(wrapped).merge_and_unload()
+    np.testing.assert_allclose(_torch_logits(peft_merged), ours, atol=1e-5, rtol=0)
+
+
+def _bnb_dequantized(qw) -> torch.Tensor:
+    """bitsandbytes' dequantize_4bit of lmjax's NF4 codes and statistics, [O, I] float32."""
+    o, i = qw.shape
+    _, state = bnbf.quantize_4bit(
+        torch.zeros(o, i), quant_type="nf4", compress_statistics=True, blocksize=64
+    )
+    state.absmax = torch.from_numpy(np.asarray(qw.qabsmax))
+    state.offset = torch.tensor(float(qw.offset))
+    state.state2.absmax = torch.from_numpy(np.asarray(qw.absmax2))
+    state.state2.code = torch.from_numpy(nf4.dynamic_map_signed())
+    packed = torch.from_numpy(np.asarray(qw.packed)[:, None])
+    with torch.compiler.set_stance("force_eager"):
+        return bnbf.dequantize_4bit(packed, state)
+
+
+def _with_weights(model, weights: dict[str, torch.Tensor]):
+    """A copy of the transformers model with `{lmjax layer name: weight}` put in place."""
+    out = copy.deepcopy(model)
+    lmjax_to_hf = {v: k for k, v in HF_TO_LMJAX.items()}
+    with torch.no_grad():
+        for name, weight in weights.items():
+            _, i, part, proj = name.split(".")
+            module = out.get_submodule(f"model.layers.{i}.{lmjax_to_hf[f'{part}.{proj}']}")
+            module.weight.copy_(weight)
+    return out
+
+
+def test_qlora_equals_lora_over_the_dequantized_base(base, adapted):
+    model, params, cfg = base
+    _, adapters, lcfg = adapted
+    frozen = quantize_params(params)
+    flat = ptree.flatten(frozen)
+    quantized = {k: v for k, v in flat.items() if isinstance(v, nf4.QuantizedWeight)}
+    assert len(quantized) == 2 * 7  # every projection of both blocks is NF4
+    dense = ptree.unflatten(
+        {k: nf4.dequantize(v) if k in quantized else v for k, v in flat.items()}
+    )
+    ours = _lmjax_logits(lora.attach(frozen, adapters, lcfg), cfg)
+    np.testing.assert_allclose(ours, _lmjax_logits(lora.attach(dense, adapters, lcfg), cfg),
+                               atol=1e-5, rtol=0)  # fmt: skip
+    # The outside witness: peft over bitsandbytes' reading of the same NF4 bytes.
+    witness = {k.removesuffix(".weight"): _bnb_dequantized(v) for k, v in quantized.items()}
+    wrapped = _peft_model(_with_weights(model, witness), TARGET_SETS["all-linear"])
+    lcfg_all = lora.LoraConfig(r=R, alpha=ALPHA, targets=("all-linear",))
+    expected = _torch_logits(wrapped)
+    got = _lmjax_logits(lora.attach(frozen, _adapters_of(wrapped), lcfg_all), cfg)
+    np.testing.assert_allclose(got, expected, atol=1e-5, rtol=0)
