@@ -156,8 +156,8 @@ CASES = {
     # prepare
     "prepare: corpus missing": (["prepare", "--corpus", "nope.txt", "--out", "p"],
                                 "data.corpus = 'nope.txt'"),
-    "prepare: corpus is a directory": (["prepare", "--corpus", ".", "--out", "p"],
-                                       "data.corpus = '.'"),
+    "prepare: corpus glob matches nothing": (["prepare", "--corpus", "no/*.jsonl", "--out", "p"],
+                                             "data.corpus = 'no/*.jsonl'"),
     "prepare: --out is a file": (["prepare", "--corpus", "corpus.txt", "--out", "afile"],
                                  "'afile'"),
     "prepare: --out is a run": (["prepare", "--corpus", "corpus.txt", "--out", "base"], "'base'"),

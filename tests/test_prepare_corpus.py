@@ -285,3 +285,17 @@ def test_a_text_the_tokenizer_refuses_is_a_bad_record(tmp_path, capsys):
     )
     meta = D.open_prepared(out).meta
     assert meta["train_documents"] + meta["val_documents"] == 3 and meta["skipped_records"] == 1
+
+
+def test_the_prepare_command_takes_the_new_flags(tmp_path, capsys, monkeypatch):
+    from lmjax import cli
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    path = tmp_path / "c.jsonl"
+    path.write_text("".join(json.dumps({"body": f"doc {i}"}) + "\n" for i in range(9)) + "{bad\n")
+    argv = ["prepare", "--corpus", str(path), "--field", "body", "--skip-bad", "--workers", "1"]
+    assert cli.main([*argv, "--tokenizer", "byte", "--out", str(tmp_path / "o"), "--quiet"]) == 0
+    out, err = capsys.readouterr()
+    assert "8 + 1 documents" in out and f"skipped 1 bad record (first: {path}:10: invalid" in err
+    meta = D.open_prepared(tmp_path / "o").meta
+    assert meta["field"] == "body" and meta["skip_bad"] is True

@@ -52,10 +52,12 @@ def run_prepare(args: argparse.Namespace) -> int:
     section = dataclasses.replace(section, workers=args.workers, **more)
     directory = data.prepare_section(section, progress=not args.quiet)
     meta = data.open_prepared(directory).meta
-    docs = f", {meta['train_documents']:,} + {meta['val_documents']:,} documents"
+    docs = ""
+    if "train_documents" in meta:  # a corpus of documents (format 2)
+        docs = f", {meta['train_documents']:,} + {meta['val_documents']:,} documents"
     print(
         f"prepared {directory}: {meta['train_tokens']:,} train + {meta['val_tokens']:,} val "
-        f"tokens ({meta['dtype']}){docs if 'train_documents' in meta else ''}, "
+        f"tokens ({meta['dtype']}){docs}, "
         f"{meta['tokenizer']} tokenizer, vocab_size {meta['vocab_size']}"
     )
     return 0
