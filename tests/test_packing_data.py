@@ -163,3 +163,19 @@ def test_packing_a_prepared_corpus(tmp_path):
             piece = row[s == number]
             if piece[-1] == eot:  # a whole document: its text is one of the corpus's
                 assert p.tokenizer.decode(piece[:-1]) in texts
+
+
+def test_the_data_section_takes_packing_and_the_prepare_settings():
+    from pathlib import Path
+
+    from lmjax.config import load_run_config
+    from lmjax.errors import ConfigError
+
+    config = Path(__file__).parent.parent / "configs" / "tiny-shakespeare.yaml"
+    extra = ["data.packing=true", "data.field=body", "data.workers=2", "data.eot=none"]
+    d = load_run_config(config, extra).data
+    assert (d.packing, d.field, d.workers, d.eot, d.skip_bad) == (True, "body", 2, "none", False)
+    assert load_run_config(config).data.packing is False  # unpacked crops stay the default
+    for bad, named in (("data.workers=0", "data.workers = 0"), ("data.field=", "data.field")):
+        with pytest.raises(ConfigError, match=named):
+            load_run_config(config, [bad])
