@@ -101,7 +101,8 @@ def stream(
     Sampling options as `Sampling`; `seed` an int in [-2**63, 2**63); `stop_tokens` a list of
     ids (None: none). `cache="paged"` uses a pool of `num_pages` pages of `page_size` slots
     (default 16); the default `num_pages` is the worst case, every row running to
-    `max_new_tokens`: `sum_b ceil((len_b + max_new_tokens - 1) / page_size)` pages, about the
+    `max_new_tokens`: `sum_b ceil((len_b + max_new_tokens - 1) / page_size)` pages (with a
+    sliding window each term at most a row's table, ceil(S / page_size)), about the
     contiguous cache's memory. Pages freed by finished rows are not used by other sequences of
     this call, so paging saves memory only with a smaller `num_pages` (see `paged`); if such a
     pool runs out mid-stream, `ConfigError` says the step reached (the tokens yielded so far

@@ -33,7 +33,10 @@ P pages holds `P * page_size` slots, whatever the batch. For GPT-2 124M in float
 100, 150, 300, 500 and 1000 tokens, with C = 1024, need:
     contiguous  8 * 1024 slots                             = 576.0 MiB
     paged       (2+3+4+7+10+19+32+63) = 140 pages of 16     = 157.5 MiB  (+ a [8, 64] int32 table)
-The paged figure is the pool the caller sizes for those lengths, `num_pages=140`. `loop.stream`
+The paged figure is the pool the caller sizes for those lengths, `num_pages=140`. Both figures
+scale with `cfg.kv_features = Hkv * Dh` (grouped-query attention: a model of 12 query heads and
+4 kv heads needs a third), and with a sliding window W a row never holds more than its table's
+`ceil(S / page_size)` pages, S ~ W (the ring of `kv_cache.slots_of`). `loop.stream`
 cannot know in advance where rows will stop, so its default `num_pages` is the worst case, every
 row running to `max_new_tokens` (`sum_b ceil((len_b + max_new_tokens - 1) / page_size)`): close
 to the contiguous size (smaller only by the prompts' length differences and the contiguous
