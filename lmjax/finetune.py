@@ -1,10 +1,19 @@
-"""`lmjax finetune`: LoRA / QLoRA fine-tuning of a trained or imported model (SPEC sections 6, 10).
+"""`lmjax finetune`: LoRA / QLoRA / full fine-tuning of a trained or imported model (SPEC
+sections 6, 10).
 
 A fine-tune config is a run config (`lmjax train`'s sections) without a model section, plus
 
     finetune: {base: RUN, qlora: false}       # RUN: a run directory, RUN/checkpoints/STEP, or
-                                              # an `lmjax import-hf` run (GPT-2)
+                                              # an `lmjax import-hf` run (any family)
     lora: {r: 8, alpha: 16, targets: [...], dropout: 0.05, init: kaiming, rslora: false}
+
+or, for full fine-tuning (`--full`, `--freeze GLOB,...`; no lora section, no qlora):
+
+    finetune: {base: RUN, full: true, freeze: ["token_embedding.*", "blocks.0.*"]}
+
+where every base parameter trains except those whose name matches a `freeze` glob
+(`lmjax.params.mask`): those get no gradient and no optimizer state (they are the step's frozen
+argument, not part of the trained state) and are bit-identical in the result.
 
 The model is the base run's (only `model.dropout`, `dtype`, `remat`, `attention` and `ops` may be
 set); the corpus is encoded with the base run's own tokenizer (`with_base_tokenized_data`), so
@@ -17,8 +26,9 @@ The run directory is `lmjax train`'s, written by the same loop (`lmjax.train.loo
 and their optimizer state only; `--resume` continues), plus
 
     RUN/finetune.yaml          the base path, qlora and the LoRA config
-    RUN/adapters.safetensors   the final adapters alone (`lmjax.lora.load_adapters`)
-    RUN/merged/                the merged model as a weights-only run (generate / eval / export-hf)
+    RUN/adapters.safetensors   the final adapters alone (`lmjax.lora.load_adapters`; not --full)
+    RUN/merged/                the merged model as a weights-only run (generate / eval / export-hf;
+                               for --full: the fine-tuned model)
 
 `lmjax.train.load_run(RUN)` on a fine-tune run returns the merged parameters, so `lmjax
 generate --run RUN`, `lmjax eval RUN` and `lmjax export-hf RUN` work on it directly too.
@@ -40,13 +50,21 @@ from lmjax import lora
 from lmjax.checks import require
 from lmjax.config import RunConfig, parse_run_overrides, read_yaml
 from lmjax.errors import ConfigError, TokenError
+from lmjax.full_finetune import check_freeze, check_full, full_fields, full_trainable
 from lmjax.lora import LoraConfig
 from lmjax.models import abstract_params
 from lmjax.models.summary import human_bytes
 from lmjax.quant.params import quantize_params, weight_bytes
 from lmjax.train import data as D
 from lmjax.train import loop
-from lmjax.train.finetuned import FinetuneSpec, fingerprint, frozen_params, read_spec
+from lmjax.train.finetuned import (
+    FinetuneSpec,
+    fingerprint,
+    frozen_params,
+    model_params,
+    parts,
+    read_spec,
+)
 from lmjax.train.metrics import lora_flops_per_token
 from lmjax.train.rundir import ADAPTERS_FILE, FINETUNE_FILE, MERGED_DIR, RunDir
 from lmjax.train.runs import LoadedRun, load_finetuned, load_run, write_weights_run
@@ -56,12 +74,20 @@ MODEL_FIELDS = ("dropout", "dtype", "remat", "attention", "ops")  # what a fine-
 
 
 def load_config(
-    path, overrides=(), lora_text: str | None = None, qlora: bool | None = None, *, weights=True
+    path,
+    overrides=(),
+    lora_text: str | None = None,
+    qlora: bool | None = None,
+    *,
+    weights=True,
+    full: bool | None = None,
+    freeze: str | None = None,
 ) -> tuple[RunConfig, FinetuneSpec, Any]:
     """`(run config with the base's model, spec, the loaded base run)`; nothing is written.
 
     `weights=False` (`lmjax inspect`) reads only the base's config: the run's `params` are None
-    and the spec has no `base_sha256`.
+    and the spec has no `base_sha256`. `full` / `freeze` (`--full`, `--freeze 'a.*,b.*'`) over
+    `finetune.full` / `finetune.freeze` (None: keep).
     """
     data = read_yaml(path)
     if not isinstance(data, dict):
@@ -77,19 +103,24 @@ def load_config(
             run_overrides[key] = value
     section = data.pop("finetune", None) or {}
     lora_section = data.pop("lora", None) or {}
-    if not isinstance(section, dict) or set(section) - {"base", "qlora"}:
+    if not isinstance(section, dict) or set(section) - {"base", "qlora", "full", "freeze"}:
         raise ConfigError.describe(
             "finetune section",
             section,
-            "a mapping with base (a run path) and qlora",
+            "a mapping with base (a run path), qlora, full and freeze",
             "write finetune: {base: runs/NAME, qlora: false}",
         )
-    lcfg = LoraConfig.from_dict(lora_section)
-    if lora_text is not None:
-        lcfg = LoraConfig.parse(lora_text, lcfg)
-    use_qlora = bool(section.get("qlora", False)) if qlora is None else qlora
+    use_full, globs = full_fields(section, full, freeze)
     qlora_value = section.get("qlora", False)
     require(isinstance(qlora_value, bool), "finetune.qlora", qlora_value, "true or false", "fix it")
+    use_qlora = bool(qlora_value) if qlora is None else qlora
+    if use_full:
+        check_full(use_qlora, lora_section, lora_text)
+        lcfg = None
+    else:
+        lcfg = LoraConfig.from_dict(lora_section)
+        if lora_text is not None:
+            lcfg = LoraConfig.parse(lora_text, lcfg)
     base = section.get("base")
     if not isinstance(base, str) or not base:
         raise ConfigError.describe(
@@ -114,8 +145,11 @@ def load_config(
         )
     resolved = str(Path(base).resolve())
     sha = fingerprint(base_run.params) if weights else None
-    spec = FinetuneSpec(base, resolved, use_qlora, lcfg, base_run.step, sha)
-    lora.target_layers(base_run.model, lcfg)  # a target that selects nothing fails here
+    spec = FinetuneSpec(base, resolved, use_qlora, lcfg, base_run.step, sha, use_full, globs)
+    if use_full:
+        check_freeze(base_run.model, globs)
+    else:
+        lora.target_layers(base_run.model, lcfg)  # a target that selects nothing fails here
     return cfg, spec, base_run
 
 
@@ -250,10 +284,21 @@ def trainable(cfg: RunConfig, spec: FinetuneSpec, frozen: dict):
     )
 
 
-def finetune(path, overrides=(), *, lora_text=None, qlora=None, resume=False, out=sys.stderr):
+def finetune(
+    path,
+    overrides=(),
+    *,
+    lora_text=None,
+    qlora=None,
+    resume=False,
+    out=sys.stderr,
+    full=None,
+    freeze=None,
+):
     """Run (or resume) a fine-tune as configured; see the module docstring. `lora_text`:
-    `--lora` fields over the config's; `qlora`: True/False over `finetune.qlora` (None: keep)."""
-    cfg, spec, base_run = load_config(path, overrides, lora_text, qlora)
+    `--lora` fields over the config's; `qlora`: True/False over `finetune.qlora` (None: keep);
+    `full` / `freeze`: `--full` and `--freeze`'s comma-separated globs."""
+    cfg, spec, base_run = load_config(path, overrides, lora_text, qlora, full=full, freeze=freeze)
     run = RunDir.for_config(cfg, str(path))
     run_dir = run.path
     if resume:
@@ -261,17 +306,24 @@ def finetune(path, overrides=(), *, lora_text=None, qlora=None, resume=False, ou
     else:  # the loop checks too, but after the data is prepared (and cached)
         run.check_writable(resume)
     # Before the data is prepared (and cached): a base NF4 can't hold fails with nothing written.
-    frozen = frozen_params(base_run.params, spec.qlora)
+    init, frozen = parts(spec, base_run.params)
+    cfg = prepare_base_data(cfg, base_run)
+    what = full_trainable(cfg, spec, init, frozen) if spec.full else trainable(cfg, spec, frozen)
+    result = loop.train(cfg, config_path=str(path), resume=resume, out=out, trainable=what)
+    if not spec.full:
+        lora.save_adapters(run.adapters_file, result.params, spec.lora)
+    _write_merged(run_dir, model_params(spec, frozen, result.params), base_run)
+    return result
+
+
+def prepare_base_data(cfg: RunConfig, base_run) -> RunConfig:
+    """`cfg` with its corpus prepared by the base's tokenizer (cached), checked to be the
+    base's. The one place a fine-tune's data is made: another data source (e.g. a chat JSONL
+    for supervised fine-tuning) replaces this function's body and keeps its contract."""
     cfg = with_base_tokenized_data(cfg, base_run)
     prepared = loop.prepare_data(cfg, cfg.logging.progress)
     check_tokenizer(prepared, base_run)
-    result = loop.train(
-        cfg, config_path=str(path), resume=resume, out=out, trainable=trainable(cfg, spec, frozen)
-    )
-    adapters = result.params
-    lora.save_adapters(run.adapters_file, adapters, spec.lora)
-    _write_merged(run_dir, lora.merge(frozen, adapters, spec.lora), base_run)
-    return result
+    return cfg
 
 
 def _check_same_spec(run: RunDir, spec: FinetuneSpec) -> None:
@@ -289,7 +341,8 @@ def _check_same_spec(run: RunDir, spec: FinetuneSpec) -> None:
             "point finetune.base at that base (e.g. RUN/checkpoints/STEP if it trained on), or "
             "start a new run",
         )
-    fields = ("qlora", "lora") if saved.base_sha256 is not None else ("base_path", "qlora", "lora")
+    fields = ("qlora", "lora", "full", "freeze")
+    fields += () if saved.base_sha256 is not None else ("base_path",)
     for field in fields:
         if getattr(saved, field) != getattr(spec, field):
             raise ConfigError.describe(
@@ -378,6 +431,7 @@ __all__ = [
     "load_config",
     "load_finetuned",
     "memory",
+    "prepare_base_data",
     "trainable",
     "with_base_tokenized_data",
 ]

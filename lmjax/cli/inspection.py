@@ -202,6 +202,7 @@ def _inspect_finetune_config(args: argparse.Namespace) -> int:
         + ", ".join(f"{k}={v}" for k, v in model.to_dict().items())
     )
     print(models.format_summary(model, batch, args.seq_len or cfg.seq_len))
-    tx, _ = train.optim.from_config(cfg)
-    _print_lora_memory(model, spec.lora, spec.qlora, tx, cfg.optimizer.name)
+    if spec.lora is not None:  # a full fine-tune: the summary above is its estimate
+        tx, _ = train.optim.from_config(cfg)
+        _print_lora_memory(model, spec.lora, spec.qlora, tx, cfg.optimizer.name)
     return 0

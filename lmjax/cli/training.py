@@ -112,14 +112,15 @@ def add_finetune(sub) -> None:
     ft = add_config_command(
         sub,
         "finetune",
-        help="LoRA / QLoRA fine-tuning of a trained or imported model",
+        help="LoRA / QLoRA / full fine-tuning of a trained or imported model",
         description="Fine-tune finetune.base (a run directory, RUN/checkpoints/STEP, or an "
         "`lmjax import-hf` run) with LoRA adapters as CONFIG says (configs/finetune-lora.yaml), "
         "with section.field=value overrides (finetune.base=PATH lora.r=4 train.steps=50). "
         "Only the adapters train; --qlora first quantizes the base's linear weights to NF4. "
         "Writes a run directory like `lmjax train` (config.yaml, finetune.yaml, metrics.jsonl, "
         "loss.png, samples.txt, checkpoints/ of the adapters) plus adapters.safetensors and "
-        "merged/ (the merged model as a weights-only run for generate, eval and export-hf).",
+        "merged/ (the merged model as a weights-only run for generate, eval and export-hf). "
+        "--full trains the base's own parameters instead, except those --freeze names.",
         config_help="a fine-tune config, e.g. configs/finetune-lora.yaml",
     )
     ft.add_argument(
@@ -127,10 +128,23 @@ def add_finetune(sub) -> None:
         default=None,
         metavar="K=V,...",
         help="LoRA fields over the config's lora section: r, alpha, targets (globs joined by "
-        "'|', or all-linear), dropout, init (kaiming|gaussian), rslora; e.g. r=8,alpha=16",
+        "'|', peft names such as q_proj|v_proj, or all-linear), dropout, init "
+        "(kaiming|gaussian), rslora; e.g. r=8,alpha=16",
     )
     ft.add_argument(
         "--qlora", action="store_true", help="quantize the base's linear weights to NF4 (QLoRA)"
+    )
+    ft.add_argument(
+        "--full",
+        action="store_true",
+        help="full fine-tuning: train the base's own parameters (no adapters, no --lora/--qlora)",
+    )
+    ft.add_argument(
+        "--freeze",
+        default=None,
+        metavar="GLOB,...",
+        help="with --full: parameter-name globs kept frozen (no gradient, no optimizer state), "
+        "e.g. 'token_embedding.*,blocks.0.*'",
     )
     ft.add_argument("--resume", action="store_true", help="continue the fine-tune in run.dir")
     ft.set_defaults(run=run_finetune)
@@ -146,9 +160,12 @@ def run_finetune(args: argparse.Namespace) -> int:
         lora_text=args.lora,
         qlora=args.qlora or None,
         resume=args.resume,
+        full=args.full or None,
+        freeze=args.freeze,
     )
     print_run(result)
     run_dir = RunDir(result.run_dir)
-    print(f"  adapters: {run_dir.adapters_file}")
+    if run_dir.adapters_file.exists():
+        print(f"  adapters: {run_dir.adapters_file}")
     print(f"  merged model (a weights-only run): {run_dir.merged_dir}")
     return 0

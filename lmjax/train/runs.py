@@ -15,7 +15,7 @@ from pathlib import Path
 
 import jax
 
-from lmjax import lora, tokenizers
+from lmjax import tokenizers
 from lmjax.checks import require
 from lmjax.config import DataConfig, RunConfig, TrainConfig
 from lmjax.errors import CheckpointError, ConfigError, FileFormatError, LMJaxError
@@ -24,7 +24,7 @@ from lmjax.io import safetensors
 from lmjax.models import ModelConfig
 from lmjax.train import optim
 from lmjax.train.checkpoint import check_same_model
-from lmjax.train.finetuned import FinetuneSpec, fingerprint, frozen_params, read_spec
+from lmjax.train.finetuned import FinetuneSpec, fingerprint, model_params, parts, read_spec
 from lmjax.train.rundir import FINETUNED, TRAINED, WEIGHTS, RunDir
 from lmjax.train.step import init_state
 
@@ -89,16 +89,16 @@ def _restore_params(ckpt, model: ModelConfig, abstract, step: int | None, where)
 
 def load_finetuned(run_dir: Path, cfg: RunConfig, step: int | None):
     """`(merged params, step)` of a fine-tune run's checkpoint: its base (`finetune.yaml`),
-    frozen as it was trained, merged with the checkpoint's adapters."""
+    frozen as it was trained, merged with the checkpoint's adapters (or, for a full fine-tune,
+    joined with the checkpoint's trained leaves)."""
     run = RunDir(Path(run_dir))
     spec = read_spec(run)
-    frozen = frozen_params(load_base(spec, run).params, spec.qlora)
-    init = lambda key: lora.init(key, frozen, spec.lora)  # noqa: E731
+    init, frozen = parts(spec, load_base(spec, run).params)
     model = cfg.model_config()
     ckpt = run.read_checkpoints()
     abstract = _abstract_state(cfg, model, init)
-    adapters, step = _restore_params(ckpt, model, abstract, step, ckpt.directory)
-    return lora.merge(frozen, adapters, spec.lora), step
+    trained, step = _restore_params(ckpt, model, abstract, step, ckpt.directory)
+    return model_params(spec, frozen, trained), step
 
 
 def load_base(spec: FinetuneSpec, run: RunDir) -> LoadedRun:
