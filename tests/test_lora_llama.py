@@ -20,10 +20,12 @@ Checked (float32):
 
 And `lmjax import-hf` of such a model (with a tokenizer.json) -> `lmjax finetune --qlora --lora
 targets=all-linear` -> `lmjax export-hf`: the loss goes down and transformers loads the export
-with lmjax's merged logits.
+with lmjax's merged logits. `lmjax inspect PRESET --qlora --lora ...` of the four Llama-family
+presets prints adapter counts equal to hand counts from the published shapes, without allocating.
 
 Cost: about 30 s CPU (90 s wall on the loaded 2 cores): 3 target sets, one jit of each adapted
-tree; the CLI run ~15 s.
+tree; the CLI run ~15 s;
+the inspect subprocess ~10 s.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from __future__ import annotations
 import copy
 import json
 import re
+import subprocess
+import sys
 
 import bitsandbytes.functional as bnbf
 import jax
@@ -263,3 +267,57 @@ def test_cli_qlora_finetune_of_an_imported_llama_exports(tmp_path, monkeypatch):
     np.testing.assert_allclose(_torch_logits(loaded), ours, atol=1e-5, rtol=0)
     base_logits = _lmjax_logits(load_run(base).params, merged.model)
     assert np.abs(ours - base_logits).max() > 1e-2  # the export is the fine-tuned model
+
+
+# ---- lmjax inspect --qlora --lora of the Llama-family presets ------------------------------------
+
+# (layers, d_model, heads, kv heads, head dim, d_ff) as the checkpoints' config.json publish them
+PUBLISHED = {
+    "smollm2-135m": (30, 576, 9, 3, 64, 1536),
+    "llama-3.2-1b": (16, 2048, 32, 8, 64, 8192),
+    "qwen2.5-0.5b": (24, 896, 14, 2, 64, 4864),
+    "qwen3-0.6b": (28, 1024, 16, 8, 128, 3072),
+}
+INSPECT = """
+import contextlib, io, json, resource, sys
+from lmjax import cli
+out = {}
+for preset, lora in json.loads(sys.argv[1]):
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        assert cli.main(["inspect", preset, "--qlora", "--lora", lora]) == 0
+    out[preset + " " + lora] = text.getvalue()
+out["peak_rss_kb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(json.dumps(out))
+"""
+
+
+def _hand_count(preset: str, targets: str, r: int = 8) -> int:
+    """r (in + out) per adapted layer, from the published shapes (GQA: k, v out = Hkv Dh)."""
+    layers, d, h, hkv, dh, ff = PUBLISHED[preset]
+    shapes = {"q": (d, h * dh), "k": (d, hkv * dh), "v": (d, hkv * dh), "o": (h * dh, d)}
+    shapes |= {"gate": (d, ff), "up": (d, ff), "down": (ff, d)}
+    chosen = (
+        shapes if targets == "all-linear" else [t.removesuffix("_proj") for t in targets.split("|")]
+    )
+    return layers * sum(r * sum(shapes[name]) for name in chosen)
+
+
+def test_inspect_presets_print_the_qlora_memory_without_allocating():
+    """One subprocess inspects every new preset (q_proj|v_proj, and all-linear for SmolLM2):
+    the adapter count equals the hand count from the published shapes, and the process never
+    held a model (llama-3.2-1b's float32 weights alone are 4.9 GB; the peak stays under 1 GB)."""
+    runs = [(p, "r=8,targets=q_proj|v_proj") for p in PUBLISHED]
+    runs.append(("smollm2-135m", "r=8,targets=all-linear"))
+    done = subprocess.run(
+        [sys.executable, "-c", INSPECT, json.dumps(runs)],
+        capture_output=True, text=True, check=True, timeout=300,
+    )  # fmt: skip
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    for preset, spec in runs:
+        text = out[f"{preset} {spec}"]
+        found = re.search(r"adapters, trainable \(([\d,]+) params\)", text)
+        assert found, text
+        assert int(found[1].replace(",", "")) == _hand_count(preset, spec.split("targets=")[1])
+        assert "QLoRA (NF4 base)" in text and "NF4:" in text and "4.127 bits" in text
+    assert out["peak_rss_kb"] < 1_000_000, out["peak_rss_kb"]
