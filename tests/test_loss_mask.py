@@ -205,3 +205,18 @@ def test_lora_objective_takes_the_mask():
     unmasked = loss_fn(attached, b["inputs"], b["targets"], MODEL)
     assert float(masked) == pytest.approx(float(expected), rel=1e-6)
     assert abs(float(masked) - float(unmasked)) > 1e-3
+
+
+def test_a_packed_batch_reaches_the_model_through_the_step(sgd):
+    """segment_ids go to the model: the step's loss is loss_fn's with them, not without."""
+    tx, step = sgd
+    b = _batch(1, 2, seed=6)
+    b["loss_mask"][:] = 1.0
+    b["segment_ids"] = np.repeat(np.array([1] * 7 + [2] * 9, np.int32)[None, None], 2, axis=1)
+    state = init_state(jax.random.PRNGKey(2), MODEL, tx)
+    args = (state.params, b["inputs"][0], b["targets"][0], MODEL)
+    packed = float(loss_fn(*args, segment_ids_BT=b["segment_ids"][0]))
+    plain = float(loss_fn(*args))
+    _, metrics = step(state, b)
+    assert float(metrics["loss"]) == pytest.approx(packed, rel=1e-6)
+    assert abs(packed - plain) > 1e-4 and float(metrics["real_token_fraction"]) == 1.0

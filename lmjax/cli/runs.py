@@ -58,6 +58,7 @@ def run_eval(args: argparse.Namespace) -> int:
         cfg.train,
         cfg.seq_len,
         vocab_size=run.model.vocab_size,
+        documents=prepared.val_documents if cfg.data.packing else None,
     )
     t = cfg.train
     print(

@@ -67,6 +67,7 @@ class TrainConfig:
     seed: int = 0
     eval_every: int = 250
     eval_batches: int = 20
+    tensorboard: bool = True  # event files in RUN/tensorboard/ (lmjax.train.tensorboard)
 
 
 @dataclasses.dataclass(frozen=True)

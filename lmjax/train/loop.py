@@ -101,8 +101,16 @@ def build_trainer(plan: Plan, trainable: Trainable, out) -> Trainer:
     to_model = trainable.model_params
     val = plan.data.val
     evaluate_fn = make_eval_step(model, mesh)  # looked up here: tests record the eval batches
+    documents = plan.data.val_documents if cfg.data.packing else None
     evaluator = Evaluator(
-        evaluate_fn, val, cfg.train, cfg.seq_len, model.vocab_size, to_model, eval_sharding
+        evaluate_fn,
+        val,
+        cfg.train,
+        cfg.seq_len,
+        model.vocab_size,
+        to_model,
+        eval_sharding,
+        documents,
     )
     samples = plan.run.samples_file
     sampler = Sampler(model, plan.data.tokenizer, cfg.logging, to_model, samples, mesh is not None)

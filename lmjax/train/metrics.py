@@ -139,21 +139,34 @@ def measured_peak_flops(dtype: str = "float32", n: int = 2048, repeats: int = 5)
 
 
 class MetricsLog:
-    """Append-only `metrics.jsonl`: one JSON object per line, each with a `step`."""
+    """Append-only `metrics.jsonl`: one JSON object per line, each with a `step`.
 
-    def __init__(self, path: str | os.PathLike):
+    `also`: more logs (`lmjax.train.tensorboard.TensorBoardLog`) that get every `append` and
+    `truncate_after` too; `read` reads the file.
+    """
+
+    def __init__(self, path: str | os.PathLike, also: tuple = ()):
         self.path = Path(path)
+        self.also = also
 
     def truncate_after(self, step: int) -> None:
         """Drop records of steps after `step` (a resumed run redoes them), atomically."""
         kept = [r for r in self.read() if r.get("step", 0) <= step]
         with atomic_open(self.path, "w") as handle:
             handle.writelines(json.dumps(r) + "\n" for r in kept)
+        for log in self.also:
+            log.truncate_after(step)
 
     def append(self, record: dict) -> None:
         with open(self.path, "a", encoding="utf-8") as handle:
             handle.write(json.dumps(record) + "\n")
             handle.flush()
+        for log in self.also:
+            log.append(record)
+
+    def close(self) -> None:
+        for log in self.also:
+            log.close()
 
     def read(self) -> list[dict]:
         if not self.path.exists():

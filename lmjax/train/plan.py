@@ -32,6 +32,7 @@ RESUMABLE_CHANGES = (
     "train.steps",
     "train.eval_every",
     "train.eval_batches",
+    "train.tensorboard",
     "run.",
     "logging.",
     "checkpoint.",

@@ -3,9 +3,11 @@
 A window is the steps since the last record. `MetricsWindow.flush` waits for them, refuses a
 non-finite one (`NonFiniteError` naming the step) and appends to `metrics.jsonl`
 
-    {"step", "loss" (mean over the window), "lr", "grad_norm", "tokens_per_s", "mfu"}
+    {"step", "loss" (mean over the window), "lr", "grad_norm", "tokens_per_s", "mfu",
+     "data_time_s", and with a loss mask "real_token_fraction" (mean over the window)}
     tokens_per_s = tokens_per_step * timed steps / window seconds
     mfu          = flops_per_step / tokens_per_step * tokens_per_s / peak FLOP/s
+    data_time_s  = mean over the window's steps of the time the loop waited for the batch
 
 The process's first step compiles: it is timed apart (`first_step_s`, once per process) and not
 counted into the throughput. Only the main process writes; every process checks health.
@@ -58,6 +60,7 @@ class MetricsWindow:
         self.peak = peak_flops
         self.latest_step = latest_step
         self.pending: list[tuple[int, dict]] = []
+        self.data_s: list[float] = []  # per pending step: time waiting for its batch
         self.compile_s: float | None = None
         self.started = time.perf_counter()
 
@@ -65,9 +68,11 @@ class MetricsWindow:
         """Start timing anew (after a checkpoint or an evaluation: they are not training)."""
         self.started = time.perf_counter()
 
-    def add(self, step: int, metrics: dict, first: bool) -> None:
-        """Step `step` is dispatched; `first`: the process's first (it compiles: time it)."""
+    def add(self, step: int, metrics: dict, first: bool, data_s: float = 0.0) -> None:
+        """Step `step` is dispatched; `first`: the process's first (it compiles: time it);
+        `data_s`: the seconds the loop waited for its batch."""
         self.pending.append((step, metrics))
+        self.data_s.append(data_s)
         if first:
             jax.block_until_ready(metrics)
             self.compile_s = time.perf_counter() - self.started
@@ -78,6 +83,7 @@ class MetricsWindow:
         if self.pending:
             self._record(state_step)
         self.pending.clear()
+        self.data_s.clear()
         self.restart()
 
     def _record(self, state_step: int) -> None:
@@ -98,13 +104,17 @@ class MetricsWindow:
             "grad_norm": float(m["grad_norm"]),
             "tokens_per_s": tokens_per_s,
             "mfu": None if timed == 0 else per_token * tokens_per_s / self.peak,
+            "data_time_s": float(np.mean(self.data_s)),
         }
+        if "real_token_fraction" in m:  # a masked or packed batch: the share of real targets
+            record["real_token_fraction"] = float(np.mean([x["real_token_fraction"] for x in host]))
         if self.compile_s is not None:  # once per process: the first step's compile + run time
             record["first_step_s"], self.compile_s = self.compile_s, None
         if parallel.is_main():
             self.log.append(record)
         speed = f"{tokens_per_s:,.0f}" if tokens_per_s else "compiling"
-        self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=speed, refresh=False)
+        data = f"{record['data_time_s'] * 1e3:.0f}ms"
+        self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=speed, data=data, refresh=False)
         self.bar.update(step - self.bar.n)
 
     def _non_finite(self, step: int, m) -> NonFiniteError:

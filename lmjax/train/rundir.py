@@ -39,6 +39,7 @@ WEIGHTS_FILE = "model.safetensors"
 FINETUNE_FILE = "finetune.yaml"
 ADAPTERS_FILE = "adapters.safetensors"
 MERGED_DIR = "merged"
+TENSORBOARD_DIR = "tensorboard"
 
 TRAINED, FINETUNED, WEIGHTS = "trained", "finetuned", "weights"
 
@@ -93,6 +94,7 @@ class RunDir:
     finetune_file = _under(FINETUNE_FILE)
     adapters_file = _under(ADAPTERS_FILE)
     merged_dir = _under(MERGED_DIR)
+    tensorboard_dir = _under(TENSORBOARD_DIR)
 
     # ---- what it holds -----------------------------------------------------------------------
 

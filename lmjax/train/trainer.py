@@ -1,7 +1,8 @@
 """The training loop over a `Plan`: a small trainer holding the state and the jitted step.
 
     for step in start .. train.steps - 1:
-        state, metrics = train_step(state, batch(seed, step), frozen)
+        state, metrics = train_step(state, batch(seed, step), frozen)   (batch step + 1 is cut
+                                                                         meanwhile: Prefetch)
         every logging.every steps           -> metrics.jsonl (`MetricsWindow`)
         every checkpoint.every steps, last  -> checkpoints/<step>/
         every train.eval_every steps, last  -> val_loss (`Evaluator`), samples.txt (`Sampler`)
@@ -31,9 +32,11 @@ from lmjax.train.checkpoint import check_same_model
 from lmjax.train.evaluate import Evaluator
 from lmjax.train.metrics import MetricsLog, plot_losses
 from lmjax.train.plan import Plan
+from lmjax.train.prefetch import Prefetch
 from lmjax.train.progress import MetricsWindow, progress_bar
 from lmjax.train.sampling import Sampler, truncate_samples
 from lmjax.train.step import TrainState, init_state
+from lmjax.train.tensorboard import TensorBoardLog
 
 
 @dataclasses.dataclass
@@ -94,7 +97,8 @@ class Trainer:
         self.plan, self.trainable, self.step = plan, trainable, step
         self.pieces, self.out = pieces, out
         self.ckpt = plan.run.checkpoints(keep=plan.cfg.checkpoint.keep)
-        self.log = MetricsLog(plan.run.metrics_file)
+        board = (TensorBoardLog(plan.run.tensorboard_dir),) if plan.cfg.train.tensorboard else ()
+        self.log = MetricsLog(plan.run.metrics_file, also=board)
         self.state: TrainState | None = None
 
     # ---- the state ---------------------------------------------------------------------------
@@ -150,6 +154,12 @@ class Trainer:
     def run(self, publish: Callable[[], None] = lambda: None) -> RunResult:
         """Train to `train.steps`; `publish()` writes the run's files once the state is in hand
         (a resume its checkpoint refuses leaves config.yaml as it was)."""
+        try:
+            return self._run(publish)
+        finally:
+            self.log.close()
+
+    def _run(self, publish: Callable[[], None]) -> RunResult:
         t = self.plan.cfg.train
         self.state = self.initial_state()
         publish()
@@ -182,28 +192,33 @@ class Trainer:
         cfg = self.plan.cfg
         t, val_loss, sample = cfg.train, None, None
         window.restart()
-        for step in range(start, t.steps):
-            batch = {**self._batch(step), "step": np.int32(step)}
-            self.state, metrics = self.step.fn(self.state, batch, self.trainable.frozen)
-            done = step + 1
-            window.add(done, metrics, first=step == start)
-            if done % cfg.logging.every == 0 or done == t.steps or _due(done, cfg):
-                window.flush(int(self.state.step))
-            if done % cfg.checkpoint.every == 0 or done == t.steps:
-                self.ckpt.save(self.state, self._meta(done))
-                window.restart()
-            if done % t.eval_every == 0 or done == t.steps:
-                val_loss, sample = self._evaluate(done)
-                window.restart()
+        # The next batch is cut on a background thread while this step runs (Prefetch).
+        with Prefetch(self._batch, range(start, t.steps)) as batches:
+            for step in range(start, t.steps):
+                _, batch, data_s = batches.next()
+                batch = {**batch, "step": np.int32(step)}
+                self.state, metrics = self.step.fn(self.state, batch, self.trainable.frozen)
+                done = step + 1
+                window.add(done, metrics, first=step == start, data_s=data_s)
+                if done % cfg.logging.every == 0 or done == t.steps or _due(done, cfg):
+                    window.flush(int(self.state.step))
+                if done % cfg.checkpoint.every == 0 or done == t.steps:
+                    self.ckpt.save(self.state, self._meta(done))
+                    window.restart()
+                if done % t.eval_every == 0 or done == t.steps:
+                    val_loss, sample = self._evaluate(done)
+                    window.restart()
         return val_loss, sample
 
     def _batch(self, step: int) -> dict:
         t, seq_len = self.plan.cfg.train, self.plan.cfg.seq_len
         vocab, tokens = self.plan.model.vocab_size, self.plan.data.train
 
+        documents = self.plan.data.train_documents if self.plan.cfg.data.packing else None
+
         def read(rows):  # positional: tests wrap D.train_batch(tokens, seed, step, *rest)
             return D.train_batch(
-                tokens, t.seed, step, t.batch_size, seq_len, t.grad_accum, rows, vocab
+                tokens, t.seed, step, t.batch_size, seq_len, t.grad_accum, rows, vocab, documents
             )
 
         if self.step.mesh is None:
