@@ -33,11 +33,6 @@ def segment_positions(segment_ids_BT: jax.Array) -> jax.Array:
     return t_BT - start_BT
 
 
-def same_segment_mask(segment_ids_BT: jax.Array) -> jax.Array:
-    """bool `[B, 1, T, T]`: query t may see key u (their ids are equal); heads broadcast."""
-    return segment_ids_BT[:, None, :, None] == segment_ids_BT[:, None, None, :]
-
-
 def check_segment_ids(segment_ids, tokens_BT: jax.Array) -> jax.Array | None:
     """None, or `segment_ids` as an int array of the tokens' shape `[B, T]` (else ShapeError)."""
     if segment_ids is None:

@@ -34,7 +34,7 @@ from lmjax.models.attention import attend
 from lmjax.models.config import REMAT_POLICIES, ModelConfig
 from lmjax.models.layout import check_params
 from lmjax.models.projection import project
-from lmjax.models.segments import check_segment_ids, same_segment_mask, segment_positions
+from lmjax.models.segments import check_segment_ids, segment_positions
 from lmjax.models.sharding import rows_on_mesh
 from lmjax.ops.rope import RopeScaling
 from lmjax.quant.nf4 import QuantizedWeight
@@ -103,9 +103,7 @@ def _scaling(cfg: ModelConfig) -> RopeScaling | None:
 
 
 def _self_attend(cfg: ModelConfig, q_BTHDh, k_BTHDh, v_BTHDh, segment_ids_BT=None) -> tuple:
-    # Until attend takes segment_ids= itself, a packed row is a [B, 1, T, T] keep mask.
-    mask = None if segment_ids_BT is None else same_segment_mask(segment_ids_BT)
-    return attend(cfg, q_BTHDh, k_BTHDh, v_BTHDh, mask=mask), None
+    return attend(cfg, q_BTHDh, k_BTHDh, v_BTHDh, segment_ids=segment_ids_BT), None
 
 
 def _attention(cfg: ModelConfig, p: dict, h_BTD: jax.Array, positions_BT, attend_fn) -> tuple:
