@@ -34,8 +34,6 @@ from lmjax.testing import F32_RTOL, FD_RTOL, OpCase
 
 B, H, D = 2, 4, 4
 IMPLS = ["materialized", "xla", "flash"]
-# The kernel's GQA, window and segment ids land with pallas_kernels' own change (FLASH helper).
-COMPUTING_IMPLS = ["materialized", "xla"]
 TORCH_ATOL = 2e-5  # tests/test_torch_parity.py's attention tolerance (float32, other sum order)
 # Float32 centered differences at step 1e-2 of a loss of magnitude ~10: rounding adds about
 # 1e-7 * 10 / 1e-2 = 1e-4 to a derivative of magnitude ~1-10, truncation h^2 |f'''| / 6 about
@@ -147,7 +145,7 @@ def _fd32_error(op, args, seed=0, directions=2) -> float:
 
 
 @pytest.mark.parametrize("name", FD32_CASES)
-@pytest.mark.parametrize("impl", COMPUTING_IMPLS[1:])
+@pytest.mark.parametrize("impl", ["xla", "flash"])
 def test_gradients_match_float32_finite_differences(impl, name):
     """xla (whose softmax runs in float32 whatever the inputs) and the kernel (float32 at
     most) against float32 differences, on the cases that combine the new masks."""
@@ -188,7 +186,7 @@ def _torch_sdpa(case: Case, q, k, v, g):
 
 
 @pytest.mark.parametrize("name", list(CASES))
-@pytest.mark.parametrize("impl", COMPUTING_IMPLS)
+@pytest.mark.parametrize("impl", IMPLS)
 def test_values_and_gradients_match_the_reference_and_torch(impl, name):
     """One jitted program: the impl's and the reference's values and VJPs of one cotangent."""
     op_case, case = _op_case(name, impl), CASES[name]

@@ -121,12 +121,10 @@ def _flash_on_mesh(q, k, v, arrays_BX: dict, *, causal: bool, offset: int, windo
     alike), or whole without a mesh. `arrays_BX`: the kernel's keyword arrays in use, each
     [B, T] or [B, S] (mask, q_segment_ids, kv_segment_ids), split over the batch only."""
     names = tuple(arrays_BX)
-    # The window goes to the kernel only when set, as the arrays do only when in use.
-    static = {} if window is None else {"window": window}
 
     def run(q, k, v, *arrays):
-        options = dict(zip(names, arrays, strict=True), **static)
-        return flash_attention(q, k, v, causal=causal, offset=offset, **options)
+        options = dict(zip(names, arrays, strict=True))
+        return flash_attention(q, k, v, causal=causal, offset=offset, window=window, **options)
 
     args = (q, k, v, *arrays_BX.values())
     shape = context_mesh_shape()
