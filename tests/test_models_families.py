@@ -235,22 +235,19 @@ PRESETS = ("smollm2-135m", "llama-3.2-1b", "qwen2.5-0.5b", "qwen3-0.6b")
 
 
 @pytest.mark.parametrize("name", PRESETS)
-def test_preset_count_equals_transformers(name):
+def test_preset_count_equals_transformers_and_inspect_prints_it(name, capsys):
     cfg = models.preset(name)
-    assert abstract_count(cfg) == hf_param_count(cfg) == models.param_count(cfg)
+    want = hf_param_count(cfg)
+    assert abstract_count(cfg) == want == models.param_count(cfg)
+    assert main(["inspect", name, "--seq-len", "8"]) == 0
+    total = [line for line in capsys.readouterr().out.splitlines() if line.startswith("total")]
+    assert total and total[0].split()[-1] == f"{want:,}"
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_tiny_family_count_equals_transformers(family):
     cfg = tiny(family)
     assert abstract_count(cfg) == hf_param_count(cfg)
-
-
-def test_inspect_prints_the_preset_counts(capsys):
-    cfg = models.preset("qwen3-0.6b")
-    assert main(["inspect", "qwen3-0.6b", "--seq-len", "8"]) == 0
-    total = [line for line in capsys.readouterr().out.splitlines() if line.startswith("total")]
-    assert total and total[0].split()[-1] == f"{hf_param_count(cfg):,}"
 
 
 # ---- tiny models against transformers, weights copied by hand ----------------------------------
