@@ -45,6 +45,7 @@ def test_the_notebooks_exist():
         "02_custom_vjp_vs_grad",
         "03_lora_qlora",
         "04_attention_kernels",
+        "05_llama_qlora",
     ):
         assert f"{expected}.ipynb" in names, names
 
@@ -267,3 +268,24 @@ def test_lora_qlora_notebook_fine_tunes_keeps_the_base_and_merges(sandbox):
     done = subprocess.run(strip, capture_output=True, text=True, check=True)
     assert done.stdout == f"{copy}: stripped\n"
     assert copy.read_bytes() == (ROOT / "notebooks/03_lora_qlora.ipynb").read_bytes()
+
+
+@pytest.mark.slow
+def test_llama_qlora_notebook_matches_transformers_before_and_after_fine_tuning(sandbox):
+    nb = execute(ROOT / "notebooks/05_llama_qlora.ipynb", sandbox)
+    text = text_of(nb)
+    assert "token ids equal the tokenizers library's on 2 texts: True" in text
+    # float32 logits of two implementations (tests/test_hf_families.py's tolerance), the
+    # notebook's own verdict and ours: imported vs transformers, merged vs attached adapters,
+    # the export reloaded by transformers vs lmjax's merged model.
+    for label in ("lmjax vs transformers", "merged vs attached logits:", "merged model:"):
+        (diff,) = number(rf"{label} max \|diff\| ([\d.e+-]+).*within 0\.0001: True", text)
+        assert diff <= 1e-4, (label, diff)
+    assert "greedy tokens identical (16 new tokens): True" in text
+    # 20 QLoRA steps on a repetitive text: 6.1 -> 2.3 nats when written.
+    first, last = number(r"QLoRA train loss (\S+) -> (\S+)", text)
+    assert last < first - 1.0, (first, last)
+    (moved,) = number(r"fine-tuning moved the logits by up to (\S+),", text)
+    assert moved > 1e-2  # the export compared is the fine-tuned model, not the base
+    assert "exported as llama:" in text
+    assert "greedy tokens of the export identical to lmjax's merged model: True" in text
