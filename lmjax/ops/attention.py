@@ -248,32 +248,35 @@ def attention(
     segments = segment_pair(segment_ids, q.shape, k.shape)
     masks = dict(causal=causal, offset=offset, mask=mask, window=window, segment_ids=segments)
     if impl == "xla":
-        return _xla(q, k, v, **masks)
-    return _materialized(q, k, v, return_probabilities, **masks)
+        return _xla(q, k, v, masks)
+    return _materialized(q, k, v, return_probabilities, masks)
 
 
-def _materialized(q, k, v, return_probabilities, *, causal, offset, mask, window, segment_ids):
-    """The custom VJP over the full [B, H, T, S] keep mask, or by query blocks when it can."""
+def _at_zero(offset) -> bool:
+    """A static offset of 0: query t is at position t (the shortcuts' precondition)."""
+    return is_int(offset) and offset == 0
+
+
+def _materialized(q, k, v, return_probabilities, masks: dict):
+    """The custom VJP over the full [B, H, T, S] keep mask (`masks`: `keep_mask`'s keywords,
+    segment ids as a pair), or by query blocks when it can."""
     if (
-        causal
-        and mask is None
-        and is_int(offset)
-        and offset == 0
+        masks["causal"]
+        and masks["mask"] is None
+        and _at_zero(masks["offset"])
         and not return_probabilities
         and q.shape[1] == k.shape[1] > causal_block(q.shape[1])
     ):
-        return _attention_causal_blocked(q, k, v, causal_block(q.shape[1]), window, segment_ids)
-    masks = dict(causal=causal, offset=offset, mask=mask, window=window, segment_ids=segment_ids)
+        block = causal_block(q.shape[1])
+        return _attention_causal_blocked(q, k, v, block, masks["window"], masks["segment_ids"])
     out, p = _attention_materialized(q, k, v, keep_mask(q.shape, k.shape, **masks))
     return (out, p) if return_probabilities else out
 
 
-def _xla(q, k, v, *, causal, offset, mask, window, segment_ids):
+def _xla(q, k, v, masks: dict):
     """`jax.nn.dot_product_attention` (grouped natively: k, v keep their Hkv heads)."""
-    at_zero = is_int(offset) and offset == 0
-    if _xla_masks_suffice(q.shape, k.shape, causal, at_zero, mask, window, segment_ids):
-        return _xla_unmasked(q, k, v, causal, window)
-    masks = dict(causal=causal, offset=offset, mask=mask, window=window, segment_ids=segment_ids)
+    if _xla_masks_suffice(q.shape, k.shape, **masks):
+        return _xla_unmasked(q, k, v, masks["causal"], masks["window"])
     keep = keep_mask(q.shape, k.shape, **masks)
     out = jax.nn.dot_product_attention(q, k, v, mask=keep, implementation="xla")
     # XLA spreads a fully masked row uniformly over the keys; the contract is zeros.
@@ -281,18 +284,18 @@ def _xla(q, k, v, *, causal, offset, mask, window, segment_ids):
     return jnp.where(visible_BTH1, out, 0.0).astype(q.dtype)
 
 
-def _xla_masks_suffice(q_shape, k_shape, causal, at_zero, mask, window, segments) -> bool:
+def _xla_masks_suffice(q_shape, k_shape, *, causal, offset, mask, window, segment_ids) -> bool:
     """Whether XLA's own causal and window masks express `keep` and every row sees a key.
 
     Then XLA builds them itself instead of our keeping a [B, H, T, S] boolean for the backward.
     Without a window: offset 0 (or no causal mask) and row t sees key 0. With one (offset 0):
     T <= S, so row t sees its own key t (a later row could have none, which XLA would not zero).
     """
-    if mask is not None or segments is not None:
+    if mask is not None or segment_ids is not None:
         return False
     if window is None:
-        return at_zero or not causal
-    return at_zero and q_shape[1] <= k_shape[1]
+        return _at_zero(offset) or not causal
+    return _at_zero(offset) and q_shape[1] <= k_shape[1]
 
 
 def _xla_unmasked(q, k, v, causal: bool, window) -> jax.Array:
