@@ -56,7 +56,7 @@ from lmjax.models import abstract_params
 from lmjax.models.summary import human_bytes
 from lmjax.quant.params import quantize_params, weight_bytes
 from lmjax.train import data as D
-from lmjax.train import loop
+from lmjax.train import loop, sft
 from lmjax.train.finetuned import (
     FinetuneSpec,
     fingerprint,
@@ -294,10 +294,12 @@ def finetune(
     out=sys.stderr,
     full=None,
     freeze=None,
+    data=None,
 ):
     """Run (or resume) a fine-tune as configured; see the module docstring. `lora_text`:
     `--lora` fields over the config's; `qlora`: True/False over `finetune.qlora` (None: keep);
-    `full` / `freeze`: `--full` and `--freeze`'s comma-separated globs."""
+    `full` / `freeze`: `--full` and `--freeze`'s comma-separated globs; `data`: `--data`, a
+    .jsonl of supervised fine-tuning records (`lmjax.train.sft`) instead of data.corpus."""
     cfg, spec, base_run = load_config(path, overrides, lora_text, qlora, full=full, freeze=freeze)
     run = RunDir.for_config(cfg, str(path))
     run_dir = run.path
@@ -307,7 +309,7 @@ def finetune(
         run.check_writable(resume)
     # Before the data is prepared (and cached): a base NF4 can't hold fails with nothing written.
     init, frozen = parts(spec, base_run.params)
-    cfg = prepare_base_data(cfg, base_run)
+    cfg = prepare_base_data(cfg, base_run, sft_data=data, out=out)
     what = full_trainable(cfg, spec, init, frozen) if spec.full else trainable(cfg, spec, frozen)
     result = loop.train(cfg, config_path=str(path), resume=resume, out=out, trainable=what)
     if not spec.full:
@@ -316,11 +318,16 @@ def finetune(
     return result
 
 
-def prepare_base_data(cfg: RunConfig, base_run) -> RunConfig:
+def prepare_base_data(cfg: RunConfig, base_run, sft_data=None, out=None) -> RunConfig:
     """`cfg` with its corpus prepared by the base's tokenizer (cached), checked to be the
-    base's. The one place a fine-tune's data is made: another data source (e.g. a chat JSONL
-    for supervised fine-tuning) replaces this function's body and keeps its contract."""
-    cfg = with_base_tokenized_data(cfg, base_run)
+    base's. The one place a fine-tune's data is made. `sft_data`: a .jsonl of prompt/completion
+    or chat records instead (`lmjax.train.sft`: the loss on completion tokens only)."""
+    if sft_data is not None:
+        _require_tokenizer(base_run)
+        tok_dir = RunDir(base_run.directory).tokenizer_dir
+        cfg = sft.with_sft_data(cfg, sft_data, tok_dir, out)
+    else:
+        cfg = with_base_tokenized_data(cfg, base_run)
     prepared = loop.prepare_data(cfg, cfg.logging.progress)
     check_tokenizer(prepared, base_run)
     return cfg

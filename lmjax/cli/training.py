@@ -146,6 +146,17 @@ def add_finetune(sub) -> None:
         help="with --full: parameter-name globs kept frozen (no gradient, no optimizer state), "
         "e.g. 'token_embedding.*,blocks.0.*'",
     )
+    ft.add_argument(
+        "--data",
+        default=None,
+        metavar="FILE.jsonl",
+        help="supervised fine-tuning records instead of data.corpus: {prompt, completion} "
+        "or {messages: [{role, content}, ...]} (the base tokenizer's chat template) per line; "
+        "the loss counts completion / assistant tokens only (data.packing=true packs records)",
+    )
+    ft.add_argument(
+        "--skip-bad", action="store_true", help="skip malformed records (counted, reported)"
+    )
     ft.add_argument("--resume", action="store_true", help="continue the fine-tune in run.dir")
     ft.set_defaults(run=run_finetune)
 
@@ -156,12 +167,13 @@ def run_finetune(args: argparse.Namespace) -> int:
 
     result = finetune.finetune(
         args.config,
-        args.overrides,
+        [*args.overrides, *(["data.skip_bad=true"] if args.skip_bad else [])],
         lora_text=args.lora,
         qlora=args.qlora or None,
         resume=args.resume,
         full=args.full or None,
         freeze=args.freeze,
+        data=args.data,
     )
     print_run(result)
     run_dir = RunDir(result.run_dir)

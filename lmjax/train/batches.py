@@ -11,7 +11,8 @@ from __future__ import annotations
 import numpy as np
 
 from lmjax.errors import ConfigError, TokenError
-from lmjax.train import packing
+from lmjax.train import packing, sft_rows
+from lmjax.train.sft_rows import SFTSplit
 
 packing_efficiency = packing.packing_efficiency
 
@@ -69,9 +70,20 @@ def packed(tokens, documents, seed, stream, index, n, seq_len, pick=None, vocab_
     _check_length(tokens, seq_len)
     draws = packing.row_positions(len(tokens), seed, stream, index, n, pick)
     arrays, positions = packing.packed_rows(tokens, documents, draws, seq_len)
+    return _checked(arrays, positions, tokens, stream, index, vocab_size)
+
+
+def _checked(arrays: dict, positions_NT, tokens, stream: int, index: int, vocab_size) -> dict:
+    """`arrays` (inputs, targets `[n, T]` read from `positions_NT [n, T + 1]`), ids checked."""
     ids = np.concatenate([arrays["inputs"], arrays["targets"][:, -1:]], axis=1)
-    _check_ids(ids, positions, tokens, stream, index, vocab_size)
+    _check_ids(ids, positions_NT, tokens, stream, index, vocab_size)
     return arrays
+
+
+def sft(split: SFTSplit, seed, stream, index, n, seq_len, pick, vocab_size, packed_rows: bool):
+    """`n` rows of supervised fine-tuning records (`sft_rows`): loss only on completions."""
+    arrays, positions = sft_rows.rows(split, seed, stream, index, n, seq_len, packed_rows, pick)
+    return _checked(arrays, positions, split, stream, index, vocab_size)
 
 
 def train_batch(
@@ -91,10 +103,16 @@ def train_batch(
     `vocab_size`: check every id against it (`crops`). `documents`: the split's document
     offsets (`Prepared.train_documents`): rows packed with whole documents, the batch then
     also holding segment_ids and loss_mask (api.md "Batches"); None: random crops.
+    `tokens` an `SFTSplit` (supervised fine-tuning): its records' rows (`sft`), packed when
+    `documents` is given (the trainer passes it under data.packing).
     """
     micro = batch_size // accum
     pick = None if rows is None else [a * micro + r for a in range(accum) for r in rows]
     shape = (accum, micro if rows is None else len(rows), seq_len)
+    if isinstance(tokens, SFTSplit):
+        packs = documents is not None
+        arrays = sft(tokens, seed, 0, step, batch_size, seq_len, pick, vocab_size, packs)
+        return {k: v.reshape(shape) for k, v in arrays.items()}
     if documents is not None:
         arrays = packed(tokens, documents, seed, 0, step, batch_size, seq_len, pick, vocab_size)
         return {k: v.reshape(shape) for k, v in arrays.items()}
@@ -113,6 +131,9 @@ def eval_batch(
 ) -> dict:
     """Evaluation batch `index` (the same every time it is asked for): a dict of `[B, T]`
     inputs and targets (+ segment_ids and loss_mask with `documents`, as `train_batch`)."""
+    if isinstance(tokens, SFTSplit):
+        packs = documents is not None
+        return sft(tokens, seed, 1, index, batch_size, seq_len, None, vocab_size, packs)
     if documents is not None:
         return packed(tokens, documents, seed, 1, index, batch_size, seq_len, None, vocab_size)
     inputs, targets = crops(tokens, seed, 1, index, batch_size, seq_len, vocab_size=vocab_size)

@@ -46,7 +46,7 @@ from lmjax.config import DataConfig, validate_data
 from lmjax.errors import ConfigError, FileFormatError
 from lmjax.files import atomic_dir, atomic_write_text
 from lmjax.tokenizers import gpt2
-from lmjax.train import encoding, text_stream
+from lmjax.train import encoding, sft_rows, text_stream
 from lmjax.train import prepare_docs as docs
 from lmjax.train.batches import crops, eval_batch, packed, packing_efficiency, train_batch
 from lmjax.train.corpus import cache_dir, shakespeare_path
@@ -68,7 +68,8 @@ class Prepared:
     (`[0, N]` for a split that is one document)."""
 
     directory: Path
-    train: np.ndarray  # [N_train] uint16 | uint32 (memmap, or shards.ShardedTokens)
+    # [N_train] uint16 | uint32 (memmap, or shards.ShardedTokens; sft_rows.SFTSplit for SFT)
+    train: np.ndarray
     val: np.ndarray  # [N_val]
     tokenizer: tokenizers.Tokenizer
     meta: dict
@@ -112,17 +113,14 @@ def prepare(
     validate_data(DataConfig(corpus, None, tokenizer, vocab_size, val_fraction))
     files = [shakespeare_path()] if corpus == "shakespeare" else corpus_files(corpus)
     one_text = len(files) == 1 and format_of(files[0]) == "text"
-    digest = corpus_digest(files)
-    settings = {"corpus_sha256": digest, "tokenizer": tokenizer, "val_fraction": val_fraction}
-    settings["bpe_vocab_size"] = vocab_size
+    opts = _doc_options(val_fraction, progress, options)
+    settings = corpus_settings(files, tokenizer, vocab_size, val_fraction, opts)
+    digest = settings["corpus_sha256"]
     given = None
     if tokenizer_dir is not None:
         given = tokenizers.load(tokenizer_dir)
-        settings["tokenizer_sha256"] = _files_sha256(Path(tokenizer_dir))
-    opts = _doc_options(val_fraction, progress, options)
+        settings["tokenizer_sha256"] = files_sha256(Path(tokenizer_dir))
     if not one_text:  # the documents' reading and splitting are part of the key too
-        keys = ("field", "eot", "skip_bad", "split_seed")
-        settings.update({"split": "documents", **{k: getattr(opts, k) for k in keys}})
         digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
     kind = tokenizer if given is None else f"{tokenizer}-{settings['tokenizer_sha256'][:12]}"
     out = Path(out) if out else default_dir(digest, kind, vocab_size, val_fraction)
@@ -132,6 +130,18 @@ def prepare(
     build = _prepare_text if one_text else _prepare_documents
     build(files, out, settings, given, opts)
     return out
+
+
+def corpus_settings(files, tokenizer: str, vocab_size, val_fraction: float, opts) -> dict:
+    """What meta.json records of how a directory was made, and what reusing it compares: the
+    corpus's content sha256, the tokenizer, the split, and for a corpus of documents how they
+    are read and split (`opts`: a `DocOptions`). `lmjax.train.sft` records the same."""
+    settings = {"corpus_sha256": corpus_digest(files), "tokenizer": tokenizer}
+    settings |= {"val_fraction": val_fraction, "bpe_vocab_size": vocab_size}
+    if not (len(files) == 1 and format_of(files[0]) == "text"):
+        keys = ("field", "eot", "skip_bad", "split_seed")
+        settings.update({"split": "documents", **{k: getattr(opts, k) for k in keys}})
+    return settings
 
 
 def _doc_options(val_fraction: float, progress: bool, options: dict) -> DocOptions:
@@ -228,7 +238,8 @@ def _dtype(tok) -> str:
     return "uint16" if tok.vocab_size <= 1 << 16 else "uint32"
 
 
-def _files_sha256(directory: Path) -> str:
+def files_sha256(directory: Path) -> str:
+    """sha256 over a directory's file names and bytes (a saved tokenizer's identity)."""
     digest = hashlib.sha256()
     for file in sorted(p for p in directory.rglob("*") if p.is_file()):
         digest.update(f"{file.relative_to(directory)}\0".encode() + file.read_bytes())
@@ -384,6 +395,8 @@ def open_prepared(directory: str | os.PathLike) -> Prepared:
             "prepare the data again",
         )
     train, val = splits["train"], splits["val"]
+    if "sft" in meta:  # supervised fine-tuning records (lmjax.train.sft): tokens + a loss mask
+        train, val = (sft_rows.open_split(directory, n, splits[n], index[n]) for n in splits)
     return Prepared(directory, train, val, tok, meta, index["train"], index["val"])
 
 
@@ -405,9 +418,11 @@ __all__ = [
     "TOKENIZER_DIR",
     "Prepared",
     "check_vocab",
+    "corpus_settings",
     "crops",
     "default_workers",
     "eval_batch",
+    "files_sha256",
     "gpt2_tokenizer",
     "known_vocab_size",
     "open_prepared",
