@@ -29,12 +29,13 @@ from transformers import PreTrainedTokenizerFast
 
 from lmjax import cli, ops
 from lmjax import models as lm
-from lmjax.config import DataConfig
+from lmjax.config import DataConfig, RunConfig
 from lmjax.errors import FileFormatError
 from lmjax.models.loss import loss_fn
 from lmjax.tokenizers import ByteTokenizer, load_hf_tokenizer
 from lmjax.train import data as D
 from lmjax.train import sft, sft_records
+from lmjax.train.plan import preflight
 from lmjax.train.runs import write_weights_run
 from lmjax.train.sft_rows import SFTSplit
 
@@ -164,16 +165,19 @@ def test_prepared_records_and_the_loss_on_completions_only(ws, capsys):
     x, y, mask = (jnp.asarray(batch[k]) for k in ("inputs", "targets", "loss_mask"))
     seg = jnp.asarray(batch["segment_ids"])
     assert 0 < float(mask.mean()) < 1
-    loss = loss_fn(params, x, y, cfg, loss_mask_BT=mask, segment_ids_BT=seg)
-    logits = np.asarray(lm.forward(params, x, cfg, segment_ids=seg), np.float64)
+    loss = jax.jit(loss_fn, static_argnums=3)(params, x, y, cfg, loss_mask_BT=mask,
+                                              segment_ids_BT=seg)  # fmt: skip
+    forward = jax.jit(lm.forward, static_argnums=2)
+    logits = np.asarray(forward(params, x, cfg, segment_ids=seg), np.float64)
     logp = logits - logits.max(-1, keepdims=True)
     logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
     nll = -np.take_along_axis(logp, np.asarray(y)[..., None], -1)[..., 0]
     m = np.asarray(mask) == 1
     np.testing.assert_allclose(float(loss), nll[m].mean(), rtol=1e-5)
-    p, h_BTD = lm.features(params, x, cfg, segment_ids=seg)
+    p, h_BTD = jax.jit(lm.features, static_argnums=2)(params, x, cfg, segment_ids=seg)
     head = lm.head_params(p, cfg)
-    grad = jax.grad(lambda h: ops.linear_cross_entropy(head, h, y, loss_mask=mask))(h_BTD)
+    fused = jax.jit(jax.grad(lambda h: ops.linear_cross_entropy(head, h, y, loss_mask=mask)))
+    grad = fused(h_BTD)
     assert np.all(np.asarray(grad)[~m] == 0.0)
     assert np.all(np.abs(np.asarray(grad)[m]).sum(-1) > 0)
 
@@ -212,6 +216,11 @@ def test_skip_bad_truncation_and_chat_without_template(ws, tmp_path, capsys):
     meta = D.open_prepared(target).meta
     assert meta["train_documents"] + meta["val_documents"] == 5
     assert meta["train_tokens"] + meta["val_tokens"] <= 5 * 41
+    assert meta["val_tokens"] < 41  # one short record: still a row (padded), so no refusal
+    model = {"preset": "llama-tiny", "vocab_size": meta["vocab_size"]}
+    sections = {"model": model, "train": {"seq_len": 40}, "logging": {"sample_tokens": 0}}
+    cfg = RunConfig.from_dict(sections)
+    preflight(cfg, cfg.model_config(), D.open_prepared(target))
     byte_dir = tmp_path / "byte"
     ByteTokenizer().save(byte_dir)
     with pytest.raises(FileFormatError, match=f"{path}:1.*no chat template"):
@@ -251,3 +260,5 @@ def test_finetune_cli_on_records_lowers_the_loss(ws, capfd):
         assert r["real_token_fraction"] == pytest.approx(float(batch["loss_mask"].mean()))
         assert 0 < r["real_token_fraction"] < 1
     assert (out / "adapters.safetensors").is_file()
+    assert cli.main(["eval", str(out)]) == 0  # reopens the SFT data from config.yaml
+    assert f"{rows[-1]['val_loss']:.4f}" in capfd.readouterr().out

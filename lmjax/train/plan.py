@@ -26,6 +26,7 @@ from lmjax.errors import ConfigError, LMJaxError
 from lmjax.models import ModelConfig
 from lmjax.train import data as D
 from lmjax.train.rundir import RunDir
+from lmjax.train.sft_rows import SFTSplit
 
 # Sections a resumed run may change: how long to train and how to log/checkpoint, never what.
 RESUMABLE_CHANGES = (
@@ -123,6 +124,8 @@ def warmup_only_note(cfg: RunConfig) -> str | None:
 def preflight(cfg: RunConfig, model: ModelConfig, prepared: D.Prepared) -> None:
     """What would otherwise fail at the first evaluation, checked before anything is written."""
     for name, tokens in (("train", prepared.train), ("validation", prepared.val)):
+        if isinstance(tokens, SFTSplit):  # a row is one record padded: any record makes one
+            continue
         require(
             len(tokens) >= cfg.seq_len + 1,
             f"{name} split of {prepared.directory}",

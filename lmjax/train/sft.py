@@ -12,9 +12,9 @@ prepared data directory out, whose batches put the loss on completion tokens onl
 
 The directory is a prepared data directory (`lmjax.train.data`) plus a mask per split:
 
-    meta.json            the usual fields, `prepare`'s settings for this corpus (so `lmjax train`
-                         and `lmjax eval` reuse it as it is), and "sft": {seq_len, tokenizer
-                         sha256, eot id, records, truncated, dropped, ...}
+    meta.json            the usual fields, `prepare`'s settings for this corpus with the
+                         tokenizer's sha256 (so `lmjax train` and `lmjax eval` reuse it as it
+                         is), and "sft": {format, seq_len, eot_id, records, truncated, dropped}
     tokenizer/           the base's tokenizer
     SPLIT.bin, SPLIT.idx the records' ids end to end, one document per record
     SPLIT.mask           uint8, one per id
@@ -73,9 +73,9 @@ def settings_of(d, path: Path, seq_len: int, tok_dir: Path, eot: int | None) -> 
     ones (`sft`) that decide the ids and rows: seq_len, the tokenizer's files, the eot id."""
     opts = DocOptions(field=d.field, eot=d.eot, skip_bad=d.skip_bad)
     settings = D.corpus_settings([path], d.tokenizer, d.vocab_size, d.val_fraction, opts)
-    sft = {"format": SFT_FORMAT, "seq_len": seq_len, "eot_id": eot}
-    sft["tokenizer_sha256"] = D.files_sha256(tok_dir)
-    return {**settings, "sft": sft}
+    # As `prepare` records a given tokenizer: `lmjax eval` of the run compares its copy's.
+    settings["tokenizer_sha256"] = D.files_sha256(tok_dir)
+    return {**settings, "sft": {"format": SFT_FORMAT, "seq_len": seq_len, "eot_id": eot}}
 
 
 def prepare(d, path, seq_len: int, tok_dir, out=None) -> Path:
