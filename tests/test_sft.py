@@ -2,17 +2,19 @@
 
 Witnesses:
 - ids and masks: transformers' `PreTrainedTokenizerFast` on the same tokenizer directory (a small
-  byte-level BPE trained offline with `tokenizers`, a ChatML template with `{% generation %}`
-  markers, BOS added by the post-processor): `apply_chat_template` ids and its
+  byte-level BPE trained offline with `tokenizers`, test_chat_template's ChatML template with
+  `{% generation %}` markers, BOS added by the post-processor): `apply_chat_template` ids and its
   `return_assistant_tokens_mask`; for prompt/completion, `tok(prompt)` + `tok(completion,
   add_special_tokens=False)` + eos.
 - rows: records whose ids name their own split position, so every loss-mask entry can be checked
   against the records' masks by hand, packed and unpacked.
 - the loss: float64 numpy NLL over the completion tokens from `models.forward` logits; the
   gradient with respect to the final hidden states is exactly 0 at every other position.
-- end to end: a tiny Llama base with that tokenizer, LoRA for 8 packed steps from the CLI.
+- end to end: a tiny Llama base with that tokenizer, LoRA for 8 packed steps from the CLI, then
+  `lmjax eval` of the run.
 
-Cost: ~25 s on 2 loaded CPU cores (transformers import ~5 s, the CLI run ~12 s of compiles).
+Cost: ~45 s under load 10 on the 2 CPU cores (the CLI run ~26 s, the loss test ~12 s of
+compiles, transformers' import ~5 s; the rest well under a second).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import yaml
+from test_chat_template import CHATML_GENERATION as CHATML
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
@@ -40,16 +43,6 @@ from lmjax.train.runs import write_weights_run
 from lmjax.train.sft_rows import SFTSplit
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<s>"]
-CHATML = """{%- for message in messages %}
-    {%- if message['role'] == 'assistant' %}
-        {{- '<|im_start|>assistant\\n' }}{% generation %}{{- message['content']
-            + '<|im_end|>\\n' }}{% endgeneration %}
-    {%- else %}
-        {{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}
-    {%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
-"""
 WORDS = "the quick brown fox jumps over a lazy dog what is two plus four answer".split()
 
 

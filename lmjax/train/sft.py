@@ -109,7 +109,7 @@ def with_sft_data(cfg, path, tok_dir, out=None):
 def _check_file(path: Path) -> None:
     if not path.is_file():
         raise ConfigError.describe(
-            "--data (finetune.data)",
+            "lmjax finetune --data",
             str(path),
             "an existing .jsonl file of {prompt, completion} or {messages} records",
             "check the path",
