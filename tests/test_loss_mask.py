@@ -19,8 +19,11 @@ import torch.nn.functional as F
 
 from lmjax import lora, models, ops, testing
 from lmjax import params as ptree
+from lmjax.config import TrainConfig
 from lmjax.errors import ShapeError
 from lmjax.testing import F32_RTOL, FD_RTOL, OpCase
+from lmjax.train.data import eval_batch
+from lmjax.train.evaluate import evaluate
 from lmjax.train.step import init_state, loss_fn, make_eval_step, make_train_step
 
 V, D = 7, 4
@@ -220,3 +223,27 @@ def test_a_packed_batch_reaches_the_model_through_the_step(sgd):
     _, metrics = step(state, b)
     assert float(metrics["loss"]) == pytest.approx(packed, rel=1e-6)
     assert abs(packed - plain) > 1e-4 and float(metrics["real_token_fraction"]) == 1.0
+
+
+def test_packed_validation_is_the_token_weighted_mean():
+    """evaluate() passes the masks and weights each batch by its counted tokens."""
+    rng = np.random.default_rng(7)
+    tokens = rng.integers(0, MODEL.vocab_size, 400).astype(np.uint16)
+    cuts = np.cumsum(rng.integers(2, 12, 80))  # documents of 2-11 tokens
+    documents = np.concatenate([[0], cuts[cuts < 400], [400]]).astype(np.int64)
+    t = TrainConfig(batch_size=2, eval_batches=2)
+    step = make_eval_step(MODEL)
+    params = models.init(jax.random.PRNGKey(0), MODEL)
+    got = evaluate(step, params, tokens, t, 16, documents=documents)
+    total = count = 0.0
+    counts = []
+    for i in range(2):
+        b = eval_batch(tokens, t.seed, i, 2, 16, None, documents)
+        n = float(b["loss_mask"].sum())
+        assert "segment_ids" in b and 0 < n < b["loss_mask"].size  # boundaries are masked
+        mean = loss_fn(params, b["inputs"], b["targets"], MODEL, loss_mask_BT=b["loss_mask"],
+                       segment_ids_BT=b["segment_ids"])  # fmt: skip
+        total, count = total + n * float(mean), count + n
+        counts.append(n)
+    assert counts[0] != counts[1]  # so the plain mean of the two would differ
+    assert got == pytest.approx(total / count, rel=1e-6)

@@ -56,14 +56,16 @@ def evaluate(
         mask = b.get("loss_mask")
         counts.append(None if mask is None else counted_tokens(b["targets"], mask))
         on = place(b)
-        losses.append(eval_step(params, on["inputs"], on["targets"], *map(on.get, _MASK_KEYS)))
+        # The masks only when present: an unpacked batch calls eval_step as it always did.
+        masks = {f"{k}_BT": on[k] for k in _MASK_KEYS if k in on}
+        losses.append(eval_step(params, on["inputs"], on["targets"], **masks))
     if counts[0] is None:  # every batch counts all its B*T tokens
         return float(np.mean(jax.device_get(losses)))
     losses, weights = (np.asarray(jax.device_get(v), np.float64) for v in (losses, counts))
     return float(np.sum(weights * losses) / max(np.sum(weights), 1.0))
 
 
-_MASK_KEYS = ("loss_mask", "segment_ids")  # eval_step's optional arguments, in order
+_MASK_KEYS = ("loss_mask", "segment_ids")  # eval_step's optional `<key>_BT` arguments
 
 
 @dataclasses.dataclass(frozen=True)
