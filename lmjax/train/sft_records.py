@@ -17,9 +17,10 @@ tokenizer's eos token (a Hugging Face tokenizer's `eos_token`) or `<|endoftext|>
 `data.eot` (auto); none for byte/char tokenizers (nothing is appended). The prompt gets the
 post-processor's special tokens (e.g. a BOS) when the tokenizer has them, the completion none.
 
-A malformed record (invalid JSON, not an object, neither schema, a non-string or empty field, an
-unknown role, no assistant turn, text the tokenizer or template refuses) is a `FileFormatError`
-naming `FILE:LINE`, or counted with `skip_bad` (`corpus_files.BadRecords`, as `lmjax prepare`).
+A malformed record (invalid JSON, not an object, neither schema, a non-string field, an empty
+completion, an unknown role, no assistant turn, text the tokenizer or template refuses) is a
+`FileFormatError` naming `FILE:LINE`, or counted with `skip_bad` (`corpus_files.BadRecords`, as
+`lmjax prepare`). An empty prompt is allowed.
 """
 
 from __future__ import annotations
