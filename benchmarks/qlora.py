@@ -28,14 +28,10 @@ ones are what the kernel reports (they include the JAX runtime, the same in ever
 from __future__ import annotations
 
 import argparse
-import ctypes
-import ctypes.util
-import gc
 import json
 import os
 import platform
 import pydoc_data.topics
-import re
 import statistics
 import subprocess
 import sys
@@ -48,6 +44,9 @@ import numpy as np
 import optax
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _rss
+
+from _rss import RSS_ENV, release_freed_memory, status_bytes  # noqa: E402
 
 from lmjax import finetune, lora, models  # noqa: E402
 from lmjax.train.step import init_state, make_train_step  # noqa: E402
@@ -55,7 +54,6 @@ from lmjax.train.step import init_state, make_train_step  # noqa: E402
 RESULTS = Path(__file__).resolve().parent / "results"
 METHODS = ("full", "lora", "qlora")
 RSS_METHODS = ("lora", "qlora", "qlora_dequantize")
-RSS_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}  # section 3 of the docstring
 TEXT = "".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics))
 
 
@@ -131,20 +129,6 @@ def measured_run(model, lcfg, steps: int, batch: int, seq_len: int, lr: float) -
 # ---- 3. measured peak RSS of one step, each method in its own process ---------------------------
 
 
-def _status_bytes(field: str) -> int:
-    """A `/proc/self/status` memory line (VmRSS, VmHWM: kB) in bytes."""
-    text = Path("/proc/self/status").read_text()
-    return int(re.search(rf"^{field}:\s+(\d+) kB", text, re.M).group(1)) * 1024
-
-
-def _release_freed_memory() -> None:
-    """Collect Python garbage and return glibc's free heap pages to the system."""
-    gc.collect()
-    libc = ctypes.util.find_library("c")
-    if libc:
-        ctypes.CDLL(libc).malloc_trim(0)
-
-
 def rss_step(method: str, model, lcfg, batch: int, seq_len: int) -> dict:
     """In this (fresh) process: frozen base + adapters of `method`, the step compiled, then the
     peak RSS of one step (bytes): `rss_before_step` (all state resident), `peak_step` (VmHWM
@@ -169,8 +153,8 @@ def rss_step(method: str, model, lcfg, batch: int, seq_len: int) -> dict:
     inputs, targets = _batches(np.random.default_rng(0), data, 1, batch, seq_len)
     b = {"inputs": jnp.asarray(inputs[0][None]), "targets": jnp.asarray(targets[0][None])}
     compiled = step.lower(state, b, frozen).compile()
-    _release_freed_memory()
-    before = _status_bytes("VmRSS")
+    release_freed_memory()
+    before = status_bytes("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS (Linux >= 4.0)
     start = time.perf_counter()
     state, metrics = compiled(state, b, frozen)
@@ -178,7 +162,7 @@ def rss_step(method: str, model, lcfg, batch: int, seq_len: int) -> dict:
     seconds = time.perf_counter() - start
     return {
         "rss_before_step": before,
-        "peak_step": _status_bytes("VmHWM"),
+        "peak_step": status_bytes("VmHWM"),
         "peak_process": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "step_s": seconds,
         "loss": loss,

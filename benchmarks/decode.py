@@ -1,0 +1,203 @@
+"""Greedy decoding of a SmolLM2-135M-shaped Llama: lmjax `generate` vs `transformers` `generate`.
+
+Both sides run the same weights: a `transformers.LlamaForCausalLM` is built offline from a
+seeded `LlamaConfig` with SmolLM2-135M's shapes (V 49152, D 576, 30 layers, H 9, Hkv 3 (GQA),
+F 1536, tied head, rope_theta 1e5), saved with `save_pretrained` into a temporary directory and
+read back into lmjax by `lmjax.io.hf.load` (the importer users run), so the benchmark also
+exercises the import. The initializer range is 0.1 instead of 0.02 so the random model's
+next-token distribution is peaked: near-ties within float rounding would otherwise make the two
+sides' greedy tokens diverge for reasons that say nothing about either.
+
+For each batch size the first call of each side is timed apart (lmjax: tracing + XLA
+compilation of the prefill and decode step for this (B, T, S) bucket; torch: first
+allocations), then the two are timed alternately `--rounds` times on the same prompts (equal
+lengths, no padding), each producing exactly `--new-tokens` tokens per row; the figure is the
+median end-to-end `generate` call, as batch * new_tokens / seconds. The tokens of both sides
+must be identical (asserted, and recorded). The CPU may be shared: alternating and medians keep
+that fair, not quiet, so the load average before and after is recorded beside the figures.
+
+    JAX_PLATFORMS=cpu python benchmarks/decode.py           # -> benchmarks/results/decode.json
+    python benchmarks/decode.py --quick --output /tmp/d.json  # tiny shapes (the smoke test)
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # libtpu is installed in the venv; CPU here
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import platform  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # run from a checkout, no install
+sys.path.insert(0, str(HERE))  # the sibling GPT-2 decoding benchmark's runners
+
+from generate import run_hf, run_lmjax, timed  # noqa: E402
+
+from lmjax import models  # noqa: E402
+from lmjax.io import hf as hf_io  # noqa: E402
+
+RESULTS = HERE / "results"
+INIT_RANGE = 0.1
+# SmolLM2-135M's config.json fields that set the shapes and the maths (lmjax's preset).
+SMOLLM2 = dict(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    max_position_embeddings=8192,
+    rope_theta=100000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+)
+QUICK = dict(
+    SMOLLM2,
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
+
+
+def build_models(fields: dict, seed: int, workdir: Path):
+    """`(hf_model, params, cfg)`: a seeded LlamaForCausalLM and lmjax's import of its save."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    hf_cfg = transformers.LlamaConfig(**fields, initializer_range=INIT_RANGE)
+    hf = transformers.LlamaForCausalLM(hf_cfg).eval()
+    hf.save_pretrained(workdir, safe_serialization=True)
+    params, cfg = hf_io.load(workdir)
+    return hf, params, cfg
+
+
+def load_average() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def bench_batch(hf, params, cfg, batch: int, args) -> dict:
+    """One batch size: first calls timed apart, then `args.rounds` alternating timed calls."""
+    rng = np.random.default_rng(batch)
+    prompts = rng.integers(0, cfg.vocab_size, (batch, args.prompt_len))
+    sides = {
+        "lmjax": lambda: run_lmjax(params, cfg, prompts, args.new_tokens),
+        "transformers": lambda: run_hf(hf, prompts, args.new_tokens),
+    }
+    first, tokens = {}, {}
+    for name, fn in sides.items():
+        first[name], tokens[name] = timed(fn)
+    same = tokens["lmjax"] == tokens["transformers"]
+    if not same.all():
+        raise AssertionError(
+            f"batch {batch}: greedy tokens differ at {int((~same).sum())} of {same.size} places"
+        )
+    times = {name: [] for name in sides}
+    for _ in range(args.rounds):
+        for name, fn in sides.items():
+            seconds, out = timed(fn)
+            assert (out == tokens[name]).all(), f"{name}: greedy tokens changed between calls"
+            times[name].append(seconds)
+    generated = batch * args.new_tokens
+    medians = {name: statistics.median(t) for name, t in times.items()}
+    tps = {name: generated / m for name, m in medians.items()}
+    return {
+        "batch": batch,
+        "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens,
+        "first_call_s": first,
+        # The first call less a warm one: lmjax's tracing + compilation for this bucket.
+        "lmjax_compile_s": first["lmjax"] - medians["lmjax"],
+        "seconds": times,
+        "median_seconds": medians,
+        "tokens_per_second": tps,
+        "lmjax_over_transformers": tps["lmjax"] / tps["transformers"],
+        "best_tokens_per_second": {name: generated / min(t) for name, t in times.items()},
+        "tokens_identical": True,  # asserted above
+        "first_tokens_row0": tokens["lmjax"][0, :8].tolist(),
+    }
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="tiny Llama shapes (the smoke test)")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--output", type=Path, default=None, help="default results/decode.json")
+    return ap.parse_args(argv)
+
+
+def environment(hf) -> dict:
+    import torch
+    import transformers
+
+    return {
+        "jax": jax.__version__,
+        "backend": jax.default_backend(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "transformers": transformers.__version__,
+        "hf_attention": hf.config._attn_implementation,
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+    }
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    fields = QUICK if args.quick else SMOLLM2
+    load_before = load_average()
+    with tempfile.TemporaryDirectory() as tmp:
+        hf, params, cfg = build_models(fields, args.seed, Path(tmp))
+    rows = []
+    for batch in args.batches:
+        row = bench_batch(hf, params, cfg, batch, args)
+        rows.append(row)
+        tps = row["tokens_per_second"]
+        print(
+            f"batch {batch}: lmjax {tps['lmjax']:.1f} tok/s, transformers "
+            f"{tps['transformers']:.1f} tok/s (x{row['lmjax_over_transformers']:.2f}), "
+            f"lmjax compile {row['lmjax_compile_s']:.1f} s, tokens identical",
+            flush=True,
+        )
+    result = {
+        "benchmark": "greedy decoding tokens/s, lmjax generate vs transformers generate",
+        "model": {
+            "shape": "tiny llama (--quick)" if args.quick else "SmolLM2-135M",
+            "hf_config": fields,
+            "initializer_range": INIT_RANGE,
+            "parameters": models.param_count(cfg),
+            "loaded_by": "lmjax.io.hf.load of LlamaForCausalLM.save_pretrained",
+        },
+        "rounds": args.rounds,
+        "load_average": {"before": load_before, "after": load_average()},
+        "results": rows,
+        "environment": environment(hf),
+    }
+    out = args.output or RESULTS / ("decode_quick.json" if args.quick else "decode.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out} (load average before {load_before}, after {load_average()})")
+    return {**result, "path": str(out)}
+
+
+if __name__ == "__main__":
+    main()
