@@ -14,6 +14,8 @@ loop `full_trainable(...)`.
 
 from __future__ import annotations
 
+import jax
+
 from lmjax import params as ptree
 from lmjax.checks import require
 from lmjax.errors import ConfigError
@@ -51,18 +53,11 @@ def check_full(qlora: bool, lora_section: dict, lora_text: str | None) -> None:
 
 
 def check_freeze(model, globs: tuple[str, ...]) -> None:
-    """Each glob must name a parameter of the base, and something must be left to train."""
-    names = list(ptree.flatten(abstract_params(model)))  # traced: nothing allocated
-    for glob in globs:
-        if not any(ptree.matches(name, glob) for name in names):
-            raise ConfigError.describe(
-                "finetune.freeze glob",
-                glob,
-                f"a glob matching at least one of the {len(names)} parameter names "
-                f"(e.g. {names[0]!r})",
-                "check the spelling against `lmjax inspect`'s parameter names",
-            )
-    if globs and all(ptree.matches(name, globs) for name in names):
+    """Each glob must name a parameter of the base (`lmjax.params.mask`'s check), and something
+    must be left to train."""
+    # traced: nothing allocated
+    frozen = ptree.mask(abstract_params(model), globs, require_match=True) if globs else {}
+    if globs and all(jax.tree.leaves(frozen)):
         raise ConfigError.describe(
             "finetune.freeze",
             ",".join(globs),

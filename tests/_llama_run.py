@@ -59,3 +59,23 @@ def imported_run(root: Path) -> Path:
     (root / "corpus.txt").write_text(TEXT)
     assert cli.main(["import-hf", str(root / "hf"), "--out", str(root / "base")]) == 0
     return root / "base"
+
+
+CONFIG = """
+finetune: {{base: {base}}}
+{lora}
+data: {{corpus: {corpus}}}
+optimizer: {{name: adamw, lr: 0.01, weight_decay: 0.0}}
+schedule: {{warmup_steps: 1, decay_steps: 8}}
+train: {{steps: 8, batch_size: 4, seq_len: 32, eval_every: 8, eval_batches: 1}}
+checkpoint: {{every: 8, keep: 1}}
+logging: {{every: 1, progress: false, sample_tokens: 4, sample_prompt: The, peak_flops: 1.0e+12}}
+"""
+
+
+def finetune_config(root: Path, lora: str = "") -> Path:
+    """root/ft.yaml: 8 steps of 4 x 32 tokens over `imported_run(root)`'s base and corpus
+    (`lora`: a lora section, or none for --full)."""
+    path = root / "ft.yaml"
+    path.write_text(CONFIG.format(base=root / "base", corpus=root / "corpus.txt", lora=lora))
+    return path

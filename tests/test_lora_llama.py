@@ -15,17 +15,15 @@ Checked (float32):
   LoRA model over the dequantized base (1e-5), and of peft over a transformers model holding
   bitsandbytes' dequantization of the same NF4 codes (the outside witness of the weights).
   Every input width is >= 64 (D = 64): bitsandbytes 0.50's CPU dequantize_4bit reads weights
-  narrower than its 64-weight block wrongly (a [16, 32] weight: blocks after the first are off
-  by up to 0.2, where [40, 192] or [16, 64] are bit-equal to lmjax's).
+  narrower than its 64-weight block wrongly (tests/_bnb.py).
 
 And `lmjax import-hf` of such a model (with a tokenizer.json) -> `lmjax finetune --qlora --lora
 targets=all-linear` -> `lmjax export-hf`: the loss goes down and transformers loads the export
 with lmjax's merged logits. `lmjax inspect PRESET --qlora --lora ...` of the four Llama-family
 presets prints adapter counts equal to hand counts from the published shapes, without allocating.
 
-Cost: about 30 s CPU (90 s wall on the loaded 2 cores): 3 target sets, one jit of each adapted
-tree; the CLI run ~15 s;
-the inspect subprocess ~10 s.
+Cost: about 60 s CPU (~150 s wall on the loaded 2 cores): 3 target sets, one jit of each
+adapted tree (~30 s); the CLI run ~15 s; the inspect subprocess ~10 s.
 """
 
 from __future__ import annotations
@@ -36,7 +34,6 @@ import re
 import subprocess
 import sys
 
-import bitsandbytes.functional as bnbf
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -44,7 +41,8 @@ import peft
 import pytest
 import torch
 import transformers
-from _llama_run import imported_run
+from _bnb import bnb_dequantized
+from _llama_run import finetune_config, imported_run
 
 from lmjax import cli, lora, models
 from lmjax import params as ptree
@@ -176,21 +174,6 @@ def test_merged_export_loads_in_transformers(base, adapted, tmp_path):
     np.testing.assert_allclose(_torch_logits(peft_merged), ours, atol=1e-5, rtol=0)
 
 
-def _bnb_dequantized(qw) -> torch.Tensor:
-    """bitsandbytes' dequantize_4bit of lmjax's NF4 codes and statistics, [O, I] float32."""
-    o, i = qw.shape
-    _, state = bnbf.quantize_4bit(
-        torch.zeros(o, i), quant_type="nf4", compress_statistics=True, blocksize=64
-    )
-    state.absmax = torch.from_numpy(np.asarray(qw.qabsmax))
-    state.offset = torch.tensor(float(qw.offset))
-    state.state2.absmax = torch.from_numpy(np.asarray(qw.absmax2))
-    state.state2.code = torch.from_numpy(nf4.dynamic_map_signed())
-    packed = torch.from_numpy(np.asarray(qw.packed)[:, None])
-    with torch.compiler.set_stance("force_eager"):
-        return bnbf.dequantize_4bit(packed, state)
-
-
 def _with_weights(model, weights: dict[str, torch.Tensor]):
     """A copy of the transformers model with `{lmjax layer name: weight}` put in place."""
     out = copy.deepcopy(model)
@@ -217,7 +200,10 @@ def test_qlora_equals_lora_over_the_dequantized_base(base, adapted):
     np.testing.assert_allclose(ours, _lmjax_logits(lora.attach(dense, adapters, lcfg), cfg),
                                atol=1e-5, rtol=0)  # fmt: skip
     # The outside witness: peft over bitsandbytes' reading of the same NF4 bytes.
-    witness = {k.removesuffix(".weight"): _bnb_dequantized(v) for k, v in quantized.items()}
+    witness = {
+        k.removesuffix(".weight"): torch.from_numpy(bnb_dequantized(v))
+        for k, v in quantized.items()
+    }
     wrapped = _peft_model(_with_weights(model, witness), TARGET_SETS["all-linear"])
     lcfg_all = lora.LoraConfig(r=R, alpha=ALPHA, targets=("all-linear",))
     expected = _torch_logits(wrapped)
@@ -227,17 +213,6 @@ def test_qlora_equals_lora_over_the_dequantized_base(base, adapted):
 
 # ---- lmjax finetune of an imported Llama run -----------------------------------------------------
 
-CONFIG = """
-finetune: {{base: {base}}}
-lora: {{r: 4, alpha: 8, targets: [q_proj, v_proj]}}
-data: {{corpus: {corpus}}}
-optimizer: {{name: adamw, lr: 0.01, weight_decay: 0.0}}
-schedule: {{warmup_steps: 1, decay_steps: 8}}
-train: {{steps: 8, batch_size: 4, seq_len: 32, eval_every: 8, eval_batches: 1}}
-checkpoint: {{every: 8, keep: 1}}
-logging: {{every: 1, progress: false, sample_tokens: 4, sample_prompt: The, peak_flops: 1.0e+12}}
-"""
-
 
 def test_cli_qlora_finetune_of_an_imported_llama_exports(tmp_path, monkeypatch):
     """import-hf -> finetune --qlora --lora targets=all-linear (over the config's q_proj|v_proj)
@@ -245,7 +220,7 @@ def test_cli_qlora_finetune_of_an_imported_llama_exports(tmp_path, monkeypatch):
     of lmjax's merged model; every linear layer was adapted (all-linear)."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     base = imported_run(tmp_path)
-    (tmp_path / "ft.yaml").write_text(CONFIG.format(base=base, corpus=tmp_path / "corpus.txt"))
+    finetune_config(tmp_path, "lora: {r: 4, alpha: 8, targets: [q_proj, v_proj]}")
     out = tmp_path / "out"
     args = [
         "finetune",
@@ -279,7 +254,7 @@ PUBLISHED = {
     "qwen3-0.6b": (28, 1024, 16, 8, 128, 3072),
 }
 INSPECT = """
-import contextlib, io, json, resource, sys
+import contextlib, io, json, sys
 from lmjax import cli
 out = {}
 for preset, lora in json.loads(sys.argv[1]):
@@ -287,7 +262,9 @@ for preset, lora in json.loads(sys.argv[1]):
     with contextlib.redirect_stdout(text):
         assert cli.main(["inspect", preset, "--qlora", "--lora", lora]) == 0
     out[preset + " " + lora] = text.getvalue()
-out["peak_rss_kb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+# VmHWM: this process's own peak (ru_maxrss would include the parent's, kept across exec)
+status = open("/proc/self/status").read()
+out["peak_rss_kb"] = int(status.split("VmHWM:")[1].split()[0])
 print(json.dumps(out))
 """
 

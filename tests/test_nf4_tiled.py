@@ -21,13 +21,12 @@ checks only trace, on abstract weights).
 
 from __future__ import annotations
 
-import bitsandbytes.functional as bnbf
 import jax
 import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
+from _bnb import bnb_dequantized
 
 from lmjax import models
 from lmjax.quant import nf4, quantize
@@ -141,22 +140,6 @@ def test_compiled_step_holds_no_layer_weights_at_once():
 # ---- numerics ------------------------------------------------------------------------------------
 
 
-def _bnb_dequantized(qw) -> np.ndarray:
-    """bitsandbytes' dequantize_4bit of our codes and statistics (float32 [O, I]): the outside
-    witness, bit-equal to lmjax.quant.dequantize in tests/test_quant_nf4.py."""
-    o, i = qw.shape
-    _, state = bnbf.quantize_4bit(
-        torch.zeros(o, i), quant_type="nf4", compress_statistics=True, blocksize=64
-    )
-    state.absmax = torch.from_numpy(np.asarray(qw.qabsmax))
-    state.offset = torch.tensor(float(qw.offset))
-    state.state2.absmax = torch.from_numpy(np.asarray(qw.absmax2))
-    state.state2.code = torch.from_numpy(nf4.dynamic_map_signed())
-    packed = torch.from_numpy(np.asarray(qw.packed)[:, None])
-    with torch.compiler.set_stance("force_eager"):  # no torch.compile per odd shape
-        return bnbf.dequantize_4bit(packed, state).numpy()
-
-
 def _y_and_dx(matmul, x, g):
     y, pull = jax.vjp(matmul, x)
     return y, pull(g)[0]
@@ -184,7 +167,7 @@ def test_tiled_equals_reference_and_bitsandbytes(o, i, tile_rows):
     np.testing.assert_allclose(y, y_ref, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(dx, dx_ref, rtol=1e-6, atol=1e-6)
 
-    w64 = _bnb_dequantized(qw).astype(np.float64)
+    w64 = bnb_dequantized(qw).astype(np.float64)
     x64, g64 = np.asarray(x, np.float64), np.asarray(g, np.float64)
     np.testing.assert_allclose(y, x64 @ w64.T + np.asarray(bias, np.float64), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(dx, g64 @ w64, rtol=1e-5, atol=1e-5)
