@@ -28,20 +28,18 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # libtpu is installed in the venv
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import platform  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # run from a checkout, no install
 sys.path.insert(0, str(HERE))  # the sibling GPT-2 decoding benchmark's runners
 
-from generate import run_hf, run_lmjax, timed  # noqa: E402
+from generate import environment, run_hf, run_lmjax, timed  # noqa: E402
 
 from lmjax import models  # noqa: E402
 from lmjax.io import hf as hf_io  # noqa: E402
@@ -140,30 +138,28 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--torch-threads", type=int, default=None, help="default: torch's own")
     ap.add_argument("--output", type=Path, default=None, help="default results/decode.json")
     return ap.parse_args(argv)
 
 
-def environment(hf) -> dict:
-    import torch
-    import transformers
-
+def model_summary(quick: bool, fields: dict, parameters: int) -> dict:
+    """The JSON "model" entry of this benchmark and qlora_llama.py."""
     return {
-        "jax": jax.__version__,
-        "backend": jax.default_backend(),
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "transformers": transformers.__version__,
-        "hf_attention": hf.config._attn_implementation,
-        "cpu_count": os.cpu_count(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
+        "shape": "tiny llama (--quick)" if quick else "SmolLM2-135M",
+        "hf_config": fields,
+        "initializer_range": INIT_RANGE,
+        "parameters": parameters,
     }
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
     fields = QUICK if args.quick else SMOLLM2
+    if args.torch_threads:  # on a shared CPU torch's spinning OpenMP threads may lose time
+        import torch
+
+        torch.set_num_threads(args.torch_threads)
     load_before = load_average()
     with tempfile.TemporaryDirectory() as tmp:
         hf, params, cfg = build_models(fields, args.seed, Path(tmp))
@@ -181,10 +177,7 @@ def main(argv=None) -> dict:
     result = {
         "benchmark": "greedy decoding tokens/s, lmjax generate vs transformers generate",
         "model": {
-            "shape": "tiny llama (--quick)" if args.quick else "SmolLM2-135M",
-            "hf_config": fields,
-            "initializer_range": INIT_RANGE,
-            "parameters": models.param_count(cfg),
+            **model_summary(args.quick, fields, models.param_count(cfg)),
             "loaded_by": "lmjax.io.hf.load of LlamaForCausalLM.save_pretrained",
         },
         "rounds": args.rounds,

@@ -121,6 +121,24 @@ def bench_batch(hf, cfg, params, batch, args) -> dict:
     }
 
 
+def environment(hf) -> dict:
+    """The versions, threads and machine a decoding figure was measured with."""
+    import torch
+    import transformers
+
+    return {
+        "jax": jax.__version__,
+        "backend": jax.default_backend(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "transformers": transformers.__version__,
+        "hf_attention": hf.config._attn_implementation,
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=12)
@@ -131,9 +149,6 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=RESULTS / "generate.json")
     args = parser.parse_args()
-
-    import torch
-    import transformers
 
     hf, cfg, params = build_models(args.layers, args.seed)
     rows = []
@@ -160,17 +175,7 @@ def main() -> None:
         },
         "repeats": args.repeats,
         "results": rows,
-        "environment": {
-            "jax": jax.__version__,
-            "backend": jax.default_backend(),
-            "torch": torch.__version__,
-            "torch_threads": torch.get_num_threads(),
-            "transformers": transformers.__version__,
-            "hf_attention": hf.config._attn_implementation,
-            "cpu_count": os.cpu_count(),
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-        },
+        "environment": environment(hf),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")

@@ -202,7 +202,7 @@ def main(argv=None) -> dict:
         out.update(peak_steps=peak_steps, peak_process=max(peak_steps, out["peak_load"]))
         print(json.dumps(out))
         return out
-    from decode import QUICK, SMOLLM2
+    from decode import QUICK, SMOLLM2, model_summary
 
     fields = QUICK if args.quick else SMOLLM2
     load_before = [round(x, 2) for x in os.getloadavg()]
@@ -212,11 +212,7 @@ def main(argv=None) -> dict:
     first = {side: runs[side]["losses"][0] for side in SIDES}
     result = {
         "benchmark": "one QLoRA train step on CPU, lmjax vs peft + bitsandbytes",
-        "model": {
-            "shape": "tiny llama (--quick)" if args.quick else "SmolLM2-135M",
-            "hf_config": fields,
-            "parameters": n_params,
-        },  # fmt: skip
+        "model": model_summary(args.quick, fields, n_params),
         "qlora": {
             "quant": "nf4, double quantization, block 64, compute float32",
             "r": R,
