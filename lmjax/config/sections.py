@@ -68,6 +68,8 @@ class TrainConfig:
     eval_every: int = 250
     eval_batches: int = 20
     tensorboard: bool = True  # event files in RUN/tensorboard/ (lmjax.train.tensorboard)
+    wandb: bool = False  # Weights & Biases logging (lmjax.train.wandb_log; pip install wandb)
+    wandb_project: str = "lmjax"  # the W&B project the run logs to
 
 
 @dataclasses.dataclass(frozen=True)

@@ -141,8 +141,8 @@ def measured_peak_flops(dtype: str = "float32", n: int = 2048, repeats: int = 5)
 class MetricsLog:
     """Append-only `metrics.jsonl`: one JSON object per line, each with a `step`.
 
-    `also`: more logs (`lmjax.train.tensorboard.TensorBoardLog`) that get every `append` and
-    `truncate_after` too; `read` reads the file.
+    `also`: more logs (`tensorboard.TensorBoardLog`, `wandb_log.WandbLog`) that get every
+    `append` and `truncate_after` too; `read` reads the file.
     """
 
     def __init__(self, path: str | os.PathLike, also: tuple = ()):

@@ -27,6 +27,7 @@ from lmjax.models import ModelConfig
 from lmjax.train import data as D
 from lmjax.train.rundir import RunDir
 from lmjax.train.sft_rows import SFTSplit
+from lmjax.train.wandb_log import require_installed
 
 # Sections a resumed run may change: how long to train and how to log/checkpoint, never what.
 RESUMABLE_CHANGES = (
@@ -34,6 +35,8 @@ RESUMABLE_CHANGES = (
     "train.eval_every",
     "train.eval_batches",
     "train.tensorboard",
+    "train.wandb",
+    "train.wandb_project",
     "run.",
     "logging.",
     "checkpoint.",
@@ -61,6 +64,7 @@ def make_plan(
     cfg: RunConfig, *, config_path: str | None, resume: bool, finetune: bool = False
 ) -> Plan:
     """Resolve and check a run (`finetune`: the run trains adapters over a frozen base)."""
+    require_installed(cfg.train.wandb)  # before anything (the data cache) is written
     run = RunDir.for_config(cfg, config_path)
     run.check_writable(resume)
     # A fine-tune's checkpoints hold adapters, not a model: restoring them as one would fail

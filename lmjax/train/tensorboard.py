@@ -58,7 +58,7 @@ class TensorBoardLog:
         values = [
             summary_pb2.Summary.Value(tag=TAGS[key], simple_value=float(value))
             for key, value in record.items()
-            if key in TAGS and _is_number(value)
+            if key in TAGS and is_number(value)
         ]
         if values:
             summary = summary_pb2.Summary(value=values)
@@ -77,9 +77,9 @@ class TensorBoardLog:
             self._writer = None
 
 
-def _is_number(value) -> bool:
+def is_number(value) -> bool:
     """A real scalar (not None, e.g. tokens_per_s of a window that only compiled)."""
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
-__all__ = ["TAGS", "TensorBoardLog"]
+__all__ = ["TAGS", "TensorBoardLog", "is_number"]

@@ -37,6 +37,7 @@ from lmjax.train.progress import MetricsWindow, progress_bar
 from lmjax.train.sampling import Sampler, truncate_samples
 from lmjax.train.step import TrainState, init_state
 from lmjax.train.tensorboard import TensorBoardLog
+from lmjax.train.wandb_log import WandbLog
 
 
 @dataclasses.dataclass
@@ -98,7 +99,9 @@ class Trainer:
         self.pieces, self.out = pieces, out
         self.ckpt = plan.run.checkpoints(keep=plan.cfg.checkpoint.keep)
         board = (TensorBoardLog(plan.run.tensorboard_dir),) if plan.cfg.train.tensorboard else ()
-        self.log = MetricsLog(plan.run.metrics_file, also=board)
+        t = plan.cfg.train
+        wandb = WandbLog(plan.run.path, plan.cfg.to_dict(), plan.resume, t.wandb_project)
+        self.log = MetricsLog(plan.run.metrics_file, also=board + ((wandb,) if t.wandb else ()))
         self.state: TrainState | None = None
 
     # ---- the state ---------------------------------------------------------------------------
