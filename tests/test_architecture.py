@@ -57,7 +57,7 @@ LAZY_THIRD_PARTY = {
     "matplotlib": "loss.png only, once per run; `import matplotlib.figure` adds 0.4-0.7 s to "
     "`import lmjax.train` (1.9-2.3 s without it, measured 2026-12-02)",
     "wandb": "train.wandb: true only, once per run (lmjax.train.wandb_log); `import wandb` is "
-    "1.0 s (wandb 0.31, measured 2026-12-02)",
+    "0.5-1.0 s (wandb 0.31, measured 2026-12-02)",
 }
 OPS = "lmjax.ops"
 OPS_MAY_IMPORT = ("lmjax.errors", "lmjax.checks", OPS)

@@ -22,6 +22,7 @@ from test_tensorboard import TEXT, _config
 from lmjax import train
 from lmjax.errors import ConfigError
 from lmjax.train.tensorboard import TAGS
+from lmjax.train.wandb_log import WandbLog
 
 OFFLINE = {
     "WANDB_MODE": "offline",
@@ -122,6 +123,26 @@ def test_the_run_config_reaches_wandb(wandb_run):
     assert values["train"]["wandb"] is True
     assert values["model"]["preset"] == "gpt"
     assert isinstance(values["model"]["vocab_size"], int)  # resolved from the data (was None)
+
+
+def test_a_failed_run_is_finished_as_failed(tmp_path, monkeypatch):
+    """close() in a `finally` while an exception propagates: the session ends (no hang) with
+    exit code 1 in its file. ~1 s (one W&B session)."""
+    pytest.importorskip("wandb")
+    for key, value in OFFLINE.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb_config"))
+    log = WandbLog(tmp_path, {"train": {"steps": 1}}, resume=False)
+    with pytest.raises(RuntimeError, match="boom"):
+        try:
+            log.append({"step": 1, "loss": 2.5, "note": "not a scalar"})
+            raise RuntimeError("boom")
+        finally:
+            log.close()
+    (path,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
+    exits = [r.exit.exit_code for r in _records(path) if r.WhichOneof("record_type") == "exit"]
+    assert exits == [1]
+    assert _session(path)[1][1]["train/loss"] == 2.5
 
 
 def test_without_wandb_installed_the_plan_refuses_before_writing(tmp_path, monkeypatch):
