@@ -56,11 +56,17 @@ demo: $(RUNTIME_STAMP)
 	env $$platform $(VENV)/bin/lmjax train configs/tiny-shakespeare.yaml \
 		run.dir=runs/demo-$$(date +%Y%m%d-%H%M%S)
 
+# Two pytest-xdist workers, one per core of the CI machine; --dist loadfile keeps each test
+# module on one worker, so its module-scoped compiled functions are built once.
+# `make test WORKERS=0` runs in one process.
+WORKERS ?= 2
+XDIST = $(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist loadfile)
+
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(XDIST)
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q $(XDIST) -m "not slow"
 
 bench: $(STAMP)
 	@$(PLATFORM); \
