@@ -291,7 +291,7 @@ def finetune(
     lora_text=None,
     qlora=None,
     resume=False,
-    out=sys.stderr,
+    out=None,
     full=None,
     freeze=None,
     data=None,
@@ -299,7 +299,9 @@ def finetune(
     """Run (or resume) a fine-tune as configured; see the module docstring. `lora_text`:
     `--lora` fields over the config's; `qlora`: True/False over `finetune.qlora` (None: keep);
     `full` / `freeze`: `--full` and `--freeze`'s comma-separated globs; `data`: `--data`, a
-    .jsonl of supervised fine-tuning records (`lmjax.train.sft`) instead of data.corpus."""
+    .jsonl of supervised fine-tuning records (`lmjax.train.sft`) instead of data.corpus.
+    `out`: where progress and notes go (default: sys.stderr at the time of the call)."""
+    out = sys.stderr if out is None else out  # looked up now: a redirected stderr is honoured
     cfg, spec, base_run = load_config(path, overrides, lora_text, qlora, full=full, freeze=freeze)
     run = RunDir.for_config(cfg, str(path))
     run_dir = run.path

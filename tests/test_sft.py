@@ -255,3 +255,37 @@ def test_finetune_cli_on_records_lowers_the_loss(ws, capfd):
     assert (out / "adapters.safetensors").is_file()
     assert cli.main(["eval", str(out)]) == 0  # reopens the SFT data from config.yaml
     assert f"{rows[-1]['val_loss']:.4f}" in capfd.readouterr().out
+
+
+# The same records with the other two trainables: QLoRA (adapters over an NF4 base) and full
+# fine-tuning (every parameter but the frozen embedding). The data path is shared; what these
+# show is that the loss mask reaches each trainable's objective and the loss still falls.
+OTHER_TRAINABLES = {
+    "qlora": (CONFIG, ["--qlora"]),
+    "full": (
+        CONFIG.replace(
+            "lora: {{r: 4, alpha: 16, targets: [all-linear], dropout: 0.0}}\n", ""
+        ).replace("lr: 0.03", "lr: 0.003"),
+        ["--full", "--freeze", "token_embedding.*"],
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(OTHER_TRAINABLES))
+def test_finetune_cli_on_records_with_qlora_and_full(ws, capfd, kind):
+    template, flags = OTHER_TRAINABLES[kind]
+    tok = load_hf_tokenizer(ws / "tok")
+    model = lm.preset("llama-tiny", vocab_size=tok.vocab_size, context_length=48, d_model=32,
+                      n_heads=4, n_kv_heads=2, n_layers=2, d_ff=64)  # fmt: skip
+    base = write_weights_run(
+        ws / f"base-{kind}", lm.init(jax.random.PRNGKey(1), model), model, tok, "gpt2"
+    )
+    (ws / f"ft-{kind}.yaml").write_text(template.format(base=base))
+    out = ws / f"run-{kind}"
+    argv = ["finetune", str(ws / f"ft-{kind}.yaml"), "--data", str(ws / "sft.jsonl"), *flags]
+    assert cli.main([*argv, f"run.dir={out}"]) == 0
+    assert "sft data" in capfd.readouterr().err
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if "loss" in r]
+    assert len(train) == 8 and train[-1]["loss"] < train[0]["loss"]
+    assert all(0 < r["real_token_fraction"] < 1 for r in train)
