@@ -131,15 +131,20 @@ def _block(p, x_BTD, keys, cfg, positions_BT, attend_fn) -> tuple:
     return x_BTD + _dropout(cfg, ff_key, _feed_forward(cfg, p["feed_forward"], h_BTD)), aux
 
 
-def block(p: dict, x_BTD: jax.Array, keys: tuple, cfg: ModelConfig, segment_ids_BT=None):
+def block(
+    p: dict, x_BTD: jax.Array, keys: tuple, cfg: ModelConfig, segment_ids_BT=None, positions_BT=None
+):
     """One pre-norm block: `x + Attn(norm(x))`, then `x + FF(norm(x))`; `[B,T,D] -> [B,T,D]`.
 
-    With `segment_ids [B, T]` attention stays inside each segment and RoPE restarts per segment.
+    With `segment_ids [B, T]` attention stays inside each segment and RoPE restarts per segment
+    (`positions_BT`: their `segment_positions`, which `features` computes once for every block).
     """
     if segment_ids_BT is None:
         return _block(p, x_BTD, keys, cfg, None, _self_attend)[0]
+    if positions_BT is None:
+        positions_BT = segment_positions(segment_ids_BT)
     attend_fn = functools.partial(_self_attend, segment_ids_BT=segment_ids_BT)
-    return _block(p, x_BTD, keys, cfg, segment_positions(segment_ids_BT), attend_fn)[0]
+    return _block(p, x_BTD, keys, cfg, positions_BT, attend_fn)[0]
 
 
 def cached_block(
@@ -155,8 +160,8 @@ def cached_block(
 
 
 def _block_fn(cfg: ModelConfig):
-    def fn(p, x_BTD, keys, segment_ids_BT):
-        return block(p, x_BTD, keys, cfg, segment_ids_BT)
+    def fn(p, x_BTD, keys, segment_ids_BT, positions_BT):
+        return block(p, x_BTD, keys, cfg, segment_ids_BT, positions_BT)
 
     if cfg.remat == "none":
         return fn
@@ -291,6 +296,6 @@ def features(params: dict, tokens, cfg: ModelConfig, *, dropout_key=None, segmen
     run_block = _block_fn(cfg)
     for i in range(cfg.n_layers):
         keys_i = (keys[2 * i + 1], keys[2 * i + 2])
-        x_BTD = run_block(p["blocks"][str(i)], x_BTD, keys_i, segment_ids_BT)
+        x_BTD = run_block(p["blocks"][str(i)], x_BTD, keys_i, segment_ids_BT, positions_BT)
         x_BTD = rows_on_mesh(x_BTD)
     return p, _norm(cfg, p["final_norm"], x_BTD)
