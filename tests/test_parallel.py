@@ -252,8 +252,18 @@ def test_inspect_bad_mesh_is_one_line_and_exit_2_before_any_output(mesh, words, 
         (["configs/tiny-shakespeare.yaml", "--mesh", "data=3"], "micro-batch) = 32"),
     ],
 )
-def test_inspect_a_batch_the_mesh_cannot_split_is_refused_before_any_output(args, words, capsys):
-    """It used to print the whole summary first and fail at the per-device table."""
+def test_inspect_a_batch_the_mesh_cannot_split_is_refused_before_any_output(
+    args, words, capsys, monkeypatch
+):
+    """It used to print the whole summary first and fail at the per-device table, and a char
+    config fetched and prepared the corpus (for its vocab) before saying so."""
+    from lmjax import train
+
+    def no_data(*_a, **_k):
+        raise AssertionError("inspect prepared the data before checking the batch")
+
+    monkeypatch.setattr(train, "prepare_data", no_data)
+    monkeypatch.setattr(train.data, "known_vocab_size", no_data)
     config_dir = Path(__file__).parent.parent
     args = [str(config_dir / a) if a.endswith(".yaml") else a for a in args]
     assert cli.main(["inspect", *args]) == 2

@@ -177,11 +177,26 @@ def test_gradient_accumulation_equals_the_large_batch(sgd_step):
     big = batch(1, 4, seed=3)
     split = {k: v.reshape(2, 2, 16) for k, v in big.items()}
     fresh = lambda: init_state(jax.random.PRNGKey(2), MODEL, tx)  # noqa: E731 (donated)
+    start = ptree.flatten(jax.device_get(fresh().params))
     a, ma = step(fresh(), big)
     b, mb = step(fresh(), split)
     assert float(ma["loss"]) == pytest.approx(float(mb["loss"]), rel=1e-6)
-    for name, value in ptree.flatten(a.params).items():
-        np.testing.assert_allclose(value, ptree.flatten(b.params)[name], rtol=1e-5, atol=1e-7)
+    # Each tensor's SGD update (-lr x gradient) from the two summation orders, compared by its
+    # norm: float32 sums in another order differ by a few ulps of the largest terms, which an
+    # element near zero sees as a large relative error (CI once saw 5.5e-5 on one of 512
+    # entries at |update| 3e-3); here the tensors differ by 1e-7 to 3e-6 of their norm.
+    # Averaging twice as many sequences, or missing a micro-batch, is an error of order 1.
+    flat_a, flat_b = ptree.flatten(a.params), ptree.flatten(b.params)
+    update_a = {k: np.asarray(flat_a[k], np.float64) - v for k, v in start.items()}
+    update_b = {k: np.asarray(flat_b[k], np.float64) - v for k, v in start.items()}
+    total = np.sqrt(sum(np.sum(u**2) for u in update_a.values()))
+    for name in start:
+        norm_a, norm_b = np.linalg.norm(update_a[name]), np.linalg.norm(update_b[name])
+        if norm_a < 1e-6 * total:  # an exactly-zero gradient (the key biases: softmax ignores
+            assert norm_b < 1e-6 * total, name  # a constant added to a row), roundoff in both
+            continue
+        error = np.linalg.norm(update_a[name] - update_b[name]) / norm_a
+        assert error < 1e-5, (name, error)
 
 
 def test_state_is_donated(sgd_step):

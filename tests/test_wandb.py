@@ -35,6 +35,18 @@ OFFLINE = {
 BLOCK, HEADER, FULL, LAST = 32768, 7, 1, 4  # the LevelDB log format W&B writes
 
 
+def _flushed() -> None:
+    """Waits until W&B's service has written everything. `run.finish()` returns once the exit
+    record is handled, but only *informs* the service that the run is done (wandb 0.31's
+    `ServiceConnection.inform_finish` publishes without waiting): the file's last block may
+    reach the disk after finish returns (CI once read a file without its exit record).
+    `wandb.teardown()` asks the service to shut down and waits for its process to exit, which
+    closes every run's file; the next `wandb.init` starts a new service."""
+    import wandb
+
+    wandb.teardown()
+
+
 def _records(path):
     """The protobuf records of one .wandb file: a 7-byte ':W&B' file header, then 32 KiB
     blocks of (crc32, length u16, type u8) chunks; a record is one FULL chunk or
@@ -89,6 +101,7 @@ def wandb_run(tmp_path_factory):
         shutil.rmtree(root / "run" / "checkpoints" / "4")
         on["train.steps"] = 6
         train.train(_config(root, **on), resume=True, out=open(root / "log2.txt", "w"))
+        _flushed()
     return root / "run"
 
 
@@ -139,6 +152,7 @@ def test_a_failed_run_is_finished_as_failed(tmp_path, monkeypatch):
             raise RuntimeError("boom")
         finally:
             log.close()
+    _flushed()
     (path,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
     exits = [r.exit.exit_code for r in _records(path) if r.WhichOneof("record_type") == "exit"]
     assert exits == [1]

@@ -144,6 +144,16 @@ def _inspect_config(args: argparse.Namespace) -> int:
     if _is_finetune_config(args.preset):
         return _inspect_finetune_config(args)
     cfg = load_run_config(args.preset, args.overrides)
+    batch = args.batch_size or cfg.train.batch_size // cfg.train.grad_accum
+    seq_len = args.seq_len or cfg.seq_len
+    mesh = args.mesh or (
+        ",".join(f"{k}={v}" for k, v in cfg.parallel.mesh.items()) if cfg.parallel.mesh else None
+    )
+    if mesh:  # refused before anything is printed, and before the corpus is fetched for a vocab
+        from lmjax.parallel import check_batch, parse_mesh_arg
+
+        check_batch(batch, parse_mesh_arg(mesh), where="batch (sequences per micro-batch)")
+    lcfg = _inspect_lora_config(args)
     if cfg.vocab_from_data:  # the tokenizer decides it; only a char vocabulary needs the data
         from lmjax.train.data import known_vocab_size
 
@@ -157,16 +167,6 @@ def _inspect_config(args: argparse.Namespace) -> int:
     tx, _ = train.optim.from_config(cfg)
     state = jax.eval_shape(tx.init, models.abstract_params(model))
     nbytes = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(state))
-    batch = args.batch_size or cfg.train.batch_size // cfg.train.grad_accum
-    seq_len = args.seq_len or cfg.seq_len
-    mesh = args.mesh or (
-        ",".join(f"{k}={v}" for k, v in cfg.parallel.mesh.items()) if cfg.parallel.mesh else None
-    )
-    if mesh:  # a batch the mesh can't split is refused before anything is printed
-        from lmjax.parallel import check_batch, parse_mesh_arg
-
-        check_batch(batch, parse_mesh_arg(mesh), where="batch (sequences per micro-batch)")
-    lcfg = _inspect_lora_config(args)
     _check_lora_targets(model, lcfg)
     print(f"{args.preset}: " + ", ".join(f"{k}={v}" for k, v in model.to_dict().items()))
     label = f"{cfg.optimizer.name} state"
