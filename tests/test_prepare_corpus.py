@@ -133,8 +133,15 @@ def test_field_globs_and_parquet_columns(tmp_path):
         D.prepare(str(tmp_path / "n.parquet"), tmp_path / "p", tokenizer="byte", progress=False)
 
 
-def test_the_output_does_not_depend_on_the_worker_count(corpus, tmp_path):
+def test_the_output_does_not_depend_on_the_worker_count(corpus, tmp_path, monkeypatch):
+    """... and the workers are not forked from this process, which has JAX's threads (a fork
+    server or spawned interpreters start them; os.fork here would raise)."""
     root, _ = corpus
+
+    def no_fork():
+        raise AssertionError("prepare forked a worker from a process with JAX loaded")
+
+    monkeypatch.setattr(os, "fork", no_fork)
     one = D.prepare(str(root), tmp_path / "w1", tokenizer="char", progress=False, workers=1)
     two = D.prepare(str(root), tmp_path / "w2", tokenizer="char", progress=False, workers=2)
     files = lambda d: {str(p.relative_to(d)): p.read_bytes() for p in d.rglob("*") if p.is_file()}  # noqa: E731

@@ -69,17 +69,21 @@ def _encode_batch(texts: list[str]) -> list:
 def encode_batches(batches, tok, tokenizer_dir, dtype: str, workers: int) -> Iterator[tuple]:
     """`(tag, ids per text)` for each `(tag, texts)` of `batches`, in order, encoded by `tok`.
 
-    `workers` 1 encodes in this process; more start a pool. Forked workers inherit `tok` (no
-    reload, no fresh interpreter importing lmjax again); where the platform cannot fork, each
-    worker loads the tokenizer saved at `tokenizer_dir`."""
+    `workers` 1 encodes in this process; more start a pool whose workers each load the
+    tokenizer saved at `tokenizer_dir`. They are never forked from this process: it has JAX
+    loaded, whose threads may hold locks at the fork that the child then waits on forever
+    (Python 3.12 warns of it). A fork server (one fresh interpreter that imports this module
+    once, ~3 s, and forks the workers) where the platform has one, else spawned interpreters."""
     _WORKER["tok"], _WORKER["dtype"] = tok, np.dtype(dtype)
     if workers == 1:
         for tag, texts in batches:
             yield tag, _encode_batch(texts)
         return
-    fork = "fork" in multiprocessing.get_all_start_methods()
-    context = multiprocessing.get_context("fork" if fork else "spawn")
-    start = (None, ()) if fork else (_start_worker, (str(tokenizer_dir), dtype))
+    server = "forkserver" in multiprocessing.get_all_start_methods()
+    context = multiprocessing.get_context("forkserver" if server else "spawn")
+    if server:
+        context.set_forkserver_preload([__name__])
+    start = (_start_worker, (str(tokenizer_dir), dtype))
     with context.Pool(workers, *start) as pool:
         pending = collections.deque()
         for tag, texts in batches:

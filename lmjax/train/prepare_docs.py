@@ -133,7 +133,7 @@ def _tagged(docs: list[Document], bar) -> list[str]:
 
 def write_splits(out: Path, files, opts: DocOptions, tok, dtype: str, eot, is_val, bad) -> dict:
     """Encode every document into `out`'s train and val shards; meta.json's split entries.
-    `tok` is also saved in `out`/tokenizer (what workers that cannot fork load). A text the
+    `tok` is also saved in `out`/tokenizer (what the worker processes load). A text the
     tokenizer refuses (a special token's text inside it) is a bad record (`bad`)."""
     writers = {s: ShardWriter(out, s, dtype, opts.shard_tokens) for s in ("train", "val")}
     bar = _bar(files, "tokenizing", opts.progress)
