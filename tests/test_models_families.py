@@ -355,14 +355,16 @@ def _loss_and_logits(p, tokens_1T, cfg, segment_ids_1T, start, end):
 
 
 # Three compiles a case: the packed row's loss and gradient (its logits as aux), document B's
-# alone, and document A's forward alone. Positions do not depend on the impl, nor the
-# attention's segment rule on the family: flash (interpreted on CPU, the slowest) runs once.
+# alone, and document A's forward alone. Every impl with both families (GPT-2's learned
+# positions and Llama's RoPE restart per document); flash (interpreted on CPU, ~15 s a case)
+# is marked slow.
 _PACKING_CASES = [
     ("llama", "materialized"),
     ("llama", "xla"),
     pytest.param("llama", "flash", marks=pytest.mark.slow),
     ("gpt", "materialized"),
     ("gpt", "xla"),
+    pytest.param("gpt", "flash", marks=pytest.mark.slow),
     ("gpt-sinusoidal", "materialized"),
 ]
 
