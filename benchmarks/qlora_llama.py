@@ -15,8 +15,11 @@ the figure is the median of the `--steps` steps after it. Peak memory (/proc VmH
 worker): `peak_process` over its life (loading and quantizing included; not ru_maxrss, which
 keeps the parent's peak across fork + exec) and `peak_steps` (reset just before the timed
 steps: the resident base, adapters, optimizer state and the steps' activations).
-Witness: the first step's loss of both sides (the same NF4 codes; B = 0 so the adapters add
-nothing yet) agree closely. The load average is recorded: the machine may be shared.
+Witness: the first step's loss of both sides (B = 0 so the adapters add nothing yet) agree
+closely: the 4-bit codes are the same, and about 0.1% of the nested 8-bit scale codes land one
+step apart (the double-quantization offset, a float32 mean, rounds one ulp differently in
+torch and XLA), which moves the loss by about 6e-5 relative. The load average is recorded:
+the machine may be shared.
 
     JAX_PLATFORMS=cpu python benchmarks/qlora_llama.py   # -> results/qlora_llama.json
     python benchmarks/qlora_llama.py --quick --output /tmp/q.json   # tiny shapes
@@ -130,6 +133,11 @@ def peft_worker(ckpt: Path, batch: int, seq_len: int, steps: int) -> dict:
     )
     lcfg = peft.LoraConfig(r=R, lora_alpha=ALPHA, target_modules="all-linear", lora_dropout=0.0)
     model = peft.get_peft_model(model, lcfg)
+    # Training mode, as a training loop sets it. from_pretrained returns the model in eval
+    # mode, where bitsandbytes (0.50, on a CPU with AVX512-BF16) repacks a Linear4bit whose
+    # input needs no gradient (layer 0's q/k/v: the embedding is frozen) and multiplies it in
+    # bfloat16, not in the float32 compute dtype asked for.
+    model.train()
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=LR, weight_decay=0.0)
     ids = token_batch(model.config.vocab_size, batch, seq_len)
