@@ -313,6 +313,127 @@ def test_blocks_outside_the_window_are_never_read(kernel):
     assert np.isfinite(np.asarray(dk)).all() and np.abs(np.asarray(dk)[:, 17:]).max() > 0
 
 
+def _visited_with_segments(plan, ids):
+    """`_visited` of batch row 0 with the segment bounds of ids [1, T] (self-attention)."""
+    padded_q = jnp.pad(ids, ((0, 0), (0, plan.t_pad - plan.t)))
+    padded_k = jnp.pad(ids, ((0, 0), (0, plan.s_pad - plan.s)))
+    sb = fa_plan.segment_bounds(plan, padded_q, padded_k, plan.bq, plan.bk)
+    n = plan.t_pad // plan.bq
+    kv_at = lambda i: (sb.kv_lo[0, i], sb.kv_end[0, i])  # noqa: E731
+    q_at = lambda j: (sb.q_lo[0, j], sb.q_end[0, j])  # noqa: E731
+    kv = [fa_plan.kv_range(plan, i, plan.bq, plan.bk, kv_at(i)) for i in range(n)]
+    q = [fa_plan.q_range(plan, j, plan.bq, plan.bk, q_at(j)) for j in range(n)]
+    return sum(int(end - lo) for lo, _, _, end in kv), sum(int(end - lo) for lo, _, _, end in q)
+
+
+def test_packed_documents_visit_only_their_own_blocks():
+    """256 tokens of eight 32-token documents, 16-blocks, causal: each query block visits the
+    blocks of its own document up to the diagonal, 8 * (1 + 2) = 24 of them (136 causal);
+    trailing padding (id 0) costs only the blocks that hold it."""
+    sizes = BlockSizes(16, 16, 16, 16)
+    plan = fa_plan.make_plan(
+        (1, 256, 4, 16), (1, 256, 2, 16), sizes, "gpu", True, True, 0, False, has_segments=True
+    )
+    packed = jnp.asarray(np.repeat(np.arange(1, 9), 32)[None], jnp.int32)
+    assert _visited_with_segments(plan, packed) == (24, 24)
+    # Documents 1..7, then 32 padding tokens (id 0): the last two query blocks hold only
+    # padding, which no earlier key matches, so they visit only each other.
+    padded = packed.at[:, 224:].set(0)
+    assert _visited_with_segments(plan, padded) == (24, 24)
+    # Padding that shares a block with a document (8 is cut to 224..231): block 14 (ids
+    # {8, 0}) meets key blocks 14, 15 and block 15 (ids {0}) the same: query side 21 + 1 + 2,
+    # key side 21 + 2 + 1. (Compared as plain ints, block 14's interval [0, 8] would meet
+    # every block: 122 on the key side.)
+    ragged = packed.at[:, 232:].set(0)
+    assert _visited_with_segments(plan, ragged) == (24, 24)
+
+
+def _block_pairs_numpy(q_ids, k_ids, t, s, bq, bk):
+    """bool [B, nq, nk]: some real query of block i and real key of block j share an id."""
+    same = q_ids[:, :t, None] == k_ids[:, None, :s]
+    qp, kp = -(-t // bq) * bq, -(-s // bk) * bk
+    same = np.pad(same, ((0, 0), (0, qp - t), (0, kp - s)))
+    b = same.shape[0]
+    return same.reshape(b, qp // bq, bq, kp // bk, bk).any(axis=(2, 4))
+
+
+@pytest.mark.parametrize("order", ["packed", "packed-padded", "shuffled", "cross"])
+def test_segment_bounds_never_drop_a_visible_pair(order):
+    """Against a numpy brute force over every (query, key) pair: every block pair that shares
+    an id lies inside both ranges; for packed rows (ids non-decreasing, the same on both sides,
+    with or without padding 0 at the end) the ranges are exactly the first and last such
+    block."""
+    rng = np.random.default_rng(7)
+    t, s, bq, bk = 75, 75 if order != "cross" else 53, 8, 16
+    if order.startswith("packed"):
+        q_ids = np.sort(rng.integers(1, 9, (3, t)), axis=1)
+        if order == "packed-padded":  # rows end in 11, 0 and 30 padding tokens (id 0)
+            q_ids[0, -11:], q_ids[2, -30:] = 0, 0
+        k_ids = q_ids
+    else:
+        q_ids = rng.integers(0, 6, (3, t))
+        k_ids = q_ids if order == "shuffled" else rng.integers(0, 6, (3, s))
+    plan = fa_plan.make_plan(
+        (3, t, 2, 16),
+        (3, s, 2, 16),
+        BlockSizes(bq, bk, bq, bk),
+        "tpu",
+        True,
+        False,
+        0,
+        False,
+        has_segments=True,
+    )
+    fill = lambda x, n: np.pad(x, ((0, 0), (0, n - x.shape[1])), constant_values=-99)  # noqa: E731
+    q_pad, k_pad = fill(q_ids, plan.t_pad), fill(k_ids, plan.s_pad)
+    sb = fa_plan.segment_bounds(plan, jnp.asarray(q_pad), jnp.asarray(k_pad), plan.bq, plan.bk)
+    pairs = _block_pairs_numpy(q_pad, k_pad, t, s, plan.bq, plan.bk)
+    kv_lo, kv_end, q_lo, q_end = (np.asarray(x) for x in sb)
+    bi, i, j = np.nonzero(pairs)
+    assert len(i) > 0
+    assert np.all(kv_lo[bi, i] <= j) and np.all(j < kv_end[bi, i])
+    assert np.all(q_lo[bi, j] <= i) and np.all(i < q_end[bi, j])
+    if order.startswith("packed"):
+        nk = pairs.shape[2]
+        first = np.where(pairs.any(2), pairs.argmax(2), nk)
+        last = np.where(pairs.any(2), nk - pairs[:, :, ::-1].argmax(2), 0)
+        np.testing.assert_array_equal(kv_lo, first)
+        np.testing.assert_array_equal(kv_end, last)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_blocks_of_other_documents_are_never_read(kernel):
+    """Two 32-token documents in one 64-token row, 16-blocks, causal (GQA 4 on 2 heads): the
+    second document's query blocks never visit the first's key blocks, though causality alone
+    would. NaN in the first document's values leaves the second's output finite and equal to
+    the reference of the second alone; NaN keys there leave its dq finite; a NaN cotangent on
+    the second's rows leaves the first's dk, dv finite (a visited, masked block would spread
+    the NaN: 0 * NaN = NaN in p @ v, ds @ k or ds^T q)."""
+    t, half = 64, 32
+    rng = np.random.default_rng(6)
+    q = jnp.asarray(rng.standard_normal((1, t, 4, 16)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((1, t, 2, 16)), jnp.float32) for _ in range(2))
+    ids = jnp.asarray(np.repeat([1, 2], half)[None], jnp.int32)
+    options = dict(causal=True, q_segment_ids=ids, kv_segment_ids=ids)
+    sizes = BlockSizes(16, 16, 16, 16)
+
+    def attend(q, k, v):
+        return flash_attention(
+            q, k, v, **options, block_sizes=sizes, backend=kernel, interpret=INTERPRET
+        )
+
+    out = attend(q, k, v.at[:, :half].set(jnp.nan))
+    alone = attention_reference(q[:, half:], k[:, half:], v[:, half:], causal=True)
+    assert_close(out[:, half:], alone, F32_RTOL, "out of the second document")
+    out, pull = jax.vjp(attend, q, k.at[:, :half].set(jnp.nan), v)
+    assert np.isfinite(np.asarray(pull(jnp.ones_like(out))[0])[:, half:]).all(), "dq"
+    out, pull = jax.vjp(attend, q, k, v)
+    _, dk, dv = pull(jnp.ones_like(out).at[:, half:].set(jnp.nan))
+    for name, grad in (("dk", dk), ("dv", dv)):
+        first = np.asarray(grad)[:, :half]
+        assert np.isfinite(first).all() and np.abs(first).max() > 0, name
+
+
 # ---- bad input ----------------------------------------------------------------------------------
 
 

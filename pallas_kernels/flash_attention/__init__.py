@@ -52,9 +52,11 @@ Backward (FlashAttention-2), given dO = dL/dout and dlse = dL/dlse (zero unless 
 Block skipping (plan.kv_range / plan.q_range): query block i only visits the key blocks that
 hold a key some row of it sees by the causal rule (u <= t + offset) and the window rule
 (u > t + offset - window); the dk/dv kernel likewise visits only the query blocks that see its
-keys. Skipped blocks are never read. Blocks that are entirely visible skip the mask arithmetic
-(GPU kernel); with a key mask or segment ids every visited block is masked per element
-(segments do not skip blocks).
+keys. With segment ids, query block i and key block j are visited only if their intervals of
+ids meet (plan.segment_bounds, computed in XLA before the kernel: qmin_i <= kmax_j and
+kmin_j <= qmax_i), so the blocks of other documents in a packed row are skipped as well.
+Skipped blocks are never read. Blocks that are entirely visible skip the mask arithmetic
+(GPU kernel); with a key mask or segment ids every visited block is masked per element.
 
 Padding (done in the wrapper, undone on the way out, so callers never see it):
   * T is padded to a multiple of the query blocks, S to a multiple of the key blocks. Padded keys
@@ -130,9 +132,10 @@ def flash_attention_with_lse(
     offset = S - T, which is negative when T > S: the first rows then see no key). `window`
     (None or a static int >= 1): key u visible only if (t + offset) - u < window; key blocks
     outside the band are skipped. `q_segment_ids [B, T]`, `kv_segment_ids [B, S]` (integer,
-    both or neither): key u visible only if their ids are equal (per element; blocks are still
-    skipped by the causal and window rules only). Rows with no visible key: out 0, lse -inf,
-    and exactly zero gradients (dq of the row, its share of dk and dv).
+    both or neither): key u visible only if their ids are equal (per element; a block pair
+    whose id intervals do not meet is skipped, so a packed row's other documents cost
+    nothing). Rows with no visible key: out 0, lse -inf, and exactly zero gradients (dq of
+    the row, its share of dk and dv).
     """
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     check_inputs(q, k, v, mask, offset, window, q_segment_ids, kv_segment_ids)

@@ -27,7 +27,7 @@ from pallas_kernels.flash_attention.blocks import (
     probs_and_dscores,
     visible,
 )
-from pallas_kernels.flash_attention.plan import Plan, kv_head, kv_range, q_range
+from pallas_kernels.flash_attention.plan import Plan, kv_head, kv_range, q_range, segment_bounds
 
 
 def _sweep(ranges, step, carry):
@@ -43,6 +43,12 @@ def _row_segments(qseg_ref, rows):
     return None if qseg_ref is None else qseg_ref[rows][:, None]
 
 
+def _bounds_at(bounds, n):
+    """(lo, end) of block n from the row refs (lo, end) of `segment_bounds`; None without
+    segments."""
+    return None if bounds is None else (bounds[0][n], bounds[1][n])
+
+
 def _key_keep(plan: Plan, rows_Q1, qseg_Q1, j, bk: int, mask_ref, kvseg_ref):
     """`visible` for key block j of whole-row refs (forward and dq programs)."""
     keys = pl.ds(pl.multiple_of(j * bk, bk), bk)
@@ -51,7 +57,9 @@ def _key_keep(plan: Plan, rows_Q1, qseg_Q1, j, bk: int, mask_ref, kvseg_ref):
     return visible(plan, rows_Q1, iota(j * bk, (1, bk), 1), kmask, qseg_Q1, kvseg)
 
 
-def _gpu_fwd_kernel(q_ref, k_ref, v_ref, mask_ref, qseg_ref, kvseg_ref, o_ref, lse_ref, *, plan):
+def _gpu_fwd_kernel(
+    q_ref, k_ref, v_ref, mask_ref, qseg_ref, kvseg_ref, bounds, o_ref, lse_ref, *, plan
+):
     bq, bk = plan.bq, plan.bk
     i = pl.program_id(0)
     q_QDh = q_ref[...]
@@ -64,14 +72,27 @@ def _gpu_fwd_kernel(q_ref, k_ref, v_ref, mask_ref, qseg_ref, kvseg_ref, o_ref, l
         keep = _key_keep(plan, rows_Q1, qseg_Q1, j, bk, mask_ref, kvseg_ref) if masked else None
         return online_softmax_step(carry, s_QK, keep, v_ref[keys, :])
 
-    carry = _sweep(kv_range(plan, i, bq, bk), step, init_carry(bq, plan.d_pad))
+    ranges = kv_range(plan, i, bq, bk, _bounds_at(bounds, i))
+    carry = _sweep(ranges, step, init_carry(bq, plan.d_pad))
     out_QDh, lse_Q1 = finish(*carry)
     o_ref[...] = out_QDh.astype(o_ref.dtype)
     lse_ref[...] = lse_Q1
 
 
 def _gpu_dq_kernel(
-    q_ref, k_ref, v_ref, mask_ref, qseg_ref, kvseg_ref, do_ref, lse_ref, delta_ref, dq_ref, *, plan
+    q_ref,
+    k_ref,
+    v_ref,
+    mask_ref,
+    qseg_ref,
+    kvseg_ref,
+    bounds,
+    do_ref,
+    lse_ref,
+    delta_ref,
+    dq_ref,
+    *,
+    plan,
 ):
     bq, bk = plan.bq_bwd, plan.bk_bwd
     i = pl.program_id(0)
@@ -89,7 +110,7 @@ def _gpu_dq_kernel(
         return dq_QDh + _dot(ds_QK.astype(k_KDh.dtype), k_KDh, (1, 0))
 
     dq_QDh = jnp.zeros((bq, plan.d_pad), jnp.float32)
-    dq_QDh = _sweep(kv_range(plan, i, bq, bk), step, dq_QDh)
+    dq_QDh = _sweep(kv_range(plan, i, bq, bk, _bounds_at(bounds, i)), step, dq_QDh)
     dq_ref[...] = (dq_QDh * plan.scale).astype(dq_ref.dtype)
 
 
@@ -100,6 +121,7 @@ def _gpu_dkdv_kernel(
     mask_ref,
     qseg_ref,
     kvseg_ref,
+    bounds,
     do_ref,
     lse_ref,
     delta_ref,
@@ -116,7 +138,7 @@ def _gpu_dkdv_kernel(
     cols_1K = iota(j * bk, (1, bk), 1)
     kmask = None if mask_ref is None else mask_ref[...][None, :]
     kvseg = None if kvseg_ref is None else kvseg_ref[...][None, :]
-    ranges = q_range(plan, j, bq, bk)
+    ranges = q_range(plan, j, bq, bk, _bounds_at(bounds, j))
 
     def step(i, carry, masked, g):
         dk_KDh, dv_KDh = carry
@@ -174,16 +196,31 @@ def _gpu_specs(plan: Plan, bq: int, bk: int):
         qseg_all=pl.BlockSpec((None, plan.t_pad), lambda n, b, h: (b, 0)),
         row_blk=pl.BlockSpec((None, None, bq, 1), lambda n, b, h: (b, h, n, 0)),
         row_group=pl.BlockSpec((None, g, plan.t_pad, 1), lambda n, b, h: (b, h, 0, 0)),
+        kv_bounds=pl.BlockSpec((None, plan.t_pad // bq), lambda n, b, h: (b, 0)),
+        q_bounds=pl.BlockSpec((None, plan.s_pad // bk), lambda n, b, h: (b, 0)),
     )
+
+
+def _bounds(plan: Plan, qseg, kvseg, bq: int, bk: int, sp, side: str):
+    """The (lo, end) rows of `segment_bounds` for the kernels' `side` ("kv": the forward and
+    dq programs, one range of key blocks per query block; "q": dk/dv, one range of query blocks
+    per key block) and their specs; (None, None) without segments."""
+    if qseg is None:
+        return None, None
+    sb = segment_bounds(plan, qseg, kvseg, bq, bk)
+    rows = (sb.kv_lo, sb.kv_end) if side == "kv" else (sb.q_lo, sb.q_end)
+    return rows, (sp[f"{side}_bounds"],) * 2
 
 
 def forward(plan: Plan, q, k, v, kmask, qseg, kvseg):
     b, _, h, _ = q.shape
     sp = _gpu_specs(plan, plan.bq, plan.bk)
+    bounds, bounds_spec = _bounds(plan, qseg, kvseg, plan.bq, plan.bk, sp, "kv")
     optional = [
         maybe_spec(kmask, sp["mask_all"]),
         maybe_spec(qseg, sp["qseg_blk"]),
         maybe_spec(kvseg, sp["mask_all"]),
+        bounds_spec,
     ]
     return pl.pallas_call(
         functools.partial(_gpu_fwd_kernel, plan=plan),
@@ -194,7 +231,7 @@ def forward(plan: Plan, q, k, v, kmask, qseg, kvseg):
         compiler_params=_gpu_params(plan, backward=False),
         interpret=plan.interpret,
         name="flash_attention_fwd_gpu",
-    )(q, k, v, kmask, qseg, kvseg)
+    )(q, k, v, kmask, qseg, kvseg, bounds)
 
 
 def backward(plan: Plan, q, k, v, kmask, qseg, kvseg, do, lse, delta):
@@ -203,28 +240,32 @@ def backward(plan: Plan, q, k, v, kmask, qseg, kvseg, do, lse, delta):
     bq, bk = plan.bq_bwd, plan.bk_bwd
     sp = _gpu_specs(plan, bq, bk)
     params = _gpu_params(plan, backward=True)
+    kv_bounds, kv_bounds_spec = _bounds(plan, qseg, kvseg, bq, bk, sp, "kv")
+    q_bounds, q_bounds_spec = _bounds(plan, qseg, kvseg, bq, bk, sp, "q")
     dq = pl.pallas_call(
         functools.partial(_gpu_dq_kernel, plan=plan),
         out_shape=q,
         grid=(plan.t_pad // bq, b, h),
         in_specs=[sp["q_blk"], sp["k_all"], sp["k_all"]]
         + [maybe_spec(x, sp[n]) for x, n in ((kmask, "mask_all"), (qseg, "qseg_blk"))]
-        + [maybe_spec(kvseg, sp["mask_all"]), sp["q_blk"], sp["row_blk"], sp["row_blk"]],
+        + [maybe_spec(kvseg, sp["mask_all"]), kv_bounds_spec]
+        + [sp["q_blk"], sp["row_blk"], sp["row_blk"]],
         out_specs=sp["q_blk"],
         compiler_params=params,
         interpret=plan.interpret,
         name="flash_attention_dq_gpu",
-    )(q, k, v, kmask, qseg, kvseg, do, lse, delta)
+    )(q, k, v, kmask, qseg, kvseg, kv_bounds, do, lse, delta)
     dk, dv = pl.pallas_call(
         functools.partial(_gpu_dkdv_kernel, plan=plan),
         out_shape=(k, v),
         grid=(plan.s_pad // bk, b, h_kv),
         in_specs=[sp["q_group"], sp["k_blk"], sp["k_blk"]]
         + [maybe_spec(x, sp[n]) for x, n in ((kmask, "mask_blk"), (qseg, "qseg_all"))]
-        + [maybe_spec(kvseg, sp["mask_blk"]), sp["q_group"], sp["row_group"], sp["row_group"]],
+        + [maybe_spec(kvseg, sp["mask_blk"]), q_bounds_spec]
+        + [sp["q_group"], sp["row_group"], sp["row_group"]],
         out_specs=[sp["k_blk"], sp["k_blk"]],
         compiler_params=params,
         interpret=plan.interpret,
         name="flash_attention_dkdv_gpu",
-    )(q, k, v, kmask, qseg, kvseg, do, lse, delta)
+    )(q, k, v, kmask, qseg, kvseg, q_bounds, do, lse, delta)
     return dq, dk, dv

@@ -2,7 +2,8 @@
 
 Everything here is fixed at trace time from the shapes and `BlockSizes`; the block ranges
 (`kv_range`, `q_range`) also take traced program ids, so the kernels skip the blocks that the
-causal and sliding-window rules hide entirely.
+causal and sliding-window rules hide entirely; `segment_bounds` (traced, from the segment ids)
+narrows them further to the blocks that share a document.
 Letters as in the package docstring: Q query-block rows, K key-block rows, Dh the head size.
 """
 
@@ -10,7 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -205,13 +208,14 @@ def kv_head(h, groups: int):
     return h if groups == 1 else lax.div(h, groups)
 
 
-def kv_range(plan: Plan, i, bq: int, bk: int):
+def kv_range(plan: Plan, i, bq: int, bk: int, seg=None):
     """(lo, full_lo, full_hi, end) for query block i (rows t in [i*bq, i*bq + bq)): key blocks
     [lo, end) are visited, and of them [full_lo, full_hi) need no mask.
 
     Causal: row t sees keys u <= t + offset, so the last row bounds `end` and the first row
     bounds the fully visible blocks. Window: row t sees keys u > t + offset - window, so the
-    first row bounds `lo` and the last row the fully visible blocks.
+    first row bounds `lo` and the last row the fully visible blocks. Segments: `seg` is this
+    block's (lo, end) from `segment_bounds`, intersected with the rest.
     """
     end = -(-plan.s // bk)  # blocks holding at least one real key
     lo, full_lo, full_hi = 0, 0, plan.s // bk  # full_hi: blocks holding only real keys
@@ -224,16 +228,18 @@ def kv_range(plan: Plan, i, bq: int, bk: int):
         full_lo = _cdiv0(last - plan.window + 1, bk)
     if plan.per_element:
         full_hi = full_lo  # every visited block is masked
+    lo, end = _narrow(lo, end, seg)
     return _ordered(lo, full_lo, full_hi, end)
 
 
-def q_range(plan: Plan, j, bq: int, bk: int):
+def q_range(plan: Plan, j, bq: int, bk: int, seg=None):
     """(lo, full_lo, full_hi, end) for key block j (keys u in [j*bk, j*bk + bk)): query blocks
     [lo, end) are visited, and of them [full_lo, full_hi) need no mask.
 
     Causal: row t sees key u iff t >= u - offset: the block's first key bounds `lo`, its last
     key the fully visible rows. Window: row t sees key u iff t < u - offset + window: the last
-    key bounds `end`, the first key the fully visible rows.
+    key bounds `end`, the first key the fully visible rows. Segments: `seg` is this block's
+    (lo, end) from `segment_bounds`, intersected with the rest.
     """
     end = -(-plan.t // bq)  # padded query rows past the last real block add nothing
     lo, full_lo, full_hi = 0, 0, end
@@ -246,6 +252,7 @@ def q_range(plan: Plan, j, bq: int, bk: int):
         full_hi = _div0(first + plan.window, bq)  # blocks whose every row t < first + window
     if plan.per_element:
         full_hi = full_lo
+    lo, end = _narrow(lo, end, seg)
     lo, full_lo, full_hi, end = _ordered(lo, full_lo, full_hi, end)
     if plan.s_pad != plan.s:
         # A key block with padded keys always needs the mask; one with no real key, no work.
@@ -257,3 +264,61 @@ def q_range(plan: Plan, j, bq: int, bk: int):
         full_lo = jnp.maximum(full_lo, lo)
         full_hi = jnp.maximum(full_hi, full_lo)
     return lo, full_lo, full_hi, end
+
+
+def _narrow(lo, end, seg):
+    """[lo, end) intersected with a segment range (lo', end'), if there is one."""
+    return (lo, end) if seg is None else (_max(lo, seg[0]), _min(end, seg[1]))
+
+
+class SegmentBounds(NamedTuple):
+    """Per-block ranges that segment ids allow, int32: query block i of row b visits key blocks
+    [kv_lo[b, i], kv_end[b, i]) at most; key block j is seen by query blocks
+    [q_lo[b, j], q_end[b, j]) at most. An empty range is (n, 0)."""
+
+    kv_lo: jax.Array  # [B, nq]
+    kv_end: jax.Array
+    q_lo: jax.Array  # [B, nk]
+    q_end: jax.Array
+
+
+def _block_id_range(ids_BN, n_real: int, blk: int):
+    """(min, max) of each block's real ids, ordered as uint32(id - 1), [B, N / blk] each.
+
+    id -> uint32(id - 1) is a bijection, so equal ids stay equal and unequal ones unequal, but
+    the padding a packed row ends with (id 0, or a negative id) now sorts after every document
+    (1, 2, ... -> 0, 1, ...), and such a row stays non-decreasing. A block with no real
+    position gets (UINT32_MAX, 0)."""
+    big = jnp.uint32(jnp.iinfo(jnp.uint32).max)
+    b, n = ids_BN.shape
+    real = (jnp.arange(n) < n_real).reshape(1, n // blk, blk)
+    ids = lax.bitcast_convert_type(ids_BN - 1, jnp.uint32).reshape(b, n // blk, blk)
+    lo = jnp.min(jnp.where(real, ids, big), axis=2)
+    hi = jnp.max(jnp.where(real, ids, jnp.uint32(0)), axis=2)
+    return lo, hi
+
+
+def segment_bounds(plan: Plan, qseg_BT, kvseg_BS, bq: int, bk: int) -> SegmentBounds:
+    """Which blocks segment ids can leave any pair visible in, from padded ids [B, T'], [B, S'].
+
+        Query block i and key block j share a document only if their id intervals meet:
+            qmin_i <= kmax_j and kmin_j <= qmax_i      (over real positions; ids ordered as
+                                                        uint32(id - 1): padding 0 sorts last)
+        and query block i visits key blocks [first j that meets it, last j that meets it + 1); the
+        dk/dv side is the same over i. This never drops a visible pair, whatever the ids; for a
+        packed row (ids non-decreasing, the same on both sides) it is exactly the blocks that hold
+        one (also with padding 0 after the last document), so a row of documents of length L visits
+    O(T * L / (bq * bk)) blocks, not O(T^2 / (bq * bk)).
+        Cost: [B, T'/bq, S'/bk] comparisons in XLA, before the kernel.
+    """
+    qlo, qhi = _block_id_range(qseg_BT, plan.t, bq)
+    klo, khi = _block_id_range(kvseg_BS, plan.s, bk)
+    meet = (qlo[:, :, None] <= khi[:, None, :]) & (klo[:, None, :] <= qhi[:, :, None])
+    nq, nk = meet.shape[1:]
+    j, i = jnp.arange(nk, dtype=jnp.int32), jnp.arange(nq, dtype=jnp.int32)[:, None]
+    return SegmentBounds(
+        kv_lo=jnp.min(jnp.where(meet, j, nk), axis=2).astype(jnp.int32),
+        kv_end=jnp.max(jnp.where(meet, j + 1, 0), axis=2).astype(jnp.int32),
+        q_lo=jnp.min(jnp.where(meet, i, nq), axis=1).astype(jnp.int32),
+        q_end=jnp.max(jnp.where(meet, i + 1, 0), axis=1).astype(jnp.int32),
+    )

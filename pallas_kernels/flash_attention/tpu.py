@@ -20,7 +20,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels._backend import dot as _dot
 from pallas_kernels.flash_attention import blocks
-from pallas_kernels.flash_attention.plan import Plan, kv_head, kv_range, q_range
+from pallas_kernels.flash_attention.plan import Plan, kv_head, kv_range, q_range, segment_bounds
 
 
 def _visible(plan: Plan, extra_refs, i, j, bq: int, bk: int):
@@ -34,11 +34,26 @@ def _visible(plan: Plan, extra_refs, i, j, bq: int, bk: int):
     return blocks.visible(plan, rows_Q1, cols_1K, mask, qseg, kvseg)
 
 
-def _tpu_fwd_kernel(q_ref, k_ref, v_ref, *refs, plan):
+def _split_bounds(plan: Plan, refs):
+    """(the scalar-prefetched (lo, end) refs of `segment_bounds` or None, the other refs):
+    with segment ids the kernels get the two first."""
+    return ((refs[0], refs[1]), refs[2:]) if plan.has_segments else (None, refs)
+
+
+def _bounds_at(bounds, b, n_blocks: int, n):
+    """(lo, end) of block n of batch row b from the flat [B * n_blocks] SMEM refs, or None."""
+    if not bounds:
+        return None
+    at = b * n_blocks + n
+    return bounds[0][at], bounds[1][at]
+
+
+def _tpu_fwd_kernel(*refs, plan):
+    bounds, (q_ref, k_ref, v_ref, *refs) = _split_bounds(plan, refs)
     *extra, o_ref, lse_ref, acc, m, l = refs
     bq, bk = plan.bq, plan.bk
-    i, j = pl.program_id(2), pl.program_id(3)
-    lo, _, _, end = kv_range(plan, i, bq, bk)
+    b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+    lo, _, _, end = kv_range(plan, i, bq, bk, _bounds_at(bounds, b, plan.t_pad // bq, i))
 
     @pl.when(j == 0)
     def _init():
@@ -59,11 +74,12 @@ def _tpu_fwd_kernel(q_ref, k_ref, v_ref, *refs, plan):
         lse_ref[...] = lse_Q1
 
 
-def _tpu_dq_kernel(q_ref, k_ref, v_ref, *refs, plan):
+def _tpu_dq_kernel(*refs, plan):
+    bounds, (q_ref, k_ref, v_ref, *refs) = _split_bounds(plan, refs)
     *extra, do_ref, lse_ref, delta_ref, dq_ref, dq = refs
     bq, bk = plan.bq_bwd, plan.bk_bwd
-    i, j = pl.program_id(2), pl.program_id(3)
-    lo, _, _, end = kv_range(plan, i, bq, bk)
+    b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+    lo, _, _, end = kv_range(plan, i, bq, bk, _bounds_at(bounds, b, plan.t_pad // bq, i))
 
     @pl.when(j == 0)
     def _init():
@@ -82,13 +98,14 @@ def _tpu_dq_kernel(q_ref, k_ref, v_ref, *refs, plan):
         dq_ref[...] = (dq[...] * plan.scale).astype(dq_ref.dtype)
 
 
-def _tpu_dkdv_kernel(q_ref, k_ref, v_ref, *refs, plan):
+def _tpu_dkdv_kernel(*refs, plan):
     """Grid (B, Hkv, key blocks j, group heads g, query blocks i): dk, dv of key block j sum
     over the G query heads and every query block that sees it."""
+    bounds, (q_ref, k_ref, v_ref, *refs) = _split_bounds(plan, refs)
     *extra, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, dk, dv = refs
     bq, bk = plan.bq_bwd, plan.bk_bwd
-    j, g, i = pl.program_id(2), pl.program_id(3), pl.program_id(4)
-    lo, _, _, end = q_range(plan, j, bq, bk)
+    b, j, g, i = pl.program_id(0), pl.program_id(2), pl.program_id(3), pl.program_id(4)
+    lo, _, _, end = q_range(plan, j, bq, bk, _bounds_at(bounds, b, plan.s_pad // bk, j))
 
     @pl.when((g == 0) & (i == 0))
     def _init():
@@ -123,40 +140,42 @@ def _clip(n, lo, end):
 
 
 def _specs(plan: Plan, bq: int, bk: int, q_at, k_at):
-    """BlockSpecs for a grid (B, *ids): q_at(*ids) -> (query head, query block) and
-    k_at(*ids) -> (key/value head, key block).
+    """BlockSpecs for a grid (B, *ids): q_at(b, *ids) -> (query head, query block) and
+    k_at(b, *ids) -> (key/value head, key block). With segment ids, `ids` ends with the two
+    scalar-prefetched bounds refs.
 
     Visited-but-skipped inner steps map to the nearest block that is computed (`_clip`), so the
     pipeline does not fetch blocks that block skipping never reads.
     """
     dp = plan.d_pad
     return dict(
-        q=pl.BlockSpec((None, None, bq, dp), lambda b, *ids: (b, *q_at(*ids), 0)),
-        k=pl.BlockSpec((None, None, bk, dp), lambda b, *ids: (b, *k_at(*ids), 0)),
-        mask=pl.BlockSpec((None, 1, bk), lambda b, *ids: (b, 0, k_at(*ids)[1])),
-        qseg=pl.BlockSpec((None, bq, 1), lambda b, *ids: (b, q_at(*ids)[1], 0)),
-        row=pl.BlockSpec((None, None, bq, 1), lambda b, *ids: (b, *q_at(*ids), 0)),
+        q=pl.BlockSpec((None, None, bq, dp), lambda b, *ids: (b, *q_at(b, *ids), 0)),
+        k=pl.BlockSpec((None, None, bk, dp), lambda b, *ids: (b, *k_at(b, *ids), 0)),
+        mask=pl.BlockSpec((None, 1, bk), lambda b, *ids: (b, 0, k_at(b, *ids)[1])),
+        qseg=pl.BlockSpec((None, bq, 1), lambda b, *ids: (b, q_at(b, *ids)[1], 0)),
+        row=pl.BlockSpec((None, None, bq, 1), lambda b, *ids: (b, *q_at(b, *ids), 0)),
     )
 
 
 def _q_outer_specs(plan: Plan, bq: int, bk: int):
     """Grid (B, H, query blocks o, key blocks n): the forward and dq kernels."""
 
-    def k_at(h, o, n):
-        lo, _, _, end = kv_range(plan, o, bq, bk)
+    def k_at(b, h, o, n, *bounds):
+        seg = _bounds_at(bounds, b, plan.t_pad // bq, o)
+        lo, _, _, end = kv_range(plan, o, bq, bk, seg)
         return kv_head(h, plan.groups), _clip(n, lo, end)
 
-    return _specs(plan, bq, bk, lambda h, o, n: (h, o), k_at)
+    return _specs(plan, bq, bk, lambda b, h, o, n, *bounds: (h, o), k_at)
 
 
 def _dkdv_specs(plan: Plan, bq: int, bk: int):
     """Grid (B, Hkv, key blocks j, group heads g, query blocks n): the dk/dv kernel."""
 
-    def q_at(h, j, g, n):
-        lo, _, _, end = q_range(plan, j, bq, bk)
+    def q_at(b, h, j, g, n, *bounds):
+        lo, _, _, end = q_range(plan, j, bq, bk, _bounds_at(bounds, b, plan.s_pad // bk, j))
         return h * plan.groups + g, _clip(n, lo, end)
 
-    return _specs(plan, bq, bk, q_at, lambda h, j, g, n: (h, j))
+    return _specs(plan, bq, bk, q_at, lambda b, h, j, g, n, *bounds: (h, j))
 
 
 def _in_specs(sp, extras, backward: bool):
@@ -178,25 +197,57 @@ def _tpu_extras(kmask, qseg, kvseg):
     return lanes(kmask), None if qseg is None else qseg[:, :, None], lanes(kvseg)
 
 
+def _bounds(plan: Plan, qseg, kvseg, bq: int, bk: int, side: str):
+    """The scalar-prefetch operands: `segment_bounds`' (lo, end) for `side` ("kv": forward and
+    dq, per query block; "q": dk/dv, per key block), each flattened to [B * blocks] (SMEM
+    holds 1-D arrays without 2-D tile padding); () without segments."""
+    if qseg is None:
+        return ()
+    sb = segment_bounds(plan, qseg, kvseg, bq, bk)
+    pair = (sb.kv_lo, sb.kv_end) if side == "kv" else (sb.q_lo, sb.q_end)
+    return tuple(x.reshape(-1) for x in pair)
+
+
+def _call(kernel, plan: Plan, bounds, *, grid, in_specs, out_specs, scratch, inner, **kw):
+    """pallas_call with the segment bounds (if any) as scalar prefetch: the kernel and every
+    index map get them, so the map can point skipped steps at a computed block."""
+    spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=len(bounds),
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        scratch_shapes=scratch,
+    )
+    run = pl.pallas_call(
+        functools.partial(kernel, plan=plan),
+        grid_spec=spec,
+        compiler_params=_semantics(inner),
+        interpret=plan.interpret,
+        **kw,
+    )
+    return lambda *args: run(*bounds, *args)
+
+
 def forward(plan: Plan, q, k, v, kmask, qseg, kvseg):
     # Mosaic tiles the last two dims (8 x 128): heads move out of the way, [B,T,H,Dh] -> [B,H,T,Dh].
     q, k, v = _to_bhtd(q), _to_bhtd(k), _to_bhtd(v)
     b, h, _, dp = q.shape
     extras = _tpu_extras(kmask, qseg, kvseg)
     sp = _q_outer_specs(plan, plan.bq, plan.bk)
-    out, lse = pl.pallas_call(
-        functools.partial(_tpu_fwd_kernel, plan=plan),
+    out, lse = _call(
+        _tpu_fwd_kernel,
+        plan,
+        _bounds(plan, qseg, kvseg, plan.bq, plan.bk, "kv"),
         out_shape=(q, jax.ShapeDtypeStruct((b, h, plan.t_pad, 1), jnp.float32)),
         grid=(b, h, plan.t_pad // plan.bq, plan.s_pad // plan.bk),
         in_specs=_in_specs(sp, extras, backward=False),
         out_specs=[sp["q"], sp["row"]],
-        scratch_shapes=[
+        scratch=[
             pltpu.VMEM((plan.bq, dp), jnp.float32),
             pltpu.VMEM((plan.bq, 1), jnp.float32),
             pltpu.VMEM((plan.bq, 1), jnp.float32),
         ],
-        compiler_params=_semantics(1),
-        interpret=plan.interpret,
+        inner=1,
         name="flash_attention_fwd_tpu",
     )(q, k, v, *extras)
     return _to_bhtd(out), lse
@@ -210,27 +261,29 @@ def backward(plan: Plan, q, k, v, kmask, qseg, kvseg, do, lse, delta):
     nq, nk = plan.t_pad // bq, plan.s_pad // bk
     extras = _tpu_extras(kmask, qseg, kvseg)
     sp = _q_outer_specs(plan, bq, bk)
-    dq = pl.pallas_call(
-        functools.partial(_tpu_dq_kernel, plan=plan),
+    dq = _call(
+        _tpu_dq_kernel,
+        plan,
+        _bounds(plan, qseg, kvseg, bq, bk, "kv"),
         out_shape=q,
         grid=(b, h, nq, nk),
         in_specs=_in_specs(sp, extras, backward=True),
         out_specs=sp["q"],
-        scratch_shapes=[pltpu.VMEM((bq, dp), jnp.float32)],
-        compiler_params=_semantics(1),
-        interpret=plan.interpret,
+        scratch=[pltpu.VMEM((bq, dp), jnp.float32)],
+        inner=1,
         name="flash_attention_dq_tpu",
     )(q, k, v, *extras, do, lse, delta)
     sp = _dkdv_specs(plan, bq, bk)
-    dk, dv = pl.pallas_call(
-        functools.partial(_tpu_dkdv_kernel, plan=plan),
+    dk, dv = _call(
+        _tpu_dkdv_kernel,
+        plan,
+        _bounds(plan, qseg, kvseg, bq, bk, "q"),
         out_shape=(k, v),
         grid=(b, h_kv, nk, plan.groups, nq),
         in_specs=_in_specs(sp, extras, backward=True),
         out_specs=[sp["k"], sp["k"]],
-        scratch_shapes=[pltpu.VMEM((bk, dp), jnp.float32), pltpu.VMEM((bk, dp), jnp.float32)],
-        compiler_params=_semantics(2),
-        interpret=plan.interpret,
+        scratch=[pltpu.VMEM((bk, dp), jnp.float32), pltpu.VMEM((bk, dp), jnp.float32)],
+        inner=2,
         name="flash_attention_dkdv_tpu",
     )(q, k, v, *extras, do, lse, delta)
     return _to_bhtd(dq), _to_bhtd(dk), _to_bhtd(dv)
