@@ -201,21 +201,17 @@ def _gpu_specs(plan: Plan, bq: int, bk: int):
     )
 
 
-def _bounds(plan: Plan, qseg, kvseg, bq: int, bk: int, sp, side: str):
-    """The (lo, end) rows of `segment_bounds` for the kernels' `side` ("kv": the forward and
-    dq programs, one range of key blocks per query block; "q": dk/dv, one range of query blocks
-    per key block) and their specs; (None, None) without segments."""
-    if qseg is None:
-        return None, None
-    sb = segment_bounds(plan, qseg, kvseg, bq, bk)
-    rows = (sb.kv_lo, sb.kv_end) if side == "kv" else (sb.q_lo, sb.q_end)
-    return rows, (sp[f"{side}_bounds"],) * 2
+def _bounds(sb, sp, side: str):
+    """The (lo, end) rows of `segment_bounds` `sb` for the kernels' `side` ("kv" or "q", see
+    `SegmentBounds.side`) and their specs; (None, None) without segments."""
+    return (None, None) if sb is None else (sb.side(side), (sp[f"{side}_bounds"],) * 2)
 
 
 def forward(plan: Plan, q, k, v, kmask, qseg, kvseg):
     b, _, h, _ = q.shape
     sp = _gpu_specs(plan, plan.bq, plan.bk)
-    bounds, bounds_spec = _bounds(plan, qseg, kvseg, plan.bq, plan.bk, sp, "kv")
+    sb = segment_bounds(plan, qseg, kvseg, plan.bq, plan.bk)
+    bounds, bounds_spec = _bounds(sb, sp, "kv")
     optional = [
         maybe_spec(kmask, sp["mask_all"]),
         maybe_spec(qseg, sp["qseg_blk"]),
@@ -240,8 +236,9 @@ def backward(plan: Plan, q, k, v, kmask, qseg, kvseg, do, lse, delta):
     bq, bk = plan.bq_bwd, plan.bk_bwd
     sp = _gpu_specs(plan, bq, bk)
     params = _gpu_params(plan, backward=True)
-    kv_bounds, kv_bounds_spec = _bounds(plan, qseg, kvseg, bq, bk, sp, "kv")
-    q_bounds, q_bounds_spec = _bounds(plan, qseg, kvseg, bq, bk, sp, "q")
+    sb = segment_bounds(plan, qseg, kvseg, bq, bk)
+    kv_bounds, kv_bounds_spec = _bounds(sb, sp, "kv")
+    q_bounds, q_bounds_spec = _bounds(sb, sp, "q")
     dq = pl.pallas_call(
         functools.partial(_gpu_dq_kernel, plan=plan),
         out_shape=q,

@@ -281,6 +281,11 @@ class SegmentBounds(NamedTuple):
     q_lo: jax.Array  # [B, nk]
     q_end: jax.Array
 
+    def side(self, name: str):
+        """(lo, end) for "kv" (per query block: the forward and dq kernels) or "q" (per key
+        block: the dk/dv kernel)."""
+        return (self.kv_lo, self.kv_end) if name == "kv" else (self.q_lo, self.q_end)
+
 
 def _block_id_range(ids_BN, n_real: int, blk: int):
     """(min, max) of each block's real ids, ordered as uint32(id - 1), [B, N / blk] each.
@@ -298,7 +303,7 @@ def _block_id_range(ids_BN, n_real: int, blk: int):
     return lo, hi
 
 
-def segment_bounds(plan: Plan, qseg_BT, kvseg_BS, bq: int, bk: int) -> SegmentBounds:
+def segment_bounds(plan: Plan, qseg_BT, kvseg_BS, bq: int, bk: int) -> SegmentBounds | None:
     """Which blocks segment ids can leave any pair visible in, from padded ids [B, T'], [B, S'].
 
         Query block i and key block j share a document only if their id intervals meet:
@@ -309,8 +314,10 @@ def segment_bounds(plan: Plan, qseg_BT, kvseg_BS, bq: int, bk: int) -> SegmentBo
         packed row (ids non-decreasing, the same on both sides) it is exactly the blocks that hold
         one (also with padding 0 after the last document), so a row of documents of length L visits
     O(T * L / (bq * bk)) blocks, not O(T^2 / (bq * bk)).
-        Cost: [B, T'/bq, S'/bk] comparisons in XLA, before the kernel.
+        Cost: [B, T'/bq, S'/bk] comparisons in XLA, before the kernel. None without segment ids.
     """
+    if qseg_BT is None:
+        return None
     qlo, qhi = _block_id_range(qseg_BT, plan.t, bq)
     klo, khi = _block_id_range(kvseg_BS, plan.s, bk)
     meet = (qlo[:, :, None] <= khi[:, None, :]) & (klo[:, None, :] <= qhi[:, :, None])

@@ -197,15 +197,11 @@ def _tpu_extras(kmask, qseg, kvseg):
     return lanes(kmask), None if qseg is None else qseg[:, :, None], lanes(kvseg)
 
 
-def _bounds(plan: Plan, qseg, kvseg, bq: int, bk: int, side: str):
-    """The scalar-prefetch operands: `segment_bounds`' (lo, end) for `side` ("kv": forward and
-    dq, per query block; "q": dk/dv, per key block), each flattened to [B * blocks] (SMEM
-    holds 1-D arrays without 2-D tile padding); () without segments."""
-    if qseg is None:
-        return ()
-    sb = segment_bounds(plan, qseg, kvseg, bq, bk)
-    pair = (sb.kv_lo, sb.kv_end) if side == "kv" else (sb.q_lo, sb.q_end)
-    return tuple(x.reshape(-1) for x in pair)
+def _bounds(sb, side: str):
+    """The scalar-prefetch operands: `segment_bounds` `sb`'s (lo, end) for `side` ("kv" or
+    "q", see `SegmentBounds.side`), each flattened to [B * blocks] (SMEM holds 1-D arrays
+    without 2-D tile padding); () without segments."""
+    return () if sb is None else tuple(x.reshape(-1) for x in sb.side(side))
 
 
 def _call(kernel, plan: Plan, bounds, *, grid, in_specs, out_specs, scratch, inner, **kw):
@@ -237,7 +233,7 @@ def forward(plan: Plan, q, k, v, kmask, qseg, kvseg):
     out, lse = _call(
         _tpu_fwd_kernel,
         plan,
-        _bounds(plan, qseg, kvseg, plan.bq, plan.bk, "kv"),
+        _bounds(segment_bounds(plan, qseg, kvseg, plan.bq, plan.bk), "kv"),
         out_shape=(q, jax.ShapeDtypeStruct((b, h, plan.t_pad, 1), jnp.float32)),
         grid=(b, h, plan.t_pad // plan.bq, plan.s_pad // plan.bk),
         in_specs=_in_specs(sp, extras, backward=False),
@@ -260,11 +256,12 @@ def backward(plan: Plan, q, k, v, kmask, qseg, kvseg, do, lse, delta):
     bq, bk = plan.bq_bwd, plan.bk_bwd
     nq, nk = plan.t_pad // bq, plan.s_pad // bk
     extras = _tpu_extras(kmask, qseg, kvseg)
+    sb = segment_bounds(plan, qseg, kvseg, bq, bk)  # once for both kernels
     sp = _q_outer_specs(plan, bq, bk)
     dq = _call(
         _tpu_dq_kernel,
         plan,
-        _bounds(plan, qseg, kvseg, bq, bk, "kv"),
+        _bounds(sb, "kv"),
         out_shape=q,
         grid=(b, h, nq, nk),
         in_specs=_in_specs(sp, extras, backward=True),
@@ -277,7 +274,7 @@ def backward(plan: Plan, q, k, v, kmask, qseg, kvseg, do, lse, delta):
     dk, dv = _call(
         _tpu_dkdv_kernel,
         plan,
-        _bounds(plan, qseg, kvseg, bq, bk, "q"),
+        _bounds(sb, "q"),
         out_shape=(k, v),
         grid=(b, h_kv, nk, plan.groups, nq),
         in_specs=_in_specs(sp, extras, backward=True),
