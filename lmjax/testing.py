@@ -31,10 +31,48 @@ from lmjax.ops.attention import causal_block
 
 # Tolerances, stated once. float32 comparisons are relative to max(1, largest reference
 # magnitude); the float64 finite-difference error is already relative (see below).
+# F32_RTOL is `f32_rtol(chain=386)`: the OP_CASES reduce over at most a few dozen entries, so
+# it bounds their rounding on any CPU (vector width changes only the order of the sums).
 F32_RTOL = 1e-5
 FD_RTOL = 1e-6
 # bf16 inputs (computed in float32 inside, rounded once on the way out): 4 bf16 ulps, 2^-6.
 BF16_RTOL = 2.0**-6
+F32_U = 2.0**-24  # float32 unit roundoff: one rounding moves a value by at most this, relatively
+
+
+def f32_rtol(chain: int) -> float:
+    """Bound on max |a - b| / max |b| for two float32 evaluations of one function whose sums run
+    in different orders (XLA's CPU code picks its vector width from the host; torch is another
+    program), derived, not measured, so that it holds on every CPU.
+
+    `chain` counts the roundings on the longest path from input to output: n for a sum or dot of
+    n terms, a few for an elementwise op. With rounding errors modelled as independent and
+    mean-zero, each at most u = 2^-24 (Higham and Mary, SIAM J. Sci. Comput. 41(5), 2019, Theorem
+    3.1, lambda = 6), n of them stay within 6 u sqrt(n) of the summands' scale except with
+    probability n * 3e-8; the two sides' 2 chain errors give 6 u sqrt(2 chain). The worst case,
+    chain * u a side, needs every rounding to err the same way. max |b| stands for the summands'
+    scale: lmjax's models normalise before every sublayer, so values and errors grow together.
+    """
+    return 6 * F32_U * float(np.sqrt(2 * chain))
+
+
+def forward_chain(cfg, t: int, extra: int = 0) -> int:
+    """`chain` of `f32_rtol` for logits of `lmjax.models.forward` (or transformers' equivalent)
+    over t positions: per block two norms (mean and variance, d each), q/k/v (d), scores (Dh),
+    softmax's sum and the p @ v (t each), the output projection (H Dh), the feed-forward (d,
+    then d_ff), and 16 elementwise roundings (exp, rsqrt, activation, residual adds); then the
+    final norm and the head (d). `extra` adds per block (a LoRA rank r: the x A then B sums)."""
+    d, attention = cfg.d_model, cfg.d_head + 2 * t + cfg.n_heads * cfg.d_head
+    block = 4 * d + d + attention + d + cfg.d_ff + 16 + extra
+    return cfg.n_layers * block + 2 * d + d
+
+
+def logits_atol(cfg, reference, extra: int = 0, t: int | None = None) -> float:
+    """`f32_rtol` of `forward_chain` times max |reference|, for reference logits [..., T, V]
+    (attention over t positions: T unless given)."""
+    reference = np.asarray(reference)
+    chain = forward_chain(cfg, reference.shape[-2] if t is None else t, extra)
+    return f32_rtol(chain) * float(np.abs(reference).max())
 
 
 @dataclasses.dataclass(frozen=True)
