@@ -4,7 +4,8 @@ The witness is a `GPT2LMHeadModel` built offline from a tiny `GPT2Config` and tr
 steps on real text (Python's documentation, as bytes), so its greedy continuation is that text
 rather than one repeated token. We check, against transformers:
 
-- lmjax's logits of the imported model (float32, atol 1e-4);
+- lmjax's logits of the imported model (float32, within `lmjax.testing.logits_atol`: a derived
+  bound on float32 rounding in either program, any CPU);
 - greedy decoding of 64 tokens token for token against `generate(do_sample=False)` (lmjax side:
   a plain loop over a jitted `forward` on a fixed-size buffer; causality makes the padding
   after the current position irrelevant);
@@ -27,7 +28,7 @@ import safetensors.torch
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from lmjax import models
+from lmjax import models, testing
 from lmjax import params as ptree
 from lmjax.errors import CheckpointError, ConfigError, FileFormatError, ShapeError
 from lmjax.io import hf_files, hf_gpt2
@@ -93,9 +94,10 @@ def test_imported_logits_match_transformers(hf_model, imported):
         "gpt2", vocab_size=256, context_length=C, d_model=32, n_heads=4, n_layers=2, d_ff=128
     )
     tokens = np.random.default_rng(0).integers(0, 256, (2, C))
+    theirs = _hf_logits(hf_model, tokens)
     np.testing.assert_allclose(
-        np.asarray(forward(params, jnp.asarray(tokens), cfg)), _hf_logits(hf_model, tokens),
-        atol=1e-4, rtol=0,
+        np.asarray(forward(params, jnp.asarray(tokens), cfg)), theirs,
+        atol=testing.logits_atol(cfg, theirs), rtol=0,
     )  # fmt: skip
 
 
@@ -157,9 +159,10 @@ def test_export_of_lmjax_params_loads_in_transformers(tmp_path):
     hf_gpt2.save(params, cfg, tmp_path)
     model = GPT2LMHeadModel.from_pretrained(tmp_path).eval()
     tokens = np.random.default_rng(1).integers(0, 50, (2, 16))
+    theirs = _hf_logits(model, tokens)
     np.testing.assert_allclose(
-        np.asarray(forward(params, jnp.asarray(tokens), cfg)), _hf_logits(model, tokens),
-        atol=1e-4, rtol=0,
+        np.asarray(forward(params, jnp.asarray(tokens), cfg)), theirs,
+        atol=testing.logits_atol(cfg, theirs), rtol=0,
     )  # fmt: skip
     back, back_cfg = hf_gpt2.load(tmp_path)
     assert back_cfg == cfg

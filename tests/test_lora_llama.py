@@ -7,12 +7,12 @@ the attention projections, the MLP projections, or "all-linear"); every lora_A a
 redrawn at random (B nonzero, so the adapters change the logits), and the same tensors are
 copied into lmjax's adapter tree under lmjax's names (`targets=` the same peft names).
 
-Checked (float32):
-- lmjax's attached model gives peft's logits within 1e-5;
-- `lora.merge` + `io.hf.save` loads in transformers with lmjax's merged logits (1e-5), and those
-  equal peft's `merge_and_unload` (1e-5);
+Checked (float32, logits within `_atol`: a derived bound on either side's rounding, any CPU):
+- lmjax's attached model gives peft's logits;
+- `lora.merge` + `io.hf.save` loads in transformers with lmjax's merged logits, and those
+  equal peft's `merge_and_unload`;
 - QLoRA: the same adapters over the NF4 base (`quantize_params`) give the logits of lmjax's
-  LoRA model over the dequantized base (1e-5), and of peft over a transformers model holding
+  LoRA model over the dequantized base, and of peft over a transformers model holding
   bitsandbytes' dequantization of the same NF4 codes (the outside witness of the weights).
   Every input width is >= 64 (D = 64): bitsandbytes 0.50's CPU dequantize_4bit reads weights
   narrower than its 64-weight block wrongly (tests/_bnb.py).
@@ -44,7 +44,7 @@ import transformers
 from _bnb import bnb_dequantized
 from _llama_run import finetune_config, imported_run
 
-from lmjax import cli, lora, models
+from lmjax import cli, lora, models, testing
 from lmjax import params as ptree
 from lmjax.io import hf
 from lmjax.quant import nf4
@@ -69,6 +69,13 @@ HF_TO_LMJAX = {
     "mlp.down_proj": "feed_forward.down",
 }
 forward = jax.jit(models.forward, static_argnums=2)
+
+
+def _atol(cfg, reference) -> float:
+    """Float32 rounding of either side of a logits comparison, derived (lmjax.testing's
+    `logits_atol`): the adapters add x A then B, r more, on the 4 linears of a block's path; a
+    merged W + s B A is one rounding more."""
+    return testing.logits_atol(cfg, reference, extra=4 * R + 4)
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +166,8 @@ def test_logits_equal_peft(base, adapted):
     ours = _lmjax_logits(lora.attach(params, adapters, lcfg), cfg)
     plain = _lmjax_logits(params, cfg)
     assert np.abs(ours - plain).max() > 1e-2  # the adapters matter
-    np.testing.assert_allclose(ours, _torch_logits(wrapped), atol=1e-5, rtol=0)
+    theirs = _torch_logits(wrapped)
+    np.testing.assert_allclose(ours, theirs, atol=_atol(cfg, theirs), rtol=0)
 
 
 def test_merged_export_loads_in_transformers(base, adapted, tmp_path):
@@ -169,9 +177,9 @@ def test_merged_export_loads_in_transformers(base, adapted, tmp_path):
     ours = _lmjax_logits(merged, cfg)
     hf.save(merged, cfg, tmp_path)
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
-    np.testing.assert_allclose(_torch_logits(loaded), ours, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(_torch_logits(loaded), ours, atol=_atol(cfg, ours), rtol=0)
     peft_merged = copy.deepcopy(wrapped).merge_and_unload()
-    np.testing.assert_allclose(_torch_logits(peft_merged), ours, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(_torch_logits(peft_merged), ours, atol=_atol(cfg, ours), rtol=0)
 
 
 def _with_weights(model, weights: dict[str, torch.Tensor]):
@@ -197,8 +205,8 @@ def test_qlora_equals_lora_over_the_dequantized_base(base, adapted):
         {k: nf4.dequantize(v) if k in quantized else v for k, v in flat.items()}
     )
     ours = _lmjax_logits(lora.attach(frozen, adapters, lcfg), cfg)
-    np.testing.assert_allclose(ours, _lmjax_logits(lora.attach(dense, adapters, lcfg), cfg),
-                               atol=1e-5, rtol=0)  # fmt: skip
+    dense_logits = _lmjax_logits(lora.attach(dense, adapters, lcfg), cfg)
+    np.testing.assert_allclose(ours, dense_logits, atol=_atol(cfg, dense_logits), rtol=0)
     # The outside witness: peft over bitsandbytes' reading of the same NF4 bytes.
     witness = {
         k.removesuffix(".weight"): torch.from_numpy(bnb_dequantized(v))
@@ -208,7 +216,7 @@ def test_qlora_equals_lora_over_the_dequantized_base(base, adapted):
     lcfg_all = lora.LoraConfig(r=R, alpha=ALPHA, targets=("all-linear",))
     expected = _torch_logits(wrapped)
     got = _lmjax_logits(lora.attach(frozen, _adapters_of(wrapped), lcfg_all), cfg)
-    np.testing.assert_allclose(got, expected, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(got, expected, atol=_atol(cfg, expected), rtol=0)
 
 
 # ---- lmjax finetune of an imported Llama run -----------------------------------------------------
@@ -239,7 +247,8 @@ def test_cli_qlora_finetune_of_an_imported_llama_exports(tmp_path, monkeypatch):
     merged = load_run(out / "merged")
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval()
     ours = _lmjax_logits(merged.params, merged.model)
-    np.testing.assert_allclose(_torch_logits(loaded), ours, atol=1e-5, rtol=0)
+    atol = _atol(merged.model, ours)
+    np.testing.assert_allclose(_torch_logits(loaded), ours, atol=atol, rtol=0)
     base_logits = _lmjax_logits(load_run(base).params, merged.model)
     assert np.abs(ours - base_logits).max() > 1e-2  # the export is the fine-tuned model
 

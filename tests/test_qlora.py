@@ -23,7 +23,7 @@ import optax
 import pytest
 from _background import Worker
 
-from lmjax import finetune, lora, models
+from lmjax import finetune, lora, models, testing
 from lmjax import params as ptree
 from lmjax.quant import nf4
 from lmjax.quant import params as quant_params
@@ -86,9 +86,12 @@ def test_qlora_logits_equal_lora_over_dequantized_weights(quantized):
     forward = models.forward  # eager: four tree structures would compile four times
     ours = forward(lora.attach(frozen, adapters, lcfg), tokens, CFG)
     witness = forward(lora.attach(dense, adapters, lcfg), tokens, CFG)
-    np.testing.assert_allclose(ours, witness, atol=1e-4, rtol=0)
+    # Same weights, other programs: float32 rounding of either (lmjax.testing, derived for any
+    # CPU); x A then B adds r on the 4 linears of the block's path, a merge one rounding more.
+    atol = testing.logits_atol(CFG, witness, extra=4 * 4 + 4)
+    np.testing.assert_allclose(ours, witness, atol=atol, rtol=0)
     merged = forward(lora.merge(frozen, adapters, lcfg), tokens, CFG)
-    np.testing.assert_allclose(merged, witness, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(merged, witness, atol=atol, rtol=0)
     assert float(jnp.abs(witness - forward(base, tokens, CFG)).max()) > 1e-2
 
 
