@@ -11,7 +11,8 @@ scatter whose indices follow from constants and iotas alone, also through privat
 
 Paths: NF4 quantize / dequantize / block scales, the GPU (and TPU) NF4 kernel's forward and
 custom-VJP input gradient, the tiled XLA path, a QLoRA train step of a small grouped-query
-Llama on the kernel and the tiled path.
+Llama on the kernel and the tiled path, plain GPT and Llama train steps (materialized attention
+by query blocks, and the flash kernel), and sampling, where only top-k / top-p sort (data order).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import pytest
 from _pallas import CUSTOM_CALL, lowered_text
 
 from lmjax import lora, models
+from lmjax.generate.sampling import Sampling, sample
 from lmjax.quant import nf4
 from lmjax.quant import params as quant_params
 from lmjax.train.step import init_state, make_train_step
@@ -227,3 +229,39 @@ def test_qlora_train_step_lowers_without_index_arithmetic(device):
     text = _cuda_text(step, state, _batch(2, 16), _abstract(frozen), device=device)
     assert (CUSTOM_CALL["gpu"] in text) == (device == "gpu")
     assert findings(text) == []
+
+
+@pytest.mark.parametrize(
+    "name, attention, t, device",
+    [
+        ("gpt", "materialized", 16, None),
+        ("llama", "materialized", 160, None),  # T > 64: attention by causal query blocks
+        ("llama", "flash", 16, "gpu"),
+    ],
+)
+def test_train_step_lowers_without_index_arithmetic(name, attention, t, device):
+    """Plain GPT (learned positions) and grouped-query Llama train steps; the only scatter
+    left is the token embedding's gradient, indexed by the tokens (lmjax.ops.embedding)."""
+    base = LLAMA if name == "llama" else models.preset("gpt")
+    cfg = base.replace(attention=attention, context_length=t)
+    state = jax.eval_shape(lambda k: init_state(k, cfg, TX), jax.random.key(0))
+    text = _cuda_text(make_train_step(cfg, TX, lambda s: 1e-3), state, _batch(2, t), device=device)
+    assert (CUSTOM_CALL["gpu"] in text) == (attention == "flash")
+    assert findings(text, data_scatter_ok=True) == []
+
+
+# ---- sampling: only top-k and top-p sort, by the logits' values ----------------------------------
+
+
+def test_sampling_sorts_only_for_top_k_and_top_p():
+    logits = jax.ShapeDtypeStruct((2, 64), jnp.float32)
+
+    def lowered(sampling):
+        return findings(_cuda_text(lambda z, k: sample(z, k, sampling), logits, jax.random.key(0)))
+
+    assert lowered(Sampling()) == [] and lowered(Sampling(temperature=0.7)) == []
+    top_k = lowered(Sampling(temperature=0.7, top_k=5))
+    assert len(top_k) == 1 and "chlo.top_k" in top_k[0]
+    top_p = lowered(Sampling(temperature=0.7, top_p=0.9))
+    assert any("chlo.top_k" in f for f in top_p) and any("cumsum" in f for f in top_p)
+    assert all(re.search(r"top_k|cumsum|reduce_window", f) for f in top_p)
