@@ -164,8 +164,9 @@ def _blocked_bwd(block, window, res, d_out):
         q_i, k_i, v_i, keep = _block(q, k, v, segments, span, window)
         dq_i, dk_i, dv_i = _backward(q_i, k_i, v_i, keep, p, d_out[:, i:e])
         dq_blocks.append(dq_i)
-        dk = dk.at[:, lo:e].add(dk_i)
-        dv = dv.at[:, lo:e].add(dv_i)
+        # An update of a static slice: `.at[:, lo:e].add` would lower to a scatter (issue 32).
+        dk = jax.lax.dynamic_update_slice_in_dim(dk, dk[:, lo:e] + dk_i, lo, axis=1)
+        dv = jax.lax.dynamic_update_slice_in_dim(dv, dv[:, lo:e] + dv_i, lo, axis=1)
     dq = jnp.concatenate(dq_blocks, axis=1)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 
