@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 RUNTIME_STAMP := $(VENV)/.installed-runtime-stamp
 
-.PHONY: venv demo test test-fast bench lint strip-notebooks clean
+.PHONY: venv demo test test-fast test-portable bench lint strip-notebooks clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -67,6 +67,20 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q $(XDIST) -m "not slow"
+
+# The numerically sensitive files (sharded against one device, several processes against one,
+# kernels against references, models against PyTorch and transformers) as a CPU of another
+# vector width runs them: XLA's CPU code generator picks its instructions from the host, so
+# float32 sums round differently with and without AVX-512. ISA is XLA's --xla_cpu_max_isa
+# (SSE4_2, AVX, AVX2, AVX512); the flag is added to XLA_FLAGS and reaches the subprocesses these
+# tests start (tests/_xla_flags.py). `make test-portable ISA=SSE4_2` goes further down.
+ISA ?= AVX2
+PORTABLE_TESTS := $(addprefix tests/,test_parallel_mesh.py test_parallel.py \
+	test_flash_on_a_mesh.py test_multiprocess.py test_flash_attention.py test_flash_gqa.py \
+	test_nf4_matmul.py test_nf4_tiled.py test_ops_gradients.py test_train_step.py \
+	test_torch_parity.py test_models_torch_parity.py test_hf_gpt2.py test_hf_families.py)
+test-portable: $(STAMP)
+	XLA_FLAGS="$$XLA_FLAGS --xla_cpu_max_isa=$(ISA)" $(PY) -m pytest -q $(XDIST) $(PORTABLE_TESTS)
 
 bench: $(STAMP)
 	@$(PLATFORM); \

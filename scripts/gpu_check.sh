@@ -8,15 +8,19 @@
 #
 #     bash scripts/gpu_check.sh
 #
-# Everything goes to RESULTS_DIR (default: $OUT when set, else benchmarks/results):
+# RESULTS_DIR (default: $OUT when set, else benchmarks/results) gets five files at most, so a
+# borrowed machine that returns 8 files returns them all:
 #     gpu_check.log                the whole console output (tee)
 #     summary.txt, summary.json    per step: outcome, exit status, seconds, limit; rewritten
 #                                  after every step ("finished": false until the end), so a
 #                                  run killed from outside keeps them
-#     environment.json             python, jax, jaxlib, devices
-#     junit_{smoke,fast,slow}.xml  pytest's per-test results (written on a timeout too)
-#     attention_gpu.json           the timings, rewritten after every point
-#     junit_nf4.xml, nf4_matmul_gpu.json   the NF4 matmul kernel's tests and timings (2b, 3c)
+#     gpu_profile.json             step 3: tokens/s per attention and the top GPU kernels
+#     details.tar.gz               everything else, repacked after every step:
+#         environment.json             python, jax, jaxlib, devices
+#         junit_{smoke,nf4,fast,slow}.xml  pytest's per-test results (written on a timeout too)
+#         attention_gpu.json           the attention timings, rewritten after every point
+#         nf4_matmul_gpu.json          the NF4 matmul timings (3c)
+#         train_step_gpu.json          `lmjax bench` (3b, not in the default run)
 #
 # Steps, in this order; limits in seconds, each also cut to what is left of TOTAL_BUDGET_S:
 #   1 env    python, jax, devices (and nvidia-smi); no GPU ends the run     ENV_TIMEOUT_S=30
@@ -25,27 +29,40 @@
 #                                                                           SMOKE_TIMEOUT_S=60
 #   2b nf4   tests/test_nf4_matmul.py (fast ones), the NF4 matmul kernel compiled
 #                                                                           NF4_TEST_TIMEOUT_S=60
-#   3 bench  benchmarks/attention_gpu.py; runs whatever step 2 gave        BENCH_TIMEOUT_S=90
+#   3 profile  benchmarks/train_profile_gpu.py: configs/gpt2-124m.yaml's bf16 train step with
+#            attention cudnn, flash and xla (tokens/s, MFU, compile), then a jax.profiler trace
+#            of 3 steps of the first that ran, reduced to the top kernels -> gpu_profile.json
+#            (its --budget-s: no new attention after the limit less min(60, limit/3))
+#                                                                           PROFILE_TIMEOUT_S=140
+#   3a bench benchmarks/attention_gpu.py; runs whatever step 2 gave        BENCH_TIMEOUT_S=70
 #            (its --budget-s, after which no new point starts: the limit less min(60,
 #            limit/3), so never negative)
 #   3b train gpt2-124m bf16 train step, flash attention: `lmjax bench`     TRAIN_TIMEOUT_S=150
-#            configs/gpt2-124m.yaml, tokens/s and MFU on the bf16 data-sheet peak -> train_step_gpu.json
+#            (not in the default run: step 3 times the same step, with each attention)
 #   3c nf4bench  benchmarks/nf4_matmul_gpu.py: NF4 kernel vs bf16 matmul (and XLA dequantize +
 #            matmul) at GPT-2 124M's projections, 4096 and 16 tokens -> nf4_matmul_gpu.json
-#            (its --budget-s: the limit less min(40, limit/3))              NF4_BENCH_TIMEOUT_S=80
+#            (its --budget-s: the limit less min(40, limit/3))              NF4_BENCH_TIMEOUT_S=50
+#   6 gradcheck  `lmjax gradcheck` (its table in the log): every hand-written VJP against
+#            jax.grad of its reference on the GPU, with float32 matmuls at full precision (JAX_DEFAULT_MATMUL_PRECISION=highest,
+#            not TF32), so the CPU's float32 rtol 1e-5 applies; float64 finite differences
+#                                                                           GRADCHECK_TIMEOUT_S=40
 #   4 fast   the other fast tests of the kernel and of ops.attention       FAST_TIMEOUT_S=120
 #            (all of them, smoke included, when step 2 did not pass)
 #   5 slow   the slow product, in the time left; skipped under 30 s        SLOW_TIMEOUT_S=120
-# Steps 4 and 5 are not in the default run: the device machine allows 600 s per command, so one
-# invocation does the compiled smoke tests and the timings (1-3c) in TOTAL_BUDGET_S=420, and a
-# second, GPU_CHECK_STEPS="fast slow", the rest (at most 30 + 120 + 120 s).
+# Steps 3b, 4 and 5 are not in the default run: the device machine allows 600 s per command, so
+# one invocation does the compiled smoke tests, the timings, the profile and the gradient check
+# (1-3c, 6) in TOTAL_BUDGET_S=420, and a second, GPU_CHECK_STEPS="fast slow", the rest (at most
+# 30 + 120 + 120 s).
 # A step out of time gets SIGINT (pytest still writes its junit file, the benchmark its JSON)
 # and SIGKILL KILL_AFTER_S=10 later. TOTAL_BUDGET_S ends every step by then, so the worst case
 # is 420 s plus the closing summaries (at most 20 s each): 480 s, under the 600 s a command may
-# take. The limits of 1-3c add up to 470 s: a run whose early steps all use their whole limit
-# gives nf4bench only 20 s (it still runs and writes its JSON).
+# take. The limits of the default steps add up to 450 s: a run whose early steps all use their
+# whole limit leaves gradcheck no time (it is then skipped and counted as failed).
 # GPU_CHECK_STEPS picks steps for a shorter rerun, e.g. GPU_CHECK_STEPS="bench" or
 # "smoke fast" (env always runs); steps left out are recorded as not requested.
+# GPU_CHECK_XLA_FLAGS are added to XLA_FLAGS for the profile step only, to try XLA's GPU options
+# on the same step, e.g. GPU_CHECK_STEPS=profile GPU_CHECK_XLA_FLAGS="--xla_gpu_enable_latency_hiding_scheduler=true
+# --xla_gpu_enable_triton_gemm=false" (an unknown flag stops XLA: check them against the jaxlib).
 #
 # Exit status: 0 when every step that ran passed; 1 when one failed, ran out of time, or (all
 # but slow) was skipped for lack of time. The slow step skipped for lack of time is reported,
@@ -62,21 +79,24 @@ cd "$ROOT"
 PYTHON="${PYTHON:-python3}"
 RESULTS_DIR="${RESULTS_DIR:-${OUT:-benchmarks/results}}"
 DRY_RUN="${GPU_CHECK_DRY_RUN:-0}"
-STEPS=" ${GPU_CHECK_STEPS:-smoke nf4 bench train nf4bench} "
+STEPS=" ${GPU_CHECK_STEPS:-smoke nf4 profile bench nf4bench gradcheck} "
 ENV_TIMEOUT_S="${ENV_TIMEOUT_S:-30}"
 SMOKE_TIMEOUT_S="${SMOKE_TIMEOUT_S:-60}"
-BENCH_TIMEOUT_S="${BENCH_TIMEOUT_S:-90}"
+BENCH_TIMEOUT_S="${BENCH_TIMEOUT_S:-70}"
+PROFILE_TIMEOUT_S="${PROFILE_TIMEOUT_S:-140}" # issue 31: the step per attention, profiled (3)
+GRADCHECK_TIMEOUT_S="${GRADCHECK_TIMEOUT_S:-40}" # issue 31: lmjax gradcheck on the GPU (6)
 FAST_TIMEOUT_S="${FAST_TIMEOUT_S:-120}"
 SLOW_TIMEOUT_S="${SLOW_TIMEOUT_S:-120}"
 TRAIN_TIMEOUT_S="${TRAIN_TIMEOUT_S:-150}" # issue 11: the gpt2-124m train-step benchmark (3b)
 NF4_TEST_TIMEOUT_S="${NF4_TEST_TIMEOUT_S:-60}"   # issue 8: NF4 matmul kernel tests (2b)
-NF4_BENCH_TIMEOUT_S="${NF4_BENCH_TIMEOUT_S:-80}" # issue 8: NF4 vs bf16 matmul timings (3c)
+NF4_BENCH_TIMEOUT_S="${NF4_BENCH_TIMEOUT_S:-50}" # issue 8: NF4 vs bf16 matmul timings (3c)
 KILL_AFTER_S="${KILL_AFTER_S:-10}"
 TOTAL_BUDGET_S="${TOTAL_BUDGET_S:-420}"
 MIN_STEP_S=20 # a step with less time than this left is skipped, not started
 MIN_SLOW_S=30
 for knob in ENV_TIMEOUT_S SMOKE_TIMEOUT_S BENCH_TIMEOUT_S FAST_TIMEOUT_S SLOW_TIMEOUT_S \
-    TRAIN_TIMEOUT_S NF4_TEST_TIMEOUT_S NF4_BENCH_TIMEOUT_S KILL_AFTER_S TOTAL_BUDGET_S; do
+    TRAIN_TIMEOUT_S NF4_TEST_TIMEOUT_S NF4_BENCH_TIMEOUT_S PROFILE_TIMEOUT_S GRADCHECK_TIMEOUT_S \
+    KILL_AFTER_S TOTAL_BUDGET_S; do
     case "${!knob}" in
         '' | *[!0-9]*) echo "gpu_check: $knob=${!knob} is not a whole number of seconds" >&2 && exit 2 ;;
     esac
@@ -86,7 +106,12 @@ mkdir -p "$RESULTS_DIR"
 RESULTS_DIR="$(cd "$RESULTS_DIR" && pwd)"
 LOG="$RESULTS_DIR/gpu_check.log"
 : >"$LOG"
-rm -f "$RESULTS_DIR"/summary.txt "$RESULTS_DIR"/summary.json "$RESULTS_DIR"/junit_*.xml
+rm -f "$RESULTS_DIR"/summary.txt "$RESULTS_DIR"/summary.json "$RESULTS_DIR"/junit_*.xml \
+    "$RESULTS_DIR"/gpu_profile.json "$RESULTS_DIR"/details.tar.gz
+# Everything but the summary, the log and the profile is written here and packed into
+# RESULTS_DIR/details.tar.gz after every step (pack_details).
+DETAILS_DIR="$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")"
+trap 'rm -rf "$DETAILS_DIR"' EXIT
 
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONDONTWRITEBYTECODE=1
@@ -148,6 +173,11 @@ write_summary() { # write_summary true|false (finished)
     mv "$tmp" "$RESULTS_DIR/summary.json"
 }
 
+pack_details() {
+    tar -czf "$RESULTS_DIR/details.tar.gz.tmp" -C "$DETAILS_DIR" . &&
+        mv "$RESULTS_DIR/details.tar.gz.tmp" "$RESULTS_DIR/details.tar.gz"
+}
+
 # record NAME OUTCOME EXIT_STATUS SECONDS LIMIT NOTE   (OUTCOME: ok, failed, timeout, skipped)
 # Notes are the script's own text: no quotes or backslashes in them.
 record() {
@@ -158,6 +188,7 @@ record() {
     printf '%-6s %-8s exit=%-4s %4ds of %4ds  %s\n' "$name" "$outcome" "${status:--}" "$took" \
         "$limit" "$note" >>"$RESULTS_DIR/summary.txt"
     write_summary false
+    pack_details
 }
 
 # begin_step NAME LIMIT MIN DESCRIPTION: sets STEP_LIMIT to LIMIT cut to the time left before
@@ -236,11 +267,13 @@ if command -v nvidia-smi >/dev/null 2>&1; then
 fi
 STEP_OUTCOME=skipped
 if begin_step env "$ENV_TIMEOUT_S" 5 "python, jax, devices"; then
-    run_bounded "$PYTHON" -c "$ENV_PY" "$RESULTS_DIR" "$DRY_RUN"
+    run_bounded "$PYTHON" -c "$ENV_PY" "$DETAILS_DIR" "$DRY_RUN"
 fi
 if [ "$STEP_OUTCOME" != ok ]; then
-    for name in smoke bench train nf4 nf4bench fast slow; do record "$name" skipped "" 0 0 "environment step failed"; done
-    FAILED+=(smoke bench train nf4 nf4bench fast slow)
+    for name in smoke nf4 profile bench train nf4bench gradcheck fast slow; do
+        record "$name" skipped "" 0 0 "environment step failed"
+    done
+    FAILED+=(smoke nf4 profile bench train nf4bench gradcheck fast slow)
     write_summary true
     say "gpu_check: FAILED at the environment step; see $LOG"
     exit 1
@@ -265,22 +298,44 @@ if [ "${#SMOKE_IDS[@]}" -eq 0 ] && wanted smoke; then
     record smoke failed "" 0 0 "no GPU_SMOKE ids in $TEST_FILE"
     FAILED+=(smoke)
 elif begin_step smoke "$SMOKE_TIMEOUT_S" "$MIN_STEP_S" "${#SMOKE_IDS[@]} kernel tests ($MODE)"; then
-    run_bounded "${PYTEST[@]}" --junitxml="$RESULTS_DIR/junit_smoke.xml" "${SMOKE_IDS[@]}"
+    run_bounded "${PYTEST[@]}" --junitxml="$DETAILS_DIR/junit_smoke.xml" "${SMOKE_IDS[@]}"
     if [ "$STEP_OUTCOME" = ok ]; then smoke_passed=1; fi
 fi
 
 # ---- 2b: the NF4 matmul kernel's fast tests, compiled (issue 8) ---------------------------------
 # The GPU kernel compiled, the TPU kernel's tests skipped; before the timings, with the smoke tests.
 if begin_step nf4 "$NF4_TEST_TIMEOUT_S" "$MIN_STEP_S" "NF4 matmul kernel tests ($MODE)"; then
-    run_bounded "${PYTEST[@]}" --junitxml="$RESULTS_DIR/junit_nf4.xml" -m "not slow" \
+    run_bounded "${PYTEST[@]}" --junitxml="$DETAILS_DIR/junit_nf4.xml" -m "not slow" \
         tests/test_nf4_matmul.py
 fi
 
-# ---- 3: timings, whatever step 2 gave ----------------------------------------------------------
+# ---- 3: the gpt2-124m train step per attention, and a profile of it (issue 31) ------------------
+# The dry run times a tiny model of the same config (flash interpreted, and XLA; cuDNN needs a
+# GPU) and profiles it on the CPU, only to check this step and its JSON.
+if [ "$DRY_RUN" = 1 ]; then
+    PROFILE_ARGS=(--allow-cpu --attention flash xla --steps 2 --profile-steps 2
+        model.vocab_size=512 model.n_layers=1 model.d_model=64 model.n_heads=2 model.d_ff=128
+        model.context_length=32 train.batch_size=4 train.grad_accum=2 train.seq_len=32)
+else
+    PROFILE_ARGS=(--require-gpu --steps 5 --profile-steps 3)
+fi
+if begin_step profile "$PROFILE_TIMEOUT_S" "$MIN_STEP_S" "gpt2-124m bf16 train step: cudnn, flash, xla; profile"; then
+    margin=$((STEP_LIMIT / 3 < 60 ? STEP_LIMIT / 3 : 60))
+    # XLA reads a non-empty XLA_FLAGS that does not start with "--" as a file name.
+    flags="${XLA_FLAGS:-}${GPU_CHECK_XLA_FLAGS:+ $GPU_CHECK_XLA_FLAGS}"
+    flags="${flags# }"
+    profile_env=()
+    if [ -n "$flags" ]; then profile_env=(env XLA_FLAGS="$flags"); fi
+    run_bounded ${profile_env[@]+"${profile_env[@]}"} \
+        "$PYTHON" benchmarks/train_profile_gpu.py "${PROFILE_ARGS[@]}" \
+        --results-dir "$RESULTS_DIR" --budget-s "$((STEP_LIMIT - margin))"
+fi
+
+# ---- 3a: attention timings, whatever step 2 gave -----------------------------------------------
 if begin_step bench "$BENCH_TIMEOUT_S" "$MIN_STEP_S" "flash vs cuDNN vs XLA, bf16, causal"; then
     margin=$((STEP_LIMIT / 3 < 60 ? STEP_LIMIT / 3 : 60))
     run_bounded "$PYTHON" benchmarks/attention_gpu.py "${BENCH_ARGS[@]}" \
-        --results-dir "$RESULTS_DIR" --budget-s "$((STEP_LIMIT - margin))"
+        --results-dir "$DETAILS_DIR" --budget-s "$((STEP_LIMIT - margin))"
 fi
 
 # ---- 3b: gpt2-124m bf16 train step with flash attention (issue 11) -------------------------------
@@ -297,7 +352,7 @@ else
 fi
 if begin_step train "$TRAIN_TIMEOUT_S" "$MIN_STEP_S" "gpt2-124m bf16 train step, flash attention"; then
     run_bounded "$PYTHON" -m lmjax bench configs/gpt2-124m.yaml "${TRAIN_ARGS[@]}" \
-        --output "$RESULTS_DIR/train_step_gpu.json"
+        --output "$DETAILS_DIR/train_step_gpu.json"
 fi
 
 # ---- 3c: NF4 vs bf16 matmul timings at GPT-2 124M's projections (issue 8) -----------------------
@@ -310,7 +365,20 @@ fi
 if begin_step nf4bench "$NF4_BENCH_TIMEOUT_S" "$MIN_STEP_S" "NF4 vs bf16 matmul, GPT-2 124M shapes"; then
     margin=$((STEP_LIMIT / 3 < 40 ? STEP_LIMIT / 3 : 40))
     run_bounded "$PYTHON" benchmarks/nf4_matmul_gpu.py "${NF4_BENCH_ARGS[@]}" \
-        --results-dir "$RESULTS_DIR" --budget-s "$((STEP_LIMIT - margin))"
+        --results-dir "$DETAILS_DIR" --budget-s "$((STEP_LIMIT - margin))"
+fi
+
+# ---- 6: every hand-written VJP against jax.grad, on the GPU (issue 31) ---------------------------
+# float32 matmuls at full precision: a GPU's default (TF32, 10 mantissa bits) would need
+# rtol ~1e-3, and the check would no longer tell a wrong VJP from rounding at 1e-5.
+if [ "$DRY_RUN" = 1 ]; then
+    GRADCHECK_ARGS=(--ops "linear*")
+else
+    GRADCHECK_ARGS=()
+fi
+if begin_step gradcheck "$GRADCHECK_TIMEOUT_S" "$MIN_STEP_S" "lmjax gradcheck, float32 matmuls at full precision"; then
+    run_bounded env JAX_DEFAULT_MATMUL_PRECISION=highest "$PYTHON" -m lmjax gradcheck \
+        ${GRADCHECK_ARGS[@]+"${GRADCHECK_ARGS[@]}"}
 fi
 
 # ---- 4: the rest of the fast tests -----------------------------------------------------------
@@ -319,22 +387,23 @@ if [ "$smoke_passed" = 1 ]; then
     for id in "${SMOKE_IDS[@]}"; do DESELECT+=(--deselect "$id"); done
 fi
 if begin_step fast "$FAST_TIMEOUT_S" "$MIN_STEP_S" "fast kernel and ops.attention tests ($MODE)"; then
-    run_bounded "${PYTEST[@]}" --junitxml="$RESULTS_DIR/junit_fast.xml" -m "not slow" \
+    run_bounded "${PYTEST[@]}" --junitxml="$DETAILS_DIR/junit_fast.xml" -m "not slow" \
         ${DESELECT[@]+"${DESELECT[@]}"} "${TESTS[@]}"
 fi
 
 # ---- 5: the slow product, in the time left -----------------------------------------------------
 if begin_step slow "$SLOW_TIMEOUT_S" "$MIN_SLOW_S" "the slow product of kernel tests ($MODE)"; then
-    run_bounded "${PYTEST[@]}" --junitxml="$RESULTS_DIR/junit_slow.xml" -m slow "${TESTS[@]}"
+    run_bounded "${PYTEST[@]}" --junitxml="$DETAILS_DIR/junit_slow.xml" -m slow "${TESTS[@]}"
 fi
 
 # ---- summary -----------------------------------------------------------------------------------
 write_summary true
+pack_details
 say ""
 say "==> $(clock) summary (also in $RESULTS_DIR/summary.json)"
 tee -a "$LOG" <"$RESULTS_DIR/summary.txt"
-if [ -f "$RESULTS_DIR/attention_gpu.json" ]; then
-    timeout 20 "$PYTHON" - "$RESULTS_DIR/attention_gpu.json" <<'EOF' 2>&1 | tee -a "$LOG" || true
+if [ -f "$DETAILS_DIR/attention_gpu.json" ]; then
+    timeout 20 "$PYTHON" - "$DETAILS_DIR/attention_gpu.json" <<'EOF' 2>&1 | tee -a "$LOG" || true
 import json, sys
 
 r = json.load(open(sys.argv[1]))
@@ -357,8 +426,8 @@ if "ratio_cudnn_over_flash_geomean" in r:
           f"{r['points_measured']} points >= {r['target_ratio_cudnn_over_flash']}")
 EOF
 fi
-if [ -f "$RESULTS_DIR/train_step_gpu.json" ]; then # issue 11's train-step benchmark (3b)
-    timeout 20 "$PYTHON" - "$RESULTS_DIR/train_step_gpu.json" <<'EOF' 2>&1 | tee -a "$LOG" || true
+if [ -f "$DETAILS_DIR/train_step_gpu.json" ]; then # issue 11's train-step benchmark (3b)
+    timeout 20 "$PYTHON" - "$DETAILS_DIR/train_step_gpu.json" <<'EOF' 2>&1 | tee -a "$LOG" || true
 import json, sys
 
 r = json.load(open(sys.argv[1]))
@@ -367,8 +436,23 @@ print(f"train: {r['device_kind']}, {r['tokens_per_step']} tokens/step: {r['token
       f"({r['peak_flops_source']}), compile {r['compile_s']:.1f} s")
 EOF
 fi
-if [ -f "$RESULTS_DIR/nf4_matmul_gpu.json" ]; then # issue 8's NF4 matmul timings (3c)
-    timeout 20 "$PYTHON" - "$RESULTS_DIR/nf4_matmul_gpu.json" <<'EOF' 2>&1 | tee -a "$LOG" || true
+if [ -f "$RESULTS_DIR/gpu_profile.json" ]; then # issue 31's train step per attention (3)
+    timeout 20 "$PYTHON" - "$RESULTS_DIR/gpu_profile.json" <<'EOF' 2>&1 | tee -a "$LOG" || true
+import json, sys
+
+r = json.load(open(sys.argv[1]))
+for run in r["runs"]:
+    if "error" in run:
+        print(f"profile: {run['attention']}: {run['error']}")
+    else:
+        print(f"profile: {run['attention']}: {run['tokens_per_s']:,.0f} tokens/s, MFU "
+              f"{run['mfu']:.1%}, compile {run['compile_s']:.1f} s")
+for k in ((r.get("profile") or {}).get("kernels") or [])[:5]:
+    print(f"  {k['share'] or 0:6.1%} {k['kernel'][:80]}")
+EOF
+fi
+if [ -f "$DETAILS_DIR/nf4_matmul_gpu.json" ]; then # issue 8's NF4 matmul timings (3c)
+    timeout 20 "$PYTHON" - "$DETAILS_DIR/nf4_matmul_gpu.json" <<'EOF' 2>&1 | tee -a "$LOG" || true
 import json, sys
 
 r = json.load(open(sys.argv[1]))

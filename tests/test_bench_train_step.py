@@ -112,7 +112,7 @@ def _gpu_check_dry_run(workdir: Path) -> tuple[list[str], dict]:
     env = {
         **os.environ,
         "GPU_CHECK_DRY_RUN": "1",
-        "GPU_CHECK_STEPS": "train",
+        "GPU_CHECK_STEPS": "train profile gradcheck",
         "PYTHON": sys.executable,
         "RESULTS_DIR": str(workdir),
     }
@@ -131,17 +131,34 @@ def start_in_background(names: set[str]) -> None:
 
 @pytest.mark.slow
 def test_gpu_check_dry_run_of_the_train_step_benchmark():
-    """scripts/gpu_check.sh step 3b on CPU (GPU_CHECK_DRY_RUN=1): the gpt2-124m config, shrunk,
-    through `lmjax bench` with flash attention interpreted, bf16; its JSON and summary."""
+    """scripts/gpu_check.sh steps 3b, 3 and 6 on CPU (GPU_CHECK_DRY_RUN=1): the gpt2-124m config,
+    shrunk, through `lmjax bench` (flash interpreted, bf16) and through the per-attention timing
+    and profile; `lmjax gradcheck` on a few ops. RESULTS_DIR holds five files at most (the
+    device machine returns 8), the rest packed into details.tar.gz."""
+    import tarfile
+
     proc = GPU_CHECK.result()
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    names = {p.name for p in proc.workdir.iterdir() if not p.name.startswith(".")}
+    assert names == {"summary.json", "summary.txt", "gpu_check.log", "gpu_profile.json",
+                     "details.tar.gz"}, names  # fmt: skip
     summary = json.loads((proc.workdir / "summary.json").read_text())
     steps = {s["step"]: s["outcome"] for s in summary["steps"]}
-    assert steps["train"] == "ok" and summary["finished"]
-    data = json.loads((proc.workdir / "train_step_gpu.json").read_text())
+    assert steps["train"] == steps["profile"] == steps["gradcheck"] == "ok" and summary["finished"]
+    with tarfile.open(proc.workdir / "details.tar.gz") as tar:
+        data = json.load(tar.extractfile("./train_step_gpu.json"))
+        assert {"./environment.json", "./train_step_gpu.json"} <= set(tar.getnames())
     assert data["model"]["attention"] == "flash" and data["model"]["dtype"] == "bfloat16"
     assert data["finite"] and data["tokens_per_s"] > 0 and 0 < data["mfu"]
     assert "train: cpu" in proc.stdout
+    profile = json.loads((proc.workdir / "gpu_profile.json").read_text())
+    runs = {r["attention"]: r for r in profile["runs"]}
+    assert set(runs) == {"flash", "xla"} and all(r["tokens_per_s"] > 0 for r in runs.values())
+    table = profile["profile"]
+    assert table["attention"] == "flash" and table["kernels"] and table["busy_ms"] > 0
+    shares = [k["share"] for k in table["kernels"]]
+    assert shares == sorted(shares, reverse=True) and 0 < sum(shares) <= 1 + 1e-6
+    assert "op cases agree" in proc.stdout
 
 
 @pytest.mark.slow

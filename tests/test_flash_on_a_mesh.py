@@ -21,6 +21,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import pytest
+from _xla_flags import host_devices
 
 from lmjax import models, testing
 from lmjax.errors import ConfigError
@@ -124,7 +125,7 @@ def test_flash_on_a_4_device_mesh_gives_the_one_device_loss_and_gradients():
     env = {
         **os.environ,
         "JAX_PLATFORMS": "cpu",
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+        "XLA_FLAGS": host_devices(4),
     }
     done = subprocess.run(
         [sys.executable, "-c", SCRIPT], env=env, cwd=ROOT, capture_output=True, text=True

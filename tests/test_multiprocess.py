@@ -46,6 +46,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from _xla_flags import host_devices
 
 from lmjax import cli
 from lmjax.errors import ConfigError
@@ -143,7 +144,7 @@ class Run:
             }  # fmt: skip
             full_env = {
                 **os.environ, "JAX_PLATFORMS": "cpu", **ranks, **(env or {}),
-                "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+                "XLA_FLAGS": host_devices(devices),
             }  # fmt: skip
             with open(self.logs / f"{i}.err", "w") as err:
                 command = [sys.executable, "-c", WORKER, str(self.dir), str(self.record_path(i))]

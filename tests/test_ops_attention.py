@@ -128,21 +128,26 @@ def test_traced_offset_under_jit_matches_static_offset():
 
 def test_unknown_impls_and_probabilities_without_materialized_are_rejected():
     q, k, v = _qkv(2, 2)
-    with pytest.raises(ConfigError, match=r"one of \('materialized', 'xla', 'flash'\)"):
+    every = r"one of \('auto', 'materialized', 'xla', 'flash', 'cudnn'\)"
+    with pytest.raises(ConfigError, match=every):
         attention(q, k, v, causal=True, impl="cuda")
     with pytest.raises(ConfigError, match=r"one of \('materialized', 'xla'\)"):
         ops.attention(q, k, v, causal=True, impl="cuda")
-    for impl in ("xla", "flash"):
+    for impl in ("xla", "flash", "cudnn", "auto"):
         with pytest.raises(ConfigError, match="return_probabilities"):
             attention(q, k, v, causal=True, impl=impl, return_probabilities=True)
 
 
-def test_the_op_refuses_flash_naming_the_models_function():
-    """ops sits below the Pallas kernels: impl="flash" there is one line naming the place that
-    runs it, and no kernel is imported by ops (tests/test_architecture.py, ops-imports)."""
+@pytest.mark.parametrize("impl", ["flash", "cudnn", "auto"])
+def test_the_op_refuses_flash_naming_the_models_function(impl):
+    """ops sits below the Pallas kernels and the choice of impl: impl="flash" (or "cudnn",
+    "auto") there is one line naming the place that runs it, and no kernel is imported by ops
+    (tests/test_architecture.py, ops-imports)."""
     q, k, v = _qkv(2, 2)
-    with pytest.raises(ConfigError, match=r"impl = 'flash'.*lmjax\.models\.dot_product_attention"):
-        ops.attention(q, k, v, causal=True, impl="flash")
+    with pytest.raises(
+        ConfigError, match=rf"impl = '{impl}'.*lmjax\.models\.dot_product_attention"
+    ):
+        ops.attention(q, k, v, causal=True, impl=impl)
 
 
 def _key_padding_mask(b, s):

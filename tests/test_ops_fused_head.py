@@ -137,3 +137,35 @@ def test_bad_inputs_are_named():
         ops.linear_cross_entropy(params, x[..., :3], y)
     with pytest.raises(ShapeError, match="chunk"):
         ops.linear_cross_entropy(params, x, y, chunk=0)
+
+
+def _lowered(fn, args, platform: str) -> str:
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+
+
+def test_the_chunk_and_the_weight_gradient_are_chosen_for_the_platform_lowered_for():
+    """With `chunk=None` the head is lowered per platform, not per host: for a CPU, 512-row
+    chunks and the weight gradient's transposing copies held apart by optimization barriers
+    (YNNPACK's row-major dots); for CUDA, `accelerator_chunk` rows and plain dots. A GPU step
+    lowered on this CPU host is the one a GPU runs (it was the CPU's before)."""
+    from lmjax.ops.fused_head import DEFAULT_CHUNK, accelerator_chunk
+
+    v, d, rows = 1024, 8, 4096
+    params = {"weight": jnp.zeros((v, d), jnp.float32), "bias": jnp.zeros((v,), jnp.float32)}
+    x, y = jnp.zeros((rows, d), jnp.float32), jnp.zeros((rows,), jnp.int32)
+    step = jax.grad(lambda p, x: ops.linear_cross_entropy(p, x, y), argnums=(0, 1))
+    assert accelerator_chunk(rows, v) == 4096 > DEFAULT_CHUNK  # 2^30 B / (4 B x 1024) = 2^18
+    assert accelerator_chunk(16384, 50257) == 4096 and accelerator_chunk(100, 50257) == 100
+    # The chunks, [K, chunk, D]: 8 x 512 rows for a CPU, 1 x 4096 for CUDA, and not the other.
+    chunks = {
+        "cpu": ("tensor<8x512x8xf32>", "x4096x8xf32>"),
+        "cuda": ("1x4096x8xf32>", "x512x8xf32>"),
+    }
+    for platform, (present, absent) in chunks.items():
+        text = _lowered(step, (params, x), platform)
+        assert present in text and absent not in text, platform
+        barriers = text.count("stablehlo.optimization_barrier")
+        assert (barriers > 0) == (platform == "cpu"), (platform, barriers)
+    # And the value on this CPU is the 512-row one's, bit for bit.
+    loss = jax.jit(lambda p, x: ops.linear_cross_entropy(p, x, y))(params, x)
+    assert float(loss) == float(ops.linear_cross_entropy(params, x, y, chunk=DEFAULT_CHUNK))

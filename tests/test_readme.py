@@ -44,9 +44,26 @@ def test_readme_python_blocks_run(capsys):
 def test_readme_names_the_two_commands_that_the_makefile_defines():
     text = _text()
     makefile = (README.parent / "Makefile").read_text()
-    for target in ("demo", "test"):
+    for target in ("demo", "test", "test-portable"):
         assert f"make {target}" in text
         assert re.search(rf"^{target}:", makefile, re.M)
+
+
+def test_test_portable_hands_its_isa_to_the_tests_subprocesses():
+    """`make test-portable ISA=...` adds --xla_cpu_max_isa to XLA_FLAGS, and a test that starts
+    a subprocess with simulated devices keeps it beside its device count."""
+    from _xla_flags import host_devices
+
+    dry = subprocess.run(
+        ["make", "-n", "test-portable", "ISA=SSE4_2", "STAMP=Makefile"],
+        cwd=README.parent, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert (
+        '--xla_cpu_max_isa=SSE4_2" ' in dry.stdout and "tests/test_parallel_mesh.py" in dry.stdout
+    )
+    flags = host_devices(8, "--xla_cpu_max_isa=AVX2 --xla_force_host_platform_device_count=2")
+    assert flags.split() == ["--xla_cpu_max_isa=AVX2", "--xla_force_host_platform_device_count=8"]
+    assert host_devices(4, "") == "--xla_force_host_platform_device_count=4"
 
 
 def _shell_blocks(text: str) -> list[str]:
@@ -135,6 +152,7 @@ def test_readme_benchmark_commands_name_scripts_and_flags_that_exist():
 #
 # What no test here executes, and why (the README's other commands): `make demo` runs
 # `lmjax prepare` and `lmjax train configs/tiny-shakespeare.yaml`; `make test`, `make test-fast`,
+# `make test-portable` (the sensitive files again, under another --xla_cpu_max_isa),
 # `make lint`, `make bench` and `make strip-notebooks` are the suite itself or run over the whole
 # tree (tests/test_notebooks.py runs strip-notebooks' script on an executed copy);
 # `source .venv/bin/activate` changes only the shell; `python -m ipykernel install --user` writes

@@ -75,6 +75,8 @@ class TrainConfig:
 @dataclasses.dataclass(frozen=True)
 class RunSection:
     dir: str | None = None  # null = runs/<config file stem>
+    # JAX's persistent compilation cache, ~/.cache/lmjax/jax-compile (lmjax.train.compile_cache)
+    compile_cache: bool = True
 
 
 @dataclasses.dataclass(frozen=True)

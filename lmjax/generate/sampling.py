@@ -80,7 +80,9 @@ def sample(logits_BV: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Arra
     s_BV = (z_BV - jnp.max(z_BV, axis=-1, keepdims=True)) / sampling.temperature
     if not sampling.top_k and sampling.top_p == 1:
         return jax.random.categorical(key, s_BV, axis=-1).astype(jnp.int32)
-    # lax.top_k sorts descending with ties to the lower index; k = V is a full sort.
+    # lax.top_k sorts descending with ties to the lower index; k = V is a full sort. The one
+    # sort (and top-p's prefix sum) in the library, and a legitimate one: the order is the
+    # logits', known only at run time, so no compiler folds it (tests/test_gpu_lowering.py).
     s_BK, ids_BK = jax.lax.top_k(s_BV, sampling.top_k or s_BV.shape[-1])
     if sampling.top_p < 1:
         q_BK = jax.nn.softmax(s_BK, axis=-1)

@@ -1,13 +1,16 @@
-"""The one place that chooses how attention runs: the ops (materialized, XLA) or the Pallas
-flash kernel, and on a device mesh how the kernel is split.
+"""The one place that chooses how attention runs: the ops (materialized, XLA), cuDNN's fused
+attention, or the Pallas flash kernel, and on a device mesh how the kernel is split.
 
     out_BTHDh = softmax(q_BTHDh k_BSHDh^T / sqrt(Dh), masked) v_BSHDh     (`ops.attention`)
 
-`impl` "materialized" and "xla" are `lmjax.ops.attention`; "flash" is
+`impl` "materialized" and "xla" are `lmjax.ops.attention`; "cudnn" is
+`jax.nn.dot_product_attention(implementation="cudnn")` through `ops.attention_cudnn` (every
+mask, offset, window and segment id translated, packed documents kept apart); "flash" is
 `pallas_kernels.flash_attention` (FlashAttention-2: O(T) memory, the logsumexp saved and the
-probabilities recomputed in the backward; interpreted on CPU, compiled on GPU and TPU). The
-primitives in `ops` know nothing of the kernel, as `models.project` is the one place that knows
-NF4 and LoRA.
+probabilities recomputed in the backward; interpreted on CPU, compiled on GPU and TPU); "auto"
+picks one for this machine and these inputs (`attention_choice.choose`: cuDNN on a CUDA GPU
+where it can, flash on a TPU, XLA on a CPU) and says once which. The primitives in `ops` know
+nothing of the kernel, as `models.project` is the one place that knows NF4 and LoRA.
 
 On a mesh. XLA's SPMD partitioner cannot split a Mosaic (TPU) kernel ("Mosaic kernels cannot
 be automatically partitioned. Please wrap the call in a shard_map"), so when a mesh is in context
@@ -29,8 +32,10 @@ from jax.sharding import PartitionSpec
 
 from lmjax import ops
 from lmjax.checks import is_int, require
+from lmjax.models.attention_choice import resolve
 from lmjax.models.config import ATTENTION_IMPLS, ModelConfig
 from lmjax.models.sharding import BATCH_AXES, HEAD_AXIS, batch_axes, context_mesh_shape
+from lmjax.ops.attention_cudnn import cudnn_attention
 from lmjax.ops.attention_mask import check_inputs, keep_mask, segment_pair
 from pallas_kernels.flash_attention import flash_attention
 
@@ -72,18 +77,28 @@ def dot_product_attention(
     segment ids, empty rows) for every impl.
 
     q `[B, T, H, Dh]`, k and v `[B, S, Hkv, Dh]` -> out `[B, T, H, Dh]` (and p with
-    `return_probabilities`, materialized only). "flash" takes float32/bf16/f16 inputs, a static
-    int `offset` and only key-padding masks (broadcastable from [B, 1, 1, S]); anything else is
-    a `ConfigError`. Its segment ids go to the kernel as `q_segment_ids`, `kv_segment_ids`
-    (int32). On a mesh it runs shard-mapped (module docstring).
+    `return_probabilities`, materialized only). "auto" becomes one of the others
+    (`attention_choice.choose`). "cudnn" takes bfloat16/float16 inputs and head sizes cuDNN
+    supports (else a `ConfigError`), anything else of the contract (`ops.attention_cudnn`).
+    "flash" takes float32/bf16/f16 inputs, a static int `offset` and only key-padding masks
+    (broadcastable from [B, 1, 1, S]); anything else is a `ConfigError`. Its segment ids go to
+    the kernel as `q_segment_ids`, `kv_segment_ids` (int32). On a mesh it runs shard-mapped
+    (module docstring).
     """
     require(impl in IMPLS, "impl", impl, f"one of {IMPLS}", "pick a listed impl")
+    q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+    if impl in ("auto", "cudnn"):
+        check_inputs(q, k, v, impl, return_probabilities, mask, window, segment_ids)
+        impl = resolve(impl, q.dtype, q.shape[-1], _flash_refusal(offset, mask))
+    if impl == "cudnn":
+        pair = segment_pair(segment_ids, q.shape, k.shape)
+        options = dict(offset=offset, mask=mask, window=window, segment_ids=pair)
+        return cudnn_attention(q, k, v, causal=causal, **options)
     if impl != "flash":
         kwargs = dict(offset=offset, mask=mask, window=window, segment_ids=segment_ids)
         return ops.attention(
             q, k, v, causal=causal, impl=impl, return_probabilities=return_probabilities, **kwargs
         )
-    q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     check_inputs(q, k, v, impl, return_probabilities, mask, window, segment_ids)
     fix = "pass an int offset, or use impl='materialized' or impl='xla' for a traced one"
     static = "a static Python int (the kernel fixes its causal block skipping at trace time)"
@@ -97,6 +112,16 @@ def dot_product_attention(
             ids.astype(jnp.int32) for ids in pair
         )
     return _flash_on_mesh(q, k, v, arrays_BX, causal=causal, offset=int(offset), window=window)
+
+
+def _flash_refusal(offset, mask) -> str | None:
+    """Why the flash kernel cannot take this call (`auto` then runs XLA), or None."""
+    if not is_int(offset):
+        return "the flash kernel takes a static int offset, not a traced one"
+    shape = (1,) * (4 - jnp.ndim(mask)) + jnp.shape(mask) if mask is not None else None
+    if shape is not None and shape[1:3] != (1, 1):
+        return "the flash kernel takes key-padding masks only, not one over heads or queries"
+    return None
 
 
 def _key_padding(mask, q_shape, k_shape) -> jax.Array:

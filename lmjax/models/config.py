@@ -14,7 +14,7 @@ from lmjax.errors import ConfigError
 NORMS = ("layernorm", "rmsnorm")
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "swiglu")
 POSITIONS = ("learned", "rope", "sinusoidal")
-ATTENTION_IMPLS = ("materialized", "xla", "flash")
+ATTENTION_IMPLS = ("auto", "materialized", "xla", "flash", "cudnn")
 DTYPES = ("float32", "bfloat16", "float16")
 OPS = ("custom", "reference")
 ROPE_SCALINGS = ("none", "linear", "llama3")
@@ -58,7 +58,8 @@ class ModelConfig:
     `sliding_window` W a query at position i sees keys j with i - W < j <= i.
     `ops="reference"` runs the plain-jnp `*_reference` primitives
     (differentiated by `jax.grad`) instead of the hand-written VJPs, for gradient comparisons;
-    it then uses `attention_reference` whatever `attention` says.
+    it then uses `attention_reference` whatever `attention` says. `attention` "auto" picks
+    cuDNN on a CUDA GPU where it can, flash on a TPU, XLA on a CPU (`lmjax.models.attention`).
     """
 
     vocab_size: int
@@ -72,7 +73,7 @@ class ModelConfig:
     positions: str = "learned"
     bias: bool = True
     tie_embeddings: bool = False
-    attention: str = "materialized"
+    attention: str = "auto"
     remat: str = "none"
     dtype: str = "float32"
     param_dtype: str = "float32"

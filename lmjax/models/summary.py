@@ -8,6 +8,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from lmjax.models.attention_choice import choose, this_machine
 from lmjax.models.config import ModelConfig
 from lmjax.models.layout import abstract_params, declare
 from lmjax.models.transformer import forward
@@ -128,8 +129,15 @@ def format_summary(
     label = max(len(text) for text, _ in rows)
     lines += [
         "",
-        f"memory estimate (batch {batch}, sequence {seq_len}, attention {cfg.attention}, "
+        f"memory estimate (batch {batch}, sequence {seq_len}, attention {_attention(cfg)}, "
         f"remat {cfg.remat}):",
     ]
     lines += [f"  {text:{label}}  {human_bytes(nbytes):>10}" for text, nbytes in rows]
     return "\n".join(lines)
+
+
+def _attention(cfg: ModelConfig) -> str:
+    """The attention impl the estimate traced: `auto` names what it picks on this machine."""
+    if cfg.attention != "auto":
+        return cfg.attention
+    return f"auto ({choose('auto', this_machine(), cfg.compute_dtype, cfg.d_head)[0]} here)"

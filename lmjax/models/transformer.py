@@ -177,8 +177,12 @@ def embed(p: dict, tokens_BT: jax.Array, cfg: ModelConfig, positions_BT=None) ->
     """
     x_BTD = _op(cfg, "embedding")(p["token_embedding"]["weight"], tokens_BT)
     t = tokens_BT.shape[1]
-    if cfg.positions == "learned":
-        pos_BT = jnp.arange(t)[None] if positions_BT is None else positions_BT
+    if cfg.positions == "learned" and positions_BT is None and t <= cfg.context_length:
+        # Rows 0..T-1 are a slice, its gradient a pad: a lookup by arange(T) would be a gather
+        # and a scatter-add over constant indices, which GPU compilers fold (issue 32).
+        x_BTD = x_BTD + p["position_embedding"]["weight"][:t][None]
+    elif cfg.positions == "learned":
+        pos_BT = jnp.arange(t)[None] if positions_BT is None else positions_BT  # NaN rows past C
         x_BTD = x_BTD + _op(cfg, "embedding")(p["position_embedding"]["weight"], pos_BT)
     elif cfg.positions == "sinusoidal" and positions_BT is None:
         x_BTD = x_BTD + ops.sinusoidal_positions(t, cfg.d_model, x_BTD.dtype)[None]

@@ -50,15 +50,22 @@ def transposed_gradient_dot(a_NM: jax.Array, b_NK: jax.Array, acc_dtype=None) ->
     small `[K, M]` product is transposed back). Optimization barriers keep XLA from folding the
     transposes back into the dot, and from fusing the operand's producer into the transposing
     copy (a strided recomputation that cost more than the dot saved in the llama preset's
-    SwiGLU). Elsewhere the dot takes transposed operands for free, so it is left to XLA.
+    SwiGLU). Elsewhere the dot takes transposed operands for free, so it is left to XLA. The
+    choice is made when the program is lowered (`lax.platform_dependent`), not from the host's
+    default backend: a step lowered for a GPU on a CPU host is the GPU's program.
     """
-    if jax.default_backend() != "cpu":
+
+    def plain(a_NM, b_NK):
         return jnp.einsum("nm,nk->mk", a_NM, b_NK, preferred_element_type=acc_dtype)
-    barrier = jax.lax.optimization_barrier
-    if a_NM.shape[1] <= b_NK.shape[1]:
-        return jnp.matmul(barrier(barrier(a_NM).T), b_NK, preferred_element_type=acc_dtype)
-    out_KM = jnp.matmul(barrier(barrier(b_NK).T), a_NM, preferred_element_type=acc_dtype)
-    return barrier(out_KM).T
+
+    def cpu(a_NM, b_NK):
+        barrier = jax.lax.optimization_barrier
+        if a_NM.shape[1] <= b_NK.shape[1]:
+            return jnp.matmul(barrier(barrier(a_NM).T), b_NK, preferred_element_type=acc_dtype)
+        out_KM = jnp.matmul(barrier(barrier(b_NK).T), a_NM, preferred_element_type=acc_dtype)
+        return barrier(out_KM).T
+
+    return jax.lax.platform_dependent(a_NM, b_NK, cpu=cpu, default=plain)
 
 
 def broadcast_mask(mask, shape: tuple[int, ...], what: str = "mask") -> jax.Array:

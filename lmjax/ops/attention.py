@@ -164,8 +164,9 @@ def _blocked_bwd(block, window, res, d_out):
         q_i, k_i, v_i, keep = _block(q, k, v, segments, span, window)
         dq_i, dk_i, dv_i = _backward(q_i, k_i, v_i, keep, p, d_out[:, i:e])
         dq_blocks.append(dq_i)
-        dk = dk.at[:, lo:e].add(dk_i)
-        dv = dv.at[:, lo:e].add(dv_i)
+        # An update of a static slice: `.at[:, lo:e].add` would lower to a scatter (issue 32).
+        dk = jax.lax.dynamic_update_slice_in_dim(dk, dk[:, lo:e] + dk_i, lo, axis=1)
+        dv = jax.lax.dynamic_update_slice_in_dim(dv, dv[:, lo:e] + dv_i, lo, axis=1)
     dq = jnp.concatenate(dq_blocks, axis=1)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 
@@ -235,13 +236,13 @@ def attention(
     T > `causal_block(T)` runs by query blocks that skip the all-masked key blocks, above the
     diagonal and below a window's band, `_attention_causal_blocked`) and "xla"
     (`jax.nn.dot_product_attention`, grouped natively, differentiated by JAX). The Pallas flash
-    kernel is `lmjax.models.dot_product_attention(..., impl="flash")`: `impl="flash"` here is a
-    `ConfigError` pointing there (ops imports nothing above errors and checks).
+    kernel, cuDNN and the choice between them are `lmjax.models.dot_product_attention(...,
+    impl="flash" | "cudnn" | "auto")`: those impls here are a `ConfigError` pointing there (ops
+    imports nothing above errors and checks; `ops.attention_cudnn` is cuDNN's translation).
     """
-    fix = "call lmjax.models.dot_product_attention(q, k, v, ..., impl='flash')"
-    require(
-        impl != "flash", "impl", impl, f"one of {IMPLS} (the Pallas kernel sits above ops)", fix
-    )
+    fix = f"call lmjax.models.dot_product_attention(q, k, v, ..., impl={impl!r})"
+    above = f"one of {IMPLS} (flash, cudnn and auto are chosen above ops)"
+    require(impl not in ("flash", "cudnn", "auto"), "impl", impl, above, fix)
     require(impl in IMPLS, "impl", impl, f"one of {IMPLS}", "pick a listed impl")
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     check_inputs(q, k, v, impl, return_probabilities, mask, window, segment_ids)

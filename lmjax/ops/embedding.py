@@ -40,6 +40,8 @@ def _embedding_bwd(res, dout_ND):
     safe_ids = jnp.where(_valid(ids, vocab), ids, vocab)
     # Accumulate in float32 (or wider): in bf16 a sum of repeated rows stalls at 256 copies.
     acc = compute_dtype(table_VD.dtype)
+    # A scatter indexed by the tokens, data known only at run time: nothing for a compiler to
+    # fold (tests/test_gpu_lowering.py allows this scatter and no other).
     dtable_VD = jnp.zeros(table_VD.shape, acc).at[safe_ids].add(dout_ND.astype(acc), mode="drop")
     return dtable_VD.astype(table_VD.dtype), None
 

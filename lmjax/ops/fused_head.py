@@ -11,6 +11,8 @@ matmul is repeated.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -20,7 +22,18 @@ from lmjax.ops._common import compute_dtype, transposed_gradient_dot
 from lmjax.ops.linear import Params, check_linear_args, linear_reference
 from lmjax.ops.losses import check_cross_entropy_args, counted_positions, cross_entropy_reference
 
-DEFAULT_CHUNK = 512  # rows per chunk: a [512, 8192] float32 logits tile is 16 MiB
+DEFAULT_CHUNK = 512  # rows per chunk on a CPU: a [512, 8192] float32 logits tile is 16 MiB
+# On a GPU or TPU the tile may be far larger: each chunk re-reads and re-writes the float32
+# [D, V] gradient accumulator (GPT-2: 154 MB), and a wider matmul keeps the chip busier.
+ACCELERATOR_TILE_BYTES = 2**30  # at most 1 GiB of float32 logits per chunk
+
+
+def accelerator_chunk(rows: int, vocab: int) -> int:
+    """Rows per chunk on a GPU or TPU: the largest power of two whose float32 `[chunk, V]` tile
+    fits ACCELERATOR_TILE_BYTES, at least DEFAULT_CHUNK, at most `rows` (GPT-2's V = 50257:
+    4096 rows, so a 16 x 1024 micro-batch is 4 chunks, not 32)."""
+    fit = 2 ** int(math.log2(max(ACCELERATOR_TILE_BYTES // (4 * vocab), 1)))
+    return max(min(fit, rows), min(DEFAULT_CHUNK, rows), 1)
 
 
 def _chunk_stats(w_VD, b_V, x_cD, y_c, acc_dtype):
@@ -145,7 +158,7 @@ def linear_cross_entropy(
     time_range: tuple[int, int] | None = None,
     *,
     loss_mask: jax.Array | None = None,
-    chunk: int = DEFAULT_CHUNK,
+    chunk: int | None = None,
 ) -> jax.Array:
     """`cross_entropy(linear(params, x), targets)` without materializing the logits.
 
@@ -157,14 +170,17 @@ def linear_cross_entropy(
     VJP, with dz_n = c_n (softmax(z_n) - onehot(y_n)) / N:
         dx_n = dz_n W,   dW = sum_n dz_n^T x_n,   db = sum_n dz_n
     computed chunk by chunk (`chunk` rows) in the forward pass when a gradient is taken, and
-    scaled by the cotangent in the backward. Matmuls accumulate in float32 (or wider).
+    scaled by the cotangent in the backward. `chunk=None` picks it when the program is lowered
+    (`lax.platform_dependent`): DEFAULT_CHUNK rows on a CPU, `accelerator_chunk` elsewhere.
+    Matmuls accumulate in float32 (or wider).
     An uncounted row's dx is exactly 0; with nothing counted (N = 0) loss and gradients are 0.
     """
     x, targets = jnp.asarray(x), jnp.asarray(targets)
     raw_targets = targets
     check_linear_args(params, x)
-    fix = "pass chunk >= 1 rows"
-    require(is_positive_int(chunk), "chunk", chunk, "a positive int", fix, ShapeError)
+    if chunk is not None:
+        fix = "pass chunk >= 1 rows, or None for the platform's"
+        require(is_positive_int(chunk), "chunk", chunk, "a positive int", fix, ShapeError)
     v = params["weight"].shape[0]
     check_cross_entropy_args(
         jax.ShapeDtypeStruct(x.shape[:-1] + (v,), jnp.float32),
@@ -176,11 +192,19 @@ def linear_cross_entropy(
     )
     counted = counted_positions(targets, ignore_index, time_range, loss_mask)
     x_ND = x.reshape(-1, x.shape[-1])
-    chunk = min(chunk, max(x_ND.shape[0], 1))
-    fused = _FUSED.get(chunk) or _FUSED.setdefault(chunk, _make(chunk))
-    return fused(
-        params["weight"], params.get("bias"), x_ND, targets.reshape(-1), counted.reshape(-1)
-    )
+    rows = max(x_ND.shape[0], 1)
+    args = (params["weight"], params.get("bias"), x_ND, targets.reshape(-1), counted.reshape(-1))
+    if chunk is not None:
+        return _fused(min(chunk, rows))(*args)
+    on_cpu, elsewhere = _fused(min(DEFAULT_CHUNK, rows)), _fused(accelerator_chunk(rows, v))
+    if on_cpu is elsewhere:
+        return on_cpu(*args)
+    return jax.lax.platform_dependent(*args, cpu=on_cpu, default=elsewhere)
+
+
+def _fused(chunk: int):
+    """The custom-VJP function for `chunk` rows, made once per chunk size."""
+    return _FUSED.get(chunk) or _FUSED.setdefault(chunk, _make(chunk))
 
 
 def linear_cross_entropy_reference(

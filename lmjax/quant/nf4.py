@@ -280,9 +280,16 @@ def block_absmax(qw: QuantizedWeight) -> jax.Array:
 
 
 def _block_absmax(qabsmax, absmax2, offset):
-    nb = qabsmax.shape[0]
-    scale2 = jnp.repeat(absmax2, BLOCK2, total_repeat_length=absmax2.shape[0] * BLOCK2)
-    return absmax_from_codes(qabsmax, scale2[:nb], offset)
+    return absmax_from_codes(qabsmax, group_scale_of_blocks(absmax2, qabsmax.shape[0]), offset)
+
+
+def group_scale_of_blocks(absmax2, n_blocks: int) -> jax.Array:
+    """f32 [B2] -> [n_blocks]: block b's group scale `absmax2[b // 256]`, by a broadcast over
+    each group's 256 blocks and a reshape. No index array: `jnp.repeat` with a length builds
+    one by scatter and prefix sum, which a GPU compiler folds at compile time (issue 32)."""
+    groups = absmax2.shape[0]
+    per_block = jnp.broadcast_to(absmax2[:, None], (groups, BLOCK2))
+    return per_block.reshape(groups * BLOCK2)[:n_blocks]
 
 
 def absmax_from_codes(qabsmax, absmax2_of_block, offset):
@@ -318,9 +325,14 @@ def dequantize(qw: QuantizedWeight, dtype=None) -> jax.Array:
 @functools.partial(jax.jit, static_argnums=4)
 def _dequantize(packed, qabsmax, absmax2, offset, n: int) -> jax.Array:
     """Flat float32 [n]: one compile per size, whatever the original shape or dtype."""
-    scales = _block_absmax(qabsmax, absmax2, offset)
-    absmax = jnp.repeat(scales, BLOCK, total_repeat_length=qabsmax.shape[0] * BLOCK)
-    return jnp.asarray(NF4)[unpack_codes(packed, n)] * absmax[:n]
+    n_blocks = qabsmax.shape[0]
+    scale_Q = _block_absmax(qabsmax, absmax2, offset)
+    # Whole blocks [n_blocks, 64] times each block's scale, then the tail dropped: the
+    # expansion of scales to weights is a broadcast, with no index array (issue 32).
+    packed = jnp.pad(packed, (0, n_blocks * BLOCK // 2 - packed.shape[0]))
+    codes_QB = unpack_codes(packed, n_blocks * BLOCK).reshape(n_blocks, BLOCK)
+    w_QB = jnp.asarray(NF4)[codes_QB] * scale_Q[:, None]
+    return w_QB.reshape(-1)[:n]
 
 
 __all__ = [
@@ -333,6 +345,7 @@ __all__ = [
     "block_absmax",
     "dequantize",
     "dynamic_map_signed",
+    "group_scale_of_blocks",
     "quantize",
     "storage_bytes",
     "unpack_codes",

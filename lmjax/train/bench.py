@@ -69,6 +69,8 @@ def time_train_step(
     peak_flops: float | None = None,
     seed: int = 0,
     n_batches: int = 4,
+    profile_dir: str | None = None,
+    profile_steps: int = 3,
 ) -> dict:
     """Time `steps` train steps of `cfg` on `batch_size` sequences of `seq_len` tokens.
 
@@ -76,6 +78,8 @@ def time_train_step(
     `optimizer` defaults to `OptimizerConfig()` (AdamW), at a constant learning rate.
     Returns a JSON-able dict: compile_s, step_s (each timed step), median_step_s,
     tokens_per_step, tokens_per_s, flops_per_token, peak_flops (+ its source) and mfu.
+    `profile_dir`: afterwards, `profile_steps` more steps under `jax.profiler.trace` (with a
+    Perfetto trace) into that directory; they are not timed.
     """
     if steps < 1 or batch_size < 1 or seq_len < 1 or grad_accum < 1:
         raise ConfigError.describe(
@@ -119,6 +123,11 @@ def time_train_step(
         state, metrics = train_step(state, batches[(i + 1) % n_batches])
         jax.block_until_ready((state, metrics))
         step_s.append(time.perf_counter() - start)
+    if profile_dir is not None:
+        with jax.profiler.trace(profile_dir, create_perfetto_trace=True):
+            for i in range(profile_steps):
+                state, metrics = train_step(state, batches[i % n_batches])
+                jax.block_until_ready((state, metrics))
 
     if peak_flops is None:
         peak_flops, peak_source = device_peak_flops(jnp.dtype(cfg.compute_dtype).name)

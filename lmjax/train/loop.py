@@ -31,7 +31,7 @@ import jax
 from lmjax import parallel
 from lmjax.config import RunConfig
 from lmjax.files import atomic_write_text
-from lmjax.train import optim
+from lmjax.train import compile_cache, optim
 from lmjax.train.data import TOKENIZER_DIR
 from lmjax.train.evaluate import Evaluator, evaluate
 from lmjax.train.metrics import flops_per_token, measured_peak_flops
@@ -71,6 +71,9 @@ def train(
     finetune = trainable.frozen is not None
     plan = make_plan(cfg, config_path=config_path, resume=resume, finetune=finetune)
     if note := warmup_only_note(plan.cfg):
+        print(note, file=out)
+    # Every host reads and writes its own cache; one says where.
+    if (note := compile_cache.enable(plan.cfg.run.compile_cache)) and parallel.is_main():
         print(note, file=out)
     # Every host checks the (shared) run directory before process 0 writes into it.
     parallel.barrier("lmjax train: run directory checked")

@@ -34,7 +34,10 @@ def _flash_bwd(plan: Plan, res, cotangents):
     q, k, v, kmask, qseg, kvseg, out, lse = res
     do, dlse = cotangents
     out_f32, do_f32 = out.astype(jnp.float32), do.astype(jnp.float32)
-    delta = jnp.einsum("BTHD,BTHD->BHT", out_f32, do_f32)[..., None] - dlse
+    # delta = rowsum(o * do) in float32: a multiply and a reduce, which XLA fuses with the
+    # upcasts into one pass over o and do; as a batched dot (einsum) it was a float32 matmul
+    # whose operands a GPU materializes first (benchmarks/gpu_structure.py).
+    delta = jnp.sum(out_f32 * do_f32, axis=-1).transpose(0, 2, 1)[..., None] - dlse
     # The kernels recompute p = exp2(s log2e - lse log2e). A row that saw no key gets
     # lse = +inf there, so its p is exactly 0 in every block: the mask already zeroes it in the
     # blocks such a row meets, this keeps it zero should an unmasked block ever meet one.

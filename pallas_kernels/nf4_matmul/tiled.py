@@ -110,14 +110,31 @@ def _tiled_codes(t: _RowTiles, qw: QuantizedWeight, ref):
     return packed.reshape(t.count, t.tile_bytes), qabsmax.reshape(t.count, t.tile_blocks)
 
 
+def _tile_group_scales(t: _RowTiles, absmax2_G, index) -> jax.Array:
+    """`absmax2[b // 256]` for row tile `index`'s blocks b = index Q .. index Q + Q - 1, f32 [Q].
+
+    The few groups the tile's run of blocks meets, each broadcast over its 256 blocks, and the
+    run sliced out at a scalar offset: no index array (issue 32), nothing larger than Q + 512.
+    Blocks past the weight read padding (the caller masks their scales).
+    """
+    near = t.tile_blocks // BLOCK2 + 2  # a run of Q blocks meets at most this many groups
+    first = index * t.tile_blocks
+    group = first // BLOCK2
+    # Padded, so dynamic_slice (which clamps its start) slices where asked for every real block.
+    padded_G = jnp.pad(absmax2_G, (0, near))
+    near_G = lax.dynamic_slice_in_dim(padded_G, group, near)
+    per_block = jnp.broadcast_to(near_G[:, None], (near, BLOCK2)).reshape(near * BLOCK2)
+    return lax.dynamic_slice_in_dim(per_block, first - group * BLOCK2, t.tile_blocks)
+
+
 def _decode_rows(t: _RowTiles, qw: QuantizedWeight, index, packed_B, qabsmax_Q, dtype):
     """Row tile `index`: codes uint8 [rows I / 2] and [rows I / 64] -> W tile [rows, I] in dtype:
     `NF4[code] * absmax'` in float32 (the values of lmjax.quant.dequantize), then cast. The
     block scales are decoded here too, so nothing of the weight's size is built outside."""
+    n_blocks = qw.qabsmax.shape[0]
+    scale_Q = absmax_from_codes(qabsmax_Q, _tile_group_scales(t, qw.absmax2, index), qw.offset)
     block_Q = index * t.tile_blocks + lax.iota(jnp.int32, t.tile_blocks)
-    absmax2_Q = qw.absmax2[jnp.minimum(block_Q // BLOCK2, qw.absmax2.shape[0] - 1)]
-    scale_Q = absmax_from_codes(qabsmax_Q, absmax2_Q, qw.offset)
-    scale_Q = jnp.where(block_Q < qw.qabsmax.shape[0], scale_Q, 0.0)  # padding rows
+    scale_Q = jnp.where(block_Q < n_blocks, scale_Q, 0.0)  # padding rows
     codes = unpack_codes(packed_B, 2 * t.tile_bytes)
     w_QB = jnp.asarray(NF4)[codes].reshape(t.tile_blocks, BLOCK) * scale_Q[:, None]
     return w_QB.reshape(t.rows, t.i).astype(dtype)
