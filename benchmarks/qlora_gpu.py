@@ -25,7 +25,9 @@ worker.
     python benchmarks/qlora_gpu.py --allow-cpu --quick --results-dir /tmp/q   # script check
 
 Without a GPU it prints a note and exits 0 (1 with --require-gpu); `--allow-cpu` runs it on
-CPU (`--quick`: tiny shapes of the same two families). Exit status 0, or 2 when a worker failed.
+CPU (`--quick`: tiny shapes of the same two families). Exit status 0, or 2 when a worker failed
+(a worker skipped or stopped by the budget is not a failure: the status says
+"truncated_by_budget").
 """
 
 from __future__ import annotations
@@ -258,7 +260,8 @@ def main(argv=None) -> int:
                 run = run_worker(model, method, args, left)
             except Exception as e:  # an unreadable worker output is recorded, the rest go on
                 run = {"error": error_text(e)}
-            failed |= "error" in run
+            # A worker the budget stopped is a truncated run (status), not a failure.
+            failed |= "error" in run and not run["error"].startswith("timeout")
             result["runs"][model][method] = run
             print(f"{model} {method}: " + summary_line(run), flush=True)
             save()
@@ -272,7 +275,8 @@ def main(argv=None) -> int:
 
 def summary_line(run: dict) -> str:
     if "error" in run:
-        return f"ERROR {run['error'][:200]}"
+        cut = run["error"].startswith("timeout")
+        return f"{'not finished' if cut else 'ERROR'}: {run['error'][:200]}"
     peak = run["peak_device_bytes"]
     memory = "n/a" if peak is None else f"{peak / 2**30:.2f} GiB"
     return (f"{run['tokens_per_s']:,.0f} tokens/s, step {1e3 * run['median_step_s']:.1f} ms, "
