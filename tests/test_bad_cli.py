@@ -97,6 +97,8 @@ CASES = {
                                           "--step", "3"], "--step = 3"),
     "generate: --cache ring": (["generate", "--run", "base", "--prompt", "ab", "--cache", "ring"],
                                "invalid choice: 'ring'"),
+    "generate: --quantize int8": (["generate", "--run", "base", "--prompt", "ab", "--quantize",
+                                   "int8"], "invalid choice: 'int8'"),
     "generate: --run and --checkpoint": (["generate", "--run", "base", "--checkpoint", "base",
                                           "--prompt", "ab"], "not allowed with argument --run"),
     "generate: no source": (["generate", "--prompt", "ab"], "--run --checkpoint is required"),

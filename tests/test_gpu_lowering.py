@@ -11,8 +11,9 @@ scatter whose indices follow from constants and iotas alone, also through privat
 
 Paths: NF4 quantize / dequantize / block scales, the GPU (and TPU) NF4 kernel's forward and
 custom-VJP input gradient, the tiled XLA path, a QLoRA train step of a small grouped-query
-Llama on the kernel and the tiled path, plain GPT and Llama train steps (materialized attention
-by query blocks, and the flash kernel), and sampling, where only top-k / top-p sort (data order).
+Llama on the kernel and the tiled path, its KV-cache decode step (`lmjax generate` on a QLoRA
+run), plain GPT and Llama train steps (materialized attention by query blocks, and the flash
+kernel), and sampling, where only top-k / top-p sort (data order).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import pytest
 from _pallas import CUSTOM_CALL, lowered_text
 
 from lmjax import lora, models
+from lmjax.generate.kv_cache import decode_logits, init_cache
 from lmjax.generate.sampling import Sampling, sample
 from lmjax.quant import nf4
 from lmjax.quant import params as quant_params
@@ -247,6 +249,26 @@ def test_train_step_lowers_without_index_arithmetic(name, attention, t, device):
     state = jax.eval_shape(lambda k: init_state(k, cfg, TX), jax.random.key(0))
     text = _cuda_text(make_train_step(cfg, TX, lambda s: 1e-3), state, _batch(2, t), device=device)
     assert (CUSTOM_CALL["gpu"] in text) == (attention == "flash")
+    assert findings(text, data_scatter_ok=True) == []
+
+
+# ---- decoding from NF4 weights (issue 32, item 4) --------------------------------------------
+
+
+@pytest.mark.parametrize("device", ["gpu", None], ids=["kernel", "tiled"])
+def test_qlora_decode_step_lowers_to_the_nf4_kernel_on_a_gpu(device):
+    """What `lmjax generate` decodes a QLoRA run with (NF4 base, adapters attached): one token a
+    row against a KV cache runs the NF4 kernel when traced for a GPU and the tiled path
+    otherwise, with no index arithmetic on shapes alone (its scatters are the cache writes, at
+    each row's length: data)."""
+    frozen = quant_params.quantize_params(models.init(jax.random.key(0), LLAMA))
+    lcfg = lora.LoraConfig(r=4, alpha=8, targets="all-linear")
+    params = lora.attach(frozen, lora.init(jax.random.key(1), frozen, lcfg), lcfg)
+    cache = jax.eval_shape(lambda: init_cache(LLAMA, 2, 16))
+    token = jax.ShapeDtypeStruct((2,), jnp.int32)
+    step = lambda p, t, c: decode_logits(p, t, LLAMA, c)  # noqa: E731
+    text = _cuda_text(step, _abstract(params), token, cache, device=device)
+    assert (CUSTOM_CALL["gpu"] in text) == (device == "gpu")
     assert findings(text, data_scatter_ok=True) == []
 
 

@@ -322,6 +322,28 @@ def test_gpu_benchmark_script_parses_and_skips_without_a_gpu(capsys):
         assert "no GPU" in capsys.readouterr().out
 
 
+def test_gpu_benchmark_points_and_target_verdicts():
+    """Issue 32's shapes and rows are the defaults; a verdict needs a measured, compiled value,
+    and a point the budget skipped counts as not measured for each of its three targets."""
+    bench = load_benchmark("nf4_matmul_gpu")
+    assert bench.SHAPES == ((768, 768), (3072, 768), (4096, 4096), (11008, 4096))
+    assert set(bench.TOKENS) == {16, 4096}
+    assert bench.TARGETS["ratio_bf16_over_nf4"] == {16: 2.5, 4096: 0.8}
+    assert bench.verdict(2.6, 2.5, True, False) == "met"
+    assert bench.verdict(2.4, 2.5, True, False) == "not met"
+    assert bench.verdict(6.0, 5.0, False, False) == "not met"
+    assert bench.verdict(4.0, 5.0, False, False) == "met"
+    assert bench.verdict(None, 2.5, True, False) == "not measured"
+    assert bench.verdict(9.0, 2.5, True, True) == "not measured"  # an interpreted kernel
+    assert bench.verdict(9.0, None, True, False) == "no target"
+    row = {"tokens": 16, "out": 8, "in": 64, "nf4": {"compile_s": {"fwd": 1.5, "fwd_dx": 2.0}},
+           "ratio_bf16_over_nf4_fwd": 3.0, "ratio_bf16_over_nf4_fwd_dx": 2.0}  # fmt: skip
+    row["targets"] = bench.targets(row, interpreted=False)
+    assert row["targets"]["nf4_compile_s"] == {"value": 3.5, "at_most": 5.0, "verdict": "met"}
+    summary = bench.target_verdicts([row], [(16, 8, 64), (4096, 8, 64)])
+    assert summary["counts"] == {"met": 2, "not met": 1, "not measured": 3}
+
+
 @pytest.mark.slow
 def test_gpu_benchmark_script_runs_interpreted_on_a_tiny_shape(tmp_path):
     """The whole flow with --allow-cpu (kernel interpreted): every candidate block size timed,
@@ -337,6 +359,10 @@ def test_gpu_benchmark_script_runs_interpreted_on_a_tiny_shape(tmp_path):
     assert all(row[f"t_{impl}_fwd_dx_ms"] > 0 for impl in bench.IMPLS)
     assert len(row["nf4_candidates"]) == len(bench.CANDIDATES)
     assert row["max_abs_diff_nf4_vs_nf4_xla"] <= 1e-2  # bf16 outputs below 1: a few bf16 ulps
+    assert row["nf4"]["compile_s"]["fwd"] > 0 and row["nf4"]["compile_s"]["fwd_dx"] > 0
+    assert {t["verdict"] for t in row["targets"].values()} == {"not measured"}  # interpreted
+    assert row["targets"]["ratio_bf16_over_nf4_fwd"]["at_least"] == 2.5
+    assert result["target_verdicts"]["counts"] == {"not measured": 3}
 
 
 def test_gradients_over_a_tree_holding_a_quantized_weight():

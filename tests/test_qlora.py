@@ -6,7 +6,9 @@
 - an attached QLoRA model gives the logits of the same adapters over the dequantized weights;
 - fine-tuning on real English text (Python's documentation topics, as bytes) lowers the held-out
   loss while every NF4 byte of the frozen base stays as it was;
-- `benchmarks/qlora.py --quick` writes its JSON.
+- `benchmarks/qlora.py --quick` writes its JSON;
+- `benchmarks/qlora_gpu.py` skips without a GPU, and its CPU dry run (`--allow-cpu --quick`)
+  times a QLoRA and a LoRA step and records their compile time, memory and NF4 bytes.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import numpy as np
 import optax
 import pytest
 from _background import Worker
+from _benchmarks import load_benchmark
 
 from lmjax import finetune, lora, models, testing
 from lmjax import params as ptree
@@ -160,3 +163,40 @@ def test_benchmark_quick_writes_json():
     for method in ("full", "lora", "qlora"):
         run = data["run"]["methods"][method]
         assert len(run["losses"]) == 2 and all(math.isfinite(x) for x in run["losses"])
+
+
+# ---- benchmarks/qlora_gpu.py: its argument handling, and its dry run on CPU ----------------------
+
+
+def test_gpu_step_benchmark_skips_without_a_gpu(capsys):
+    bench = load_benchmark("qlora_gpu")
+    args = bench.parse_args([])
+    assert (args.batch, args.seq_len, args.steps) == (4, 1024, 10)
+    assert (args.models, args.methods) == (list(bench.MODELS), list(bench.METHODS))
+    if jax.default_backend() != "gpu":
+        assert bench.main([]) == 0
+        assert bench.main(["--require-gpu"]) == 1
+        assert "no GPU" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_gpu_step_benchmark_dry_run_on_cpu(tmp_path):
+    """--allow-cpu --quick, one model (~55 s on a loaded 2-core CPU): a worker per method, each
+    timed and its compiled step's memory read; the QLoRA base holds NF4, LoRA's none."""
+    bench = load_benchmark("qlora_gpu")
+    argv = ["--allow-cpu", "--quick", "--models", "smollm2-135m", "--budget-s", "170"]
+    assert bench.main([*argv, "--results-dir", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "qlora_gpu.json").read_text())
+    assert data["status"] == "done" and data["backend"] == "cpu"
+    runs = data["runs"]["smollm2-135m"]
+    for run in runs.values():
+        assert run["finite"] and math.isfinite(run["loss"]) and len(run["step_s"]) == 2
+        assert run["tokens_per_s"] == pytest.approx(2 * 32 / run["median_step_s"])
+        assert run["compile_s"] > 0 and run["peak_device_bytes"] is None  # a CPU keeps no stats
+        assert run["compiled_memory"]["temp_size_in_bytes"] > 0
+    assert runs["qlora"]["adapter_params"] == runs["lora"]["adapter_params"] > 0
+    assert (
+        runs["lora"]["frozen_bytes"]["quantized"] == 0 < runs["qlora"]["frozen_bytes"]["quantized"]
+    )
+    assert runs["qlora"]["frozen_bytes"]["total"] < runs["lora"]["frozen_bytes"]["total"]
+    assert data["comparison"]["smollm2-135m"]["qlora_over_lora_tokens_per_s"] > 0

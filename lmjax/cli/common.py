@@ -22,14 +22,14 @@ def add_config_command(
     return parser
 
 
-def load_run(path, step: int | None):
+def load_run(path, step: int | None, quantize: str | None = None):
     """`train.load_run`, refusing a step it can't honour: a weights-only run (import-hf,
     merged/) has no checkpoints, and its weights would have been used whatever --step said."""
     from lmjax import train
     from lmjax.checks import require
     from lmjax.train.rundir import RunDir
 
-    run = train.load_run(path, step)
+    run = train.load_run(path, step, quantize=quantize)
     wanted = RunDir.parse(path)[1] if step is None else step
     weights_only = " (it holds weights only, no checkpoints)" if run.step is None else ""
     require(

@@ -127,6 +127,14 @@ def add_generate(sub) -> None:
         "--stop-token", type=int, action="append", default=[], help="token id that ends a sequence"
     )
     gen.add_argument("--cache", choices=("contiguous", "paged"), default="contiguous")
+    gen.add_argument(
+        "--quantize",
+        choices=("nf4", "none"),
+        default=None,
+        help="nf4: decode with the block projections in NF4 (the NF4 kernel on GPU/TPU, the "
+        "tiled path on CPU); none: float weights. Default: nf4 for a QLoRA run (its NF4 base "
+        "with the adapters attached, not merged), none otherwise",
+    )
     gen.set_defaults(run=run_generate)
 
 
@@ -136,7 +144,8 @@ def run_generate(args: argparse.Namespace) -> int:
 
     # The sampling flags first: a typo fails before the weights are read.
     generate.Sampling(args.temperature, args.top_k, args.top_p)
-    run = load_run(args.run_dir or args.checkpoint, args.step)
+    path = args.run_dir or args.checkpoint
+    run = load_run(path, args.step, _quantization(args.quantize, path))
     require(
         run.tokenizer is not None,
         "run",
@@ -175,6 +184,16 @@ def run_generate(args: argparse.Namespace) -> int:
         shown = stable
     print(text[len(shown) :])
     return 0
+
+
+def _quantization(flag: str | None, path) -> str | None:
+    """`--quantize` as `train.load_run`'s `quantize`: unset follows the run (a QLoRA run decodes
+    its NF4 base, as it trained), "none" is float weights."""
+    from lmjax.train.runs import is_qlora
+
+    if flag is None:
+        return "nf4" if is_qlora(path) else None
+    return None if flag == "none" else flag
 
 
 def _check_generate_lengths(args, prompts: list[list[int]], context: int) -> int:

@@ -6,6 +6,11 @@ and the run's tokenizer. Where the parameters come from is the run's kind (`RunD
 the newest or the chosen checkpoint of a trained run; `RUN/model.safetensors` of a run that
 holds weights only (`lmjax import-hf`, a fine-tune's merged/); for a `lmjax finetune` run, its
 base (found and checked through `RUN/finetune.yaml`) merged with the checkpoint's adapters.
+
+`quantize="nf4"` gives weights whose block projections are NF4 (`lmjax.quant`), for decoding
+through the quantized projection: a QLoRA run keeps the NF4 base it trained on with its adapters
+attached (`lora.attach`, never merged: merging would dequantize it); any other run is loaded as
+above and then quantized (`quantize_params`).
 """
 
 from __future__ import annotations
@@ -15,18 +20,21 @@ from pathlib import Path
 
 import jax
 
-from lmjax import tokenizers
+from lmjax import lora, tokenizers
 from lmjax.checks import require
 from lmjax.config import DataConfig, RunConfig, TrainConfig
 from lmjax.errors import CheckpointError, ConfigError, FileFormatError, LMJaxError
 from lmjax.files import atomic_dir
 from lmjax.io import safetensors
 from lmjax.models import ModelConfig
+from lmjax.quant.params import quantize_params
 from lmjax.train import optim
 from lmjax.train.checkpoint import check_same_model
 from lmjax.train.finetuned import FinetuneSpec, fingerprint, model_params, parts, read_spec
 from lmjax.train.rundir import FINETUNED, TRAINED, WEIGHTS, RunDir
 from lmjax.train.step import init_state
+
+QUANTIZE = ("nf4",)  # what load_run's `quantize` takes besides None
 
 
 @dataclasses.dataclass
@@ -49,14 +57,19 @@ def read_config(run_dir: Path) -> RunConfig:
     return RunDir(Path(run_dir)).read_config()
 
 
-def load_run(path, step: int | None = None) -> LoadedRun:
+def load_run(path, step: int | None = None, *, quantize: str | None = None) -> LoadedRun:
+    """The run at `path` (module docstring). `quantize`: None (float weights, a fine-tune's
+    merged) or "nf4" (block projections NF4; a QLoRA run's own base with adapters attached)."""
+    require(quantize is None or quantize in QUANTIZE, "quantize", quantize,
+            f"None or one of {QUANTIZE}", "pass quantize='nf4' or leave it unset")  # fmt: skip
     run, ckpt_step = RunDir.parse(path)
     step = step if step is not None else ckpt_step
     cfg = read_config(run.path)
     model = cfg.model_config()
     kind = run.kind()
     if kind == FINETUNED:
-        params, step = load_finetuned(run.path, cfg, step)
+        params, step = load_finetuned(run.path, cfg, step, quantize=quantize)
+        return LoadedRun(run.path, cfg, model, params, run.tokenizer(), step)
     elif kind == TRAINED:
         ckpt = run.read_checkpoints()
         step = step if step is not None else ckpt.latest_step()
@@ -71,7 +84,14 @@ def load_run(path, step: int | None = None) -> LoadedRun:
             "a checkpoint under checkpoints/ or model.safetensors",
             "train the run first (it has no saved weights yet)",
         )
+    params = params if quantize is None else quantize_params(params)
     return LoadedRun(run.path, cfg, model, params, run.tokenizer(), step)
+
+
+def is_qlora(path) -> bool:
+    """Whether `path` (a run or one of its checkpoints) is a QLoRA fine-tune: its base is NF4."""
+    run = RunDir.parse(path)[0]
+    return run.kind() == FINETUNED and read_spec(run).qlora
 
 
 def _abstract_state(cfg: RunConfig, model: ModelConfig, init_params=None):
@@ -87,10 +107,11 @@ def _restore_params(ckpt, model: ModelConfig, abstract, step: int | None, where)
     return state.params, int(state.step)
 
 
-def load_finetuned(run_dir: Path, cfg: RunConfig, step: int | None):
+def load_finetuned(run_dir: Path, cfg: RunConfig, step: int | None, *, quantize=None):
     """`(merged params, step)` of a fine-tune run's checkpoint: its base (`finetune.yaml`),
     frozen as it was trained, merged with the checkpoint's adapters (or, for a full fine-tune,
-    joined with the checkpoint's trained leaves)."""
+    joined with the checkpoint's trained leaves). `quantize="nf4"`: a QLoRA run's NF4 base with
+    the adapters attached, not merged; any other fine-tune's merged params quantized."""
     run = RunDir(Path(run_dir))
     spec = read_spec(run)
     init, frozen = parts(spec, load_base(spec, run).params)
@@ -98,7 +119,11 @@ def load_finetuned(run_dir: Path, cfg: RunConfig, step: int | None):
     ckpt = run.read_checkpoints()
     abstract = _abstract_state(cfg, model, init)
     trained, step = _restore_params(ckpt, model, abstract, step, ckpt.directory)
-    return model_params(spec, frozen, trained), step
+    if quantize is None:
+        return model_params(spec, frozen, trained), step
+    if spec.qlora:  # the adapters ride on the NF4 base as in training (models.project)
+        return lora.attach(frozen, trained, spec.lora), step
+    return quantize_params(model_params(spec, frozen, trained)), step
 
 
 def load_base(spec: FinetuneSpec, run: RunDir) -> LoadedRun:
