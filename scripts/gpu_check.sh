@@ -20,6 +20,7 @@
 #         junit_{smoke,nf4,fast,slow}.xml  pytest's per-test results (written on a timeout too)
 #         attention_gpu.json           the attention timings, rewritten after every point
 #         nf4_matmul_gpu.json          the NF4 matmul timings (3c)
+#         qlora_gpu.json               QLoRA and LoRA train steps (3d, not in the default run)
 #         train_step_gpu.json          `lmjax bench` (3b, not in the default run)
 #
 # Steps, in this order; limits in seconds, each also cut to what is left of TOTAL_BUDGET_S:
@@ -42,6 +43,12 @@
 #   3c nf4bench  benchmarks/nf4_matmul_gpu.py: NF4 kernel vs bf16 matmul (and XLA dequantize +
 #            matmul) at GPT-2 124M's projections, 4096 and 16 tokens -> nf4_matmul_gpu.json
 #            (its --budget-s: the limit less min(40, limit/3))              NF4_BENCH_TIMEOUT_S=50
+#   3d qlorabench  benchmarks/qlora_gpu.py: one QLoRA and one LoRA train step of a
+#            SmolLM2-135M-shaped and a 1B Llama-shaped model (random weights, bf16, r 16 on
+#            every projection), each in its own process: tokens/s, compile, peak device memory
+#            -> qlora_gpu.json (its --budget-s: the limit less 45)       QLORA_BENCH_TIMEOUT_S=300
+#            (not in the default run: with nf4bench at 180 s it is the second invocation,
+#            GPU_CHECK_STEPS="nf4bench qlorabench" NF4_BENCH_TIMEOUT_S=180, about 480 s)
 #   6 gradcheck  `lmjax gradcheck` (its table in the log): every hand-written VJP against
 #            jax.grad of its reference on the GPU, with float32 matmuls at full precision (JAX_DEFAULT_MATMUL_PRECISION=highest,
 #            not TF32), so the CPU's float32 rtol 1e-5 applies; float64 finite differences
@@ -49,7 +56,7 @@
 #   4 fast   the other fast tests of the kernel and of ops.attention       FAST_TIMEOUT_S=120
 #            (all of them, smoke included, when step 2 did not pass)
 #   5 slow   the slow product, in the time left; skipped under 30 s        SLOW_TIMEOUT_S=120
-# Steps 3b, 4 and 5 are not in the default run: the device machine allows 600 s per command, so
+# Steps 3b, 3d, 4 and 5 are not in the default run: the device machine allows 600 s per command, so
 # one invocation does the compiled smoke tests, the timings, the profile and the gradient check
 # (1-3c, 6) in TOTAL_BUDGET_S=420, and a second, GPU_CHECK_STEPS="fast slow", the rest (at most
 # 30 + 120 + 120 s).
@@ -90,12 +97,14 @@ SLOW_TIMEOUT_S="${SLOW_TIMEOUT_S:-120}"
 TRAIN_TIMEOUT_S="${TRAIN_TIMEOUT_S:-150}" # issue 11: the gpt2-124m train-step benchmark (3b)
 NF4_TEST_TIMEOUT_S="${NF4_TEST_TIMEOUT_S:-60}"   # issue 8: NF4 matmul kernel tests (2b)
 NF4_BENCH_TIMEOUT_S="${NF4_BENCH_TIMEOUT_S:-50}" # issue 8: NF4 vs bf16 matmul timings (3c)
+QLORA_BENCH_TIMEOUT_S="${QLORA_BENCH_TIMEOUT_S:-300}" # issue 32: QLoRA vs LoRA train steps (3d)
 KILL_AFTER_S="${KILL_AFTER_S:-10}"
 TOTAL_BUDGET_S="${TOTAL_BUDGET_S:-420}"
 MIN_STEP_S=20 # a step with less time than this left is skipped, not started
 MIN_SLOW_S=30
 for knob in ENV_TIMEOUT_S SMOKE_TIMEOUT_S BENCH_TIMEOUT_S FAST_TIMEOUT_S SLOW_TIMEOUT_S \
     TRAIN_TIMEOUT_S NF4_TEST_TIMEOUT_S NF4_BENCH_TIMEOUT_S PROFILE_TIMEOUT_S GRADCHECK_TIMEOUT_S \
+    QLORA_BENCH_TIMEOUT_S \
     KILL_AFTER_S TOTAL_BUDGET_S; do
     case "${!knob}" in
         '' | *[!0-9]*) echo "gpu_check: $knob=${!knob} is not a whole number of seconds" >&2 && exit 2 ;;
@@ -270,10 +279,10 @@ if begin_step env "$ENV_TIMEOUT_S" 5 "python, jax, devices"; then
     run_bounded "$PYTHON" -c "$ENV_PY" "$DETAILS_DIR" "$DRY_RUN"
 fi
 if [ "$STEP_OUTCOME" != ok ]; then
-    for name in smoke nf4 profile bench train nf4bench gradcheck fast slow; do
+    for name in smoke nf4 profile bench train nf4bench qlorabench gradcheck fast slow; do
         record "$name" skipped "" 0 0 "environment step failed"
     done
-    FAILED+=(smoke nf4 profile bench train nf4bench gradcheck fast slow)
+    FAILED+=(smoke nf4 profile bench train nf4bench qlorabench gradcheck fast slow)
     write_summary true
     say "gpu_check: FAILED at the environment step; see $LOG"
     exit 1
@@ -366,6 +375,18 @@ if begin_step nf4bench "$NF4_BENCH_TIMEOUT_S" "$MIN_STEP_S" "NF4 vs bf16 matmul,
     margin=$((STEP_LIMIT / 3 < 40 ? STEP_LIMIT / 3 : 40))
     run_bounded "$PYTHON" benchmarks/nf4_matmul_gpu.py "${NF4_BENCH_ARGS[@]}" \
         --results-dir "$DETAILS_DIR" --budget-s "$((STEP_LIMIT - margin))"
+fi
+
+# ---- 3d: QLoRA against LoRA train steps, SmolLM2-135M and 1B Llama shapes (issue 32) -------------
+# The dry run times the small model's tiny version on the CPU, only to check this step and its JSON.
+if [ "$DRY_RUN" = 1 ]; then
+    QLORA_BENCH_ARGS=(--allow-cpu --quick --models smollm2-135m)
+else
+    QLORA_BENCH_ARGS=(--require-gpu)
+fi
+if begin_step qlorabench "$QLORA_BENCH_TIMEOUT_S" "$MIN_STEP_S" "QLoRA vs LoRA train steps, bf16"; then
+    run_bounded "$PYTHON" benchmarks/qlora_gpu.py "${QLORA_BENCH_ARGS[@]}" \
+        --results-dir "$DETAILS_DIR" --budget-s "$((STEP_LIMIT > 65 ? STEP_LIMIT - 45 : 20))"
 fi
 
 # ---- 6: every hand-written VJP against jax.grad, on the GPU (issue 31) ---------------------------
