@@ -7,8 +7,14 @@ in the FlashAttention-2 paper's benchmarks), times the forward and the forward+b
   xla     jax.nn.dot_product_attention(implementation="xla") (skipped when its [B,H,T,T]
           scores would not fit comfortably)
 and records flash's speed relative to cuDNN (ratio = t_cudnn / t_flash; the target is >= 0.8).
-Before the sweep over T it times every flash block-size candidate (`CANDIDATES`) at T = 4096
-for each head dim and keeps the fastest forward+backward for that head dim.
+Before the sweep over T it searches the flash launch at T = 4096 for each head dim, starting
+from the default table's entry for this GPU (pallas_kernels/flash_attention/defaults.py): the
+forward (block_q x block_k x warps x stages, 24 candidates, timed forward only), then the
+backward (block_q_bwd x block_k_bwd x warps x stages, 36, timed forward+backward over the
+forward's winner), nearest the entry first, within `--search-share` of `--budget-s` (a third
+of it for the forward). The winners go to the JSON's "winners" in the table's entry form
+(`defaults.entry_to_dict`, with the measurement: machine, jax, date, TFLOP/s, cuDNN ratio at
+T = 4096), ready to replace the table's entries (docs/kernels.md); the sweep uses them.
 
 A time is the best, over `--samples` samples, of the mean of `--calls` back-to-back calls
 (dispatch overlaps the previous kernel). The forward outputs of the timed calls (same inputs
@@ -48,7 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from benchmarks import _gpu  # noqa: E402
 from benchmarks._gpu import error_text, write_json  # noqa: E402
-from pallas_kernels.flash_attention import BlockSizes, flash_attention  # noqa: E402
+from pallas_kernels.flash_attention import BlockSizes, defaults, flash_attention  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 FILENAME = "attention_gpu.json"
@@ -58,14 +64,31 @@ TOKENS, HIDDEN = 16384, 2048
 SEARCH_T = 4096
 XLA_MAX_SCORES = 2**31  # B*H*T*T: the XLA path keeps several f32 [B,H,T,T] tensors (8 GiB each)
 TARGET = 0.8
-# The block-size search may use this share of --budget-s; the rest is for the sweep over T.
+# The block-size search may use this share of --budget-s (--search-share); the rest is for the
+# sweep over T. Of the search's time the forward candidates get FWD_SHARE, the backward the rest.
 SEARCH_SHARE = 0.5
-CANDIDATES = (
-    BlockSizes(128, 64, 64, 64),  # the default
-    BlockSizes(128, 128, 64, 128, num_warps=8),  # wide key blocks, forward and dk/dv
-    BlockSizes(128, 128, 32, 128, num_warps=4),  # dk/dv over 128 keys in 32-row query steps
-    BlockSizes(64, 64, 64, 32, num_warps=4),
-)
+FWD_SHARE = 1 / 3
+SEARCH_CALLS, SEARCH_SAMPLES = 5, 3  # at most, per candidate (the sweep uses --calls/--samples)
+# The search: forward (block_q x block_k, warps, stages) and backward (block_q_bwd x block_k_bwd,
+# warps, stages) separately; candidates nearest the table's entry first (`ordered`), so a search
+# cut short by its time has tried the small changes.
+FWD_BLOCKS = ((128, 64), (128, 128), (64, 64), (64, 128))
+BWD_BLOCKS = ((64, 64), (32, 64), (64, 128), (32, 128), (128, 64), (128, 128))
+WARPS, FWD_STAGES, BWD_STAGES = (4, 8), (2, 3, 4), (1, 2, 3)
+FWD_FIELDS = ("block_q", "block_k", "num_warps", "num_stages")
+BWD_FIELDS = ("block_q_bwd", "block_k_bwd", "num_warps_bwd", "num_stages_bwd")
+
+
+def candidates(backward: bool) -> list[tuple[int, int, int, int]]:
+    """Every (block q, block k, warps, stages) of one pass: 24 forward, 36 backward."""
+    blocks, stages = (BWD_BLOCKS, BWD_STAGES) if backward else (FWD_BLOCKS, FWD_STAGES)
+    return [(*b, w, st) for b in blocks for w in WARPS for st in stages]
+
+
+def ordered(pool, start: tuple) -> list[tuple]:
+    """`pool` with `start` first, then by how many fields differ from it (stable)."""
+    rest = sorted(pool, key=lambda c: sum(x != y for x, y in zip(c, start, strict=True)))
+    return [start] + [c for c in rest if c != start]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,49 +154,122 @@ def time_impl(impl: str, t: int, d: int, args, setup: Setup, sizes=None):
     return timings, out
 
 
-def search_block_sizes(result, head_dims, setup: Setup, search_t: int, deadline: float, save):
-    """Times every candidate's forward+backward at T = search_t; returns {d: fastest}.
+def search_block_sizes(result, head_dims, setup: Setup, search_t: int, deadlines, save, limit=None):
+    """Searches the forward, then the backward candidates at T = search_t; returns {d: sizes}.
 
-    Candidates go outer, head dims inner, so a search cut short by the deadline drops the same
-    candidates for every head dim. A head dim with no candidate timed keeps the default.
+    Starts from the table's entry for this GPU and head size (`defaults.lookup`): the forward
+    candidates (`FWD_FIELDS`) are timed forward only, the fastest kept; then the backward ones
+    (`BWD_FIELDS`) forward+backward over that forward, the fastest kept. Candidates go outer,
+    head dims inner, so a search cut short by its deadline (`deadlines`: forward, backward)
+    drops the same candidates for every head dim; `limit` keeps the first `limit` of each pass.
+    cuDNN is timed once per head dim first, for the winners' ratio. Writes
+    result["block_size_search"] and result["winners"] (table entries, `defaults.entry_to_dict`)
+    for the head dims whose backward pass timed a candidate.
     """
     search = result["block_size_search"]
+    sizes = {d: defaults.lookup(result["device"], d).sizes for d in head_dims}
     if not search_t:
-        search["skipped"] = "--search-t 0: the default block sizes"
-        return {d: CANDIDATES[0] for d in head_dims}
-    search.update({str(d): {"T": search_t, "tried": [], "chosen": None} for d in head_dims})
+        search["skipped"] = "--search-t 0: the table's block sizes"
+        return sizes
+    quick = dataclasses.replace(
+        setup, calls=min(setup.calls, SEARCH_CALLS), samples=min(setup.samples, SEARCH_SAMPLES)
+    )
     args = {d: setup.inputs(search_t, d) for d in head_dims}
-    for sizes in CANDIDATES:
-        for d in head_dims:
-            entry = {**dataclasses.asdict(sizes)}
-            if time.perf_counter() > deadline:
-                entry["skipped"] = "search time used up"
-            else:
-                result["in_progress"] = f"block-size search d={d} {sizes}"
-                save()
-                try:
-                    _, fwd_bwd = jitted("flash", sizes, setup.interpret)
-                    entry["fwd_bwd_ms"] = 1e3 * seconds_per_call(fwd_bwd, args[d], setup)[0]
-                except Exception as e:  # a candidate that does not compile is recorded
-                    entry["error"] = error_text(e)
-                    print(f"  d={d} block sizes {sizes} failed: {entry['error'][:200]}")
-            search[str(d)]["tried"].append(entry)
-    chosen = {}
     for d in head_dims:
-        timed = [e for e in search[str(d)]["tried"] if "fwd_bwd_ms" in e]
-        best = min(timed, key=lambda e: e["fwd_bwd_ms"]) if timed else None
-        fields = {f.name for f in dataclasses.fields(BlockSizes)}
-        chosen[d] = BlockSizes(**{k: best[k] for k in fields}) if best else CANDIDATES[0]
-        search[str(d)]["chosen"] = dataclasses.asdict(chosen[d])
-        if best is None:
-            search[str(d)]["note"] = "no candidate timed: the default block sizes are used"
-        line = ", ".join(
-            f"{e['block_q']}x{e['block_k']}/{e['block_q_bwd']}x{e['block_k_bwd']}"
-            f" w{e['num_warps']}: " + (f"{e['fwd_bwd_ms']:.3f}" if "fwd_bwd_ms" in e else "-")
-            for e in search[str(d)]["tried"]
-        )
-        print(f"search d={d} T={search_t} fwd+bwd ms: {line}")
-    return chosen
+        search[str(d)] = {"T": search_t, "start": dataclasses.asdict(sizes[d])}
+        if time.perf_counter() > deadlines[0]:
+            continue
+        try:
+            timings, _ = time_impl("cudnn", search_t, d, args[d], quick)
+            search[str(d)]["cudnn_fwd_bwd_ms"] = timings["fwd_bwd_ms"]
+        except Exception as e:  # no cuDNN (e.g. the CPU dry run): no ratio in the winners
+            search[str(d)]["cudnn_error"] = error_text(e)
+    for phase, fields, deadline in zip(
+        ("forward", "backward"), (FWD_FIELDS, BWD_FIELDS), deadlines, strict=True
+    ):
+        pool = candidates(backward=phase == "backward")
+        todo = {
+            d: ordered(pool, tuple(getattr(sizes[d], f) for f in fields))[:limit] for d in head_dims
+        }
+        for d in head_dims:
+            search[str(d)][phase] = []
+            search[str(d)][f"{phase}_skipped"] = 0
+        for n in range(max(len(c) for c in todo.values())):
+            for d in head_dims:
+                if n >= len(todo[d]):
+                    continue
+                values = dict(zip(fields, todo[d][n], strict=True))
+                if time.perf_counter() > deadline:
+                    search[str(d)][f"{phase}_skipped"] += 1
+                    continue
+                trial = dataclasses.replace(sizes[d], **values)
+                result["in_progress"] = f"block-size search d={d} {phase} {values}"
+                save()
+                search[str(d)][phase].append(time_candidate(phase, trial, args[d], quick, values))
+        for d in head_dims:
+            key = "fwd_ms" if phase == "forward" else "fwd_bwd_ms"
+            timed = [e for e in search[str(d)][phase] if key in e]
+            if timed:
+                best = min(timed, key=lambda e: e[key])
+                sizes[d] = dataclasses.replace(sizes[d], **{f: best[f] for f in fields})
+                search[str(d)][f"{phase}_best_ms"] = best[key]
+            print(
+                f"search d={d} T={search_t} {phase}: {len(timed)} timed, "
+                f"{search[str(d)][f'{phase}_skipped']} skipped, best {timed and best}"
+            )
+    result["winners"], result["winners_missing"] = [], {}
+    for d in head_dims:
+        search[str(d)]["chosen"] = dataclasses.asdict(sizes[d])
+        entry = winner(result, d, sizes[d], search[str(d)], setup)
+        if entry is None:
+            result["winners_missing"][str(d)] = "no backward candidate timed in the search time"
+        else:
+            result["winners"].append(defaults.entry_to_dict(entry))
+    return sizes
+
+
+def time_candidate(phase: str, sizes: BlockSizes, args, setup: Setup, values: dict) -> dict:
+    """{fields..., fwd_ms or fwd_bwd_ms} of one candidate, or {fields..., error}."""
+    entry = dict(values)
+    try:
+        forward, fwd_bwd = jitted("flash", sizes, setup.interpret)
+        if phase == "forward":
+            entry["fwd_ms"] = 1e3 * seconds_per_call(forward, args[:3], setup)[0]
+        else:
+            entry["fwd_bwd_ms"] = 1e3 * seconds_per_call(fwd_bwd, args, setup)[0]
+    except Exception as e:  # a candidate that does not compile is recorded
+        entry["error"] = error_text(e)
+        print(f"  {phase} {values} failed: {entry['error'][:200]}")
+    return entry
+
+
+def winner(result, d: int, sizes: BlockSizes, search: dict, setup: Setup):
+    """The table entry (`defaults.Entry`) the search chose for head dim d, measured at its T;
+    None when no backward candidate was timed (the forward+backward is then unmeasured)."""
+    ms = search.get("backward_best_ms")
+    if ms is None:
+        return None
+    t = search["T"]
+    cudnn = search.get("cudnn_fwd_bwd_ms")
+    b, h = setup.shapes(t, d)
+    note = (
+        f"benchmarks/attention_gpu.py search at Dh={d}, B={b}, H={h}: "
+        f"{len(search['forward'])} forward and {len(search['backward'])} backward candidates "
+        f"tried, {search['forward_skipped'] + search['backward_skipped']} skipped for time"
+    )
+    if setup.interpret:
+        note += "; flash interpreted on CPU: a check of the script, not a measurement"
+    measured = defaults.Measurement(
+        machine=result["device"],
+        jax=result["jax"],
+        date=time.strftime("%Y-%m-%d", time.gmtime()),
+        t=t,
+        fwd_bwd_tflops=round(3.5 * causal_flops(t, d, setup) / (ms / 1e3) / 1e12, 3),
+        cudnn_ratio=None if cudnn is None else round(cudnn / ms, 3),
+        note=note,
+    )
+    gen, key = defaults.generation(result["device"]), defaults.head_key(d)
+    return defaults.Entry(gen, key, sizes, measured)
 
 
 def max_abs_diff(a, b) -> float:
@@ -270,6 +366,18 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--search-t", type=int, default=SEARCH_T, help="T of the block-size search (0: none)"
     )
+    parser.add_argument(
+        "--search-share",
+        type=float,
+        default=SEARCH_SHARE,
+        help="share of --budget-s for the block-size search (the rest: the sweep over T)",
+    )
+    parser.add_argument(
+        "--search-candidates",
+        type=int,
+        default=None,
+        help="try only the first N candidates of each pass (default: all, 24 + 36)",
+    )
     parser.add_argument("--calls", type=int, default=10, help="back-to-back calls per sample")
     parser.add_argument("--samples", type=int, default=5, help="samples; the best is kept")
     args = parser.parse_args(argv)
@@ -296,6 +404,7 @@ def main(argv=None) -> int:
         "target_ratio_cudnn_over_flash": TARGET,
         "budget_s": args.budget_s,
         "block_size_search": {},
+        "winners": [],  # table entries (pallas_kernels.flash_attention.defaults), see docs
         "rows": [],
     }
 
@@ -308,9 +417,10 @@ def main(argv=None) -> int:
         f"device {result['device']}, jax {result['jax']}, budget {args.budget_s:.0f}s", flush=True
     )
     try:
-        search_deadline = started + SEARCH_SHARE * args.budget_s
+        search_s = args.search_share * args.budget_s
+        deadlines = (started + FWD_SHARE * search_s, started + search_s)
         chosen = search_block_sizes(
-            result, args.head_dims, setup, args.search_t, search_deadline, save
+            result, args.head_dims, setup, args.search_t, deadlines, save, args.search_candidates
         )
         save()
         print("                     | fwd+bwd ms                 | cudnn/flash     | flash")

@@ -38,6 +38,15 @@ def platform() -> str:
     return "gpu" if name in ("cuda", "rocm") else name
 
 
+def device_kind() -> str:
+    """The `device_kind` of the device kernels are traced for (the default device's when one is
+    set, else `jax.devices()[0]`'s), e.g. "NVIDIA H200"; "cpu" on a CPU host."""
+    device = jax.config.jax_default_device
+    if device is None or isinstance(device, str):
+        return jax.devices()[0].device_kind
+    return device.device_kind
+
+
 def resolve_backend(
     backend: str | None, interpret: bool | None, *, what: str, fix: str
 ) -> tuple[str, bool]:

@@ -26,9 +26,14 @@ from lmjax.models import attention_choice
 from lmjax.models.attention_choice import Machine, choose, resolve
 from lmjax.ops.attention_cudnn import cudnn_attention
 from lmjax.train import init_state, make_train_step
+from pallas_kernels import flash_attention
 
 CPU, TPU, ROCM = Machine("cpu"), Machine("tpu"), Machine("gpu", cuda=False)
 H100, A100 = Machine("gpu", True, (9, 0)), Machine("gpu", True, (8, 0))
+# A jax without the Pallas Triton backend (docs/kernels.md, "Without Triton").
+H100_NO_TRITON = Machine("gpu", True, (9, 0), triton=False)
+ROCM_NO_TRITON, TPU_NO_TRITON = Machine("gpu", triton=False), Machine("tpu", triton=False)
+NO_TRITON = "not flash: this jax has no Pallas Triton backend"
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 TRACED = "the flash kernel takes a static int offset, not a traced one"
 
@@ -68,6 +73,23 @@ TABLE = {
     "cpu_bf16": (("auto", CPU, BF16, 64, None), ("materialized", "on this cpu")),
     "cpu_f16": (("auto", CPU, F16, 64, None), ("materialized", "on this cpu")),
     "cpu_traced": (("auto", CPU, F32, 64, TRACED), ("materialized", "on this cpu")),
+    # Without Triton auto never picks flash on a GPU: cuDNN where it can, else XLA.
+    "no_triton_cudnn": (("auto", H100_NO_TRITON, BF16, 64, None), ("cudnn", "runs cudnn")),
+    "no_triton_float32": (
+        ("auto", H100_NO_TRITON, F32, 64, None),
+        (
+            "xla",
+            "runs xla on this gpu, not cudnn: cuDNN attention takes bfloat16 or float16 "
+            "inputs, not float32, " + NO_TRITON,
+        ),
+    ),
+    "no_triton_rocm": (("auto", ROCM_NO_TRITON, BF16, 64, None), ("xla", NO_TRITON)),
+    "no_triton_traced": (("auto", ROCM_NO_TRITON, BF16, 64, TRACED), ("xla", NO_TRITON)),
+    "no_triton_tpu": (("auto", TPU_NO_TRITON, BF16, 64, None), ("flash", "runs flash on this tpu")),
+    "no_triton_cpu": (
+        ("auto", Machine("cpu", triton=False), F32, 64, None),
+        ("materialized", "cpu"),
+    ),
     # Explicit choices run as named and say nothing; cudnn's machine is jax's to check.
     "explicit_cudnn_on_cpu": (("cudnn", CPU, BF16, 64, None), ("cudnn", None)),
     "explicit_flash": (("flash", H100, BF16, 64, None), ("flash", None)),
@@ -104,6 +126,36 @@ def test_an_explicit_cudnn_cuDNN_cannot_run_is_one_config_error(machine, dtype, 
     message = str(caught.value)
     assert len(message.splitlines()) == 1 and says in message, message
     assert message.startswith("model.attention = 'cudnn'") and "model.attention=auto" in message
+
+
+@pytest.mark.parametrize("machine", [H100_NO_TRITON, ROCM_NO_TRITON])
+def test_an_explicit_flash_on_a_gpu_without_triton_is_one_config_error(machine):
+    with pytest.raises(ConfigError) as caught:
+        choose("flash", machine, BF16, 64)
+    message = str(caught.value)
+    assert len(message.splitlines()) == 1 and "Triton backend" in message, message
+    assert "model.attention=cudnn or model.attention=xla" in message
+    assert choose("flash", TPU_NO_TRITON, BF16, 64) == ("flash", None)  # Mosaic, not Triton
+
+
+def test_this_machine_reads_whether_jax_has_triton(monkeypatch):
+    """The availability check `this_machine` reads, simulated missing on a (pretend) GPU."""
+    monkeypatch.setattr(attention_choice.jax, "default_backend", lambda: "gpu")
+    assert attention_choice.this_machine().triton == flash_attention.triton_available()
+    monkeypatch.setattr(flash_attention, "triton_available", lambda: False)
+    assert attention_choice.this_machine() == Machine("gpu", False, None, triton=False)
+
+
+def test_without_triton_models_refuse_flash_and_auto_runs_xla(monkeypatch):
+    monkeypatch.setattr(attention_choice, "this_machine", lambda: H100_NO_TRITON)
+    attention_choice.say_once.cache_clear()
+    q = jax.random.normal(jax.random.PRNGKey(0), (1, 8, 2, 16), F32)
+    with pytest.raises(ConfigError, match="Triton backend"):
+        models.dot_product_attention(q, q, q, causal=True, impl="flash")
+    auto = models.dot_product_attention(q, q, q, causal=True, impl="auto")
+    xla = models.dot_product_attention(q, q, q, causal=True, impl="xla")
+    np.testing.assert_array_equal(np.asarray(auto), np.asarray(xla))
+    attention_choice.say_once.cache_clear()
 
 
 def test_auto_says_once_which_it_chose(monkeypatch, caplog):

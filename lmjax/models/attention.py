@@ -90,6 +90,8 @@ def dot_product_attention(
     if impl in ("auto", "cudnn"):
         check_inputs(q, k, v, impl, return_probabilities, mask, window, segment_ids)
         impl = resolve(impl, q.dtype, q.shape[-1], _flash_refusal(offset, mask))
+    elif impl == "flash":
+        resolve(impl, q.dtype, q.shape[-1])  # refuses flash on a GPU whose jax lacks Triton
     if impl == "cudnn":
         pair = segment_pair(segment_ids, q.shape, k.shape)
         options = dict(offset=offset, mask=mask, window=window, segment_ids=pair)

@@ -9,10 +9,14 @@ inputs, and `resolve`, which applies it here and says once what `auto` picked.
                          jax.nn.dot_product_attention's XLA form keeps 2.4 GiB, `lmjax
                          inspect`; float16 too, which XLA's CPU attention lacks)
     auto, other GPUs     flash (cuDNN is NVIDIA's)
+    auto on a GPU whose  xla where it would pick flash: the GPU kernel lowers through
+    jax lacks Triton     jax.experimental.pallas.triton, saying why
     auto choosing flash  xla when the kernel cannot take the call (a traced offset, a mask
                          that varies over heads or queries), saying why
     cudnn                cuDNN, or a ConfigError naming what it cannot express
-    materialized, xla, flash: as named
+    flash                the kernel, or on a GPU whose jax lacks the Pallas Triton backend
+                         a ConfigError pointing to cudnn or xla
+    materialized, xla: as named
 
 cuDNN's limits are the ones jax checks when it traces the call (jax._src.cudnn.
 fused_attention_stablehlo): bfloat16 or float16 inputs; a head size that is a multiple of 8
@@ -33,6 +37,7 @@ import jax.numpy as jnp
 from jax.extend import backend as jax_backend
 
 from lmjax.errors import ConfigError
+from pallas_kernels import flash_attention
 
 CUDNN_DTYPES = ("bfloat16", "float16")
 HOPPER = (9, 0)
@@ -43,11 +48,13 @@ _log = logging.getLogger("lmjax")
 @dataclasses.dataclass(frozen=True)
 class Machine:
     """What `auto` looks at: jax's default platform ("cpu", "gpu", "tpu"), whether the GPU
-    is NVIDIA's (CUDA), and its compute capability (None when unknown or not a CUDA GPU)."""
+    is NVIDIA's (CUDA), its compute capability (None when unknown or not a CUDA GPU), and
+    whether this jax has the Pallas Triton backend the flash kernel needs on a GPU."""
 
     platform: str
     cuda: bool = False
     capability: tuple[int, int] | None = None
+    triton: bool = True
 
 
 def this_machine() -> Machine:
@@ -58,7 +65,7 @@ def this_machine() -> Machine:
     cuda = "cuda" in jax_backend.get_backend().platform_version.lower()
     text = getattr(jax.devices()[0], "compute_capability", None) if cuda else None
     capability = tuple(int(x) for x in text.split(".")[:2]) if text else None
-    return Machine(platform, cuda, capability)
+    return Machine(platform, cuda, capability, flash_attention.triton_available())
 
 
 def cudnn_refusal(dtype, d_head: int, capability: tuple[int, int] | None) -> str | None:
@@ -84,13 +91,19 @@ def choose(
     """(the implementation to run, the line `auto` says about it, None for an explicit one).
 
     `flash_refusal`: why the flash kernel cannot take this call, or None. An explicit "cudnn"
-    that cuDNN cannot run is a `ConfigError`."""
+    that cuDNN cannot run is a `ConfigError`, and so is an explicit "flash" on a GPU whose jax
+    lacks the Triton backend (`machine.triton`)."""
     if impl == "cudnn":
         why = cudnn_refusal(dtype, d_head, machine.capability)
         if why is not None:
             expected = f"inputs cuDNN can run ({why})"
             fix = "use model.attention=auto (or flash)"
             raise ConfigError.describe("model.attention", "cudnn", expected, fix)
+    no_triton = machine.platform == "gpu" and not machine.triton
+    if impl == "flash" and no_triton:
+        expected = "a jax with the Pallas Triton backend, which this jax lacks"
+        fix = "use model.attention=cudnn or model.attention=xla"
+        raise ConfigError.describe("model.attention on a gpu", "flash", expected, fix)
     if impl != "auto":
         return impl, None
     said = f"model.attention=auto runs {{}} on this {machine.platform}"
@@ -103,6 +116,9 @@ def choose(
             return "cudnn", said.format("cudnn")
     if machine.platform not in ("gpu", "tpu"):
         return "materialized", said.format("materialized")
+    if no_triton:
+        no_flash = "this jax has no Pallas Triton backend"
+        return "xla", said.format("xla") + f", not cudnn: {why}, not flash: {no_flash}"
     if flash_refusal is not None:
         return "xla", said.format("xla") + f", not flash: {flash_refusal}"
     if machine.platform == "tpu":

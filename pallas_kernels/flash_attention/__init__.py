@@ -10,8 +10,10 @@ query rows, `block_q`), K (its key rows, `block_k`) and Dh (the padded head size
 s_QK; a trailing 1 is a kept unit axis (m_Q1).
 
 Modules: `plan` (BlockSizes, padding, which blocks run), `blocks` (the block math both kernels
-share), `gpu` and `tpu` (the kernels and their pallas_calls), `vjp` (the custom VJP over padded
-inputs), `reference` (the argument checks and the plain-jnp oracle).
+share), `defaults` (the GPU kernel's default BlockSizes per GPU generation and head size, each
+with the measurement that chose it), `gpu` and `tpu` (the kernels and their pallas_calls),
+`vjp` (the custom VJP over padded inputs), `reference` (the argument checks and the plain-jnp
+oracle). `plan`, `blocks` and `defaults` import nothing Triton- or Mosaic-specific.
 
 Forward, per batch row b and query head h, with c = 1/sqrt(Dh) (Dh the head size *before*
 padding) and k, v the key/value head h // G (grouped-query attention, Hugging Face's repeat_kv
@@ -80,9 +82,10 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from pallas_kernels import _backend
+from pallas_kernels import _backend, _triton
 from pallas_kernels._backend import CPU_KERNEL, KERNELS  # re-exported: in __all__
 from pallas_kernels._backend import require_platform as _require_platform
+from pallas_kernels.flash_attention import defaults
 from pallas_kernels.flash_attention.plan import BlockSizes, check_blocks, make_plan
 from pallas_kernels.flash_attention.reference import INPUT_DTYPES, attention_reference, check_inputs
 from pallas_kernels.flash_attention.vjp import flash_padded
@@ -135,11 +138,21 @@ def flash_attention_with_lse(
     both or neither): key u visible only if their ids are equal (per element; a block pair
     whose id intervals do not meet is skipped, so a packed row's other documents cost
     nothing). Rows with no visible key: out 0, lse -inf, and exactly zero gradients (dq of
-    the row, its share of dk and dv).
+    the row, its share of dk and dv). `block_sizes=None`: the compiled GPU kernel takes
+    `defaults.lookup(device kind, Dh)`, the TPU kernel and interpret mode
+    `BlockSizes.default(kernel)`. A compiled GPU call on a jax without the Pallas Triton
+    backend is a ConfigError (`triton_available`).
     """
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     check_inputs(q, k, v, mask, offset, window, q_segment_ids, kv_segment_ids)
     kernel, interpret = resolve_backend(backend, interpret)
+    compiled_gpu = kernel == "gpu" and not interpret
+    if compiled_gpu:
+        _triton.require(
+            "flash attention backend", "use attention=cudnn or attention=xla on this jax"
+        )
+    if block_sizes is None and compiled_gpu:
+        block_sizes = defaults.lookup(_backend.device_kind(), q.shape[-1]).sizes
     sizes = _backend.block_sizes_or_default(block_sizes, BlockSizes, kernel)
     check_blocks(sizes, kernel, interpret)
     _require_platform(kernel, interpret)
@@ -168,6 +181,12 @@ def flash_attention_with_lse(
     return out.astype(q.dtype), lse
 
 
+def triton_available() -> bool:
+    """Whether this jax has the Pallas Triton backend the GPU kernel needs (without it, a
+    compiled GPU call is a ConfigError and `model.attention=auto` never picks flash on a GPU)."""
+    return _triton.available()
+
+
 def _compute_dtype(kernel: str, dtype) -> jnp.dtype:
     """The dtype `kernel` computes inputs of `dtype` in: float16 on the TPU kernel runs as
     float32 (module docstring); everything else as itself."""
@@ -191,4 +210,5 @@ __all__ = [
     "flash_attention",
     "flash_attention_with_lse",
     "resolve_backend",
+    "triton_available",
 ]

@@ -14,9 +14,9 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels._backend import dot as _dot
+from pallas_kernels._triton import params as triton_params
 from pallas_kernels.flash_attention.blocks import (
     finish,
     fori,
@@ -169,12 +169,18 @@ def _gpu_dkdv_kernel(
     dv_ref[...] = dv_KDh.astype(dv_ref.dtype)
 
 
-def _gpu_params(plan: Plan, backward: bool):
+def launch(plan: Plan, backward: bool) -> tuple[int, int]:
+    """(num_warps, num_stages) of the forward or of the backward kernels (see `BlockSizes`)."""
     # 4 warps cover a 64-wide head; wider heads (more registers per row) want 8.
     warps = plan.num_warps or (4 if plan.d_pad <= 64 else 8)
-    return pltriton.CompilerParams(
-        num_warps=warps, num_stages=plan.num_stages or (2 if backward else 3)
-    )
+    stages = plan.num_stages or (2 if backward else 3)
+    if backward:
+        return plan.num_warps_bwd or warps, plan.num_stages_bwd or stages
+    return warps, stages
+
+
+def _gpu_params(plan: Plan, backward: bool):
+    return triton_params(*launch(plan, backward))
 
 
 def _gpu_specs(plan: Plan, bq: int, bk: int):

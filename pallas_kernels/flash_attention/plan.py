@@ -30,7 +30,11 @@ LOG2E = math.log2(math.e)
 class BlockSizes:
     """Tile sizes: forward (block_q x block_k), backward (block_q_bwd x block_k_bwd).
 
-    `num_warps` / `num_stages` tune the Triton launch (GPU kernel only; None picks by head dim).
+    `num_warps` / `num_stages` tune the Triton launch of the forward (GPU kernel only; None: 4
+    warps up to a 64-wide head, else 8; 3 stages), `num_warps_bwd` / `num_stages_bwd` that of
+    the two backward kernels (None: `num_warps` / `num_stages` when given, else the same warps
+    and 2 stages). They are plain ints: nothing here knows Triton (`gpu.py` turns them into its
+    launch parameters).
     Requirements: every block a positive int; GPU kernel: powers of two >= 16; TPU kernel
     compiled: block_q (and block_q_bwd) a multiple of 8, block_k (and block_k_bwd) of 128 (in
     interpret mode a multiple of 8 suffices, so CPU tests can use several small blocks).
@@ -42,6 +46,8 @@ class BlockSizes:
     block_k_bwd: int = 64
     num_warps: int | None = None
     num_stages: int | None = None
+    num_warps_bwd: int | None = None
+    num_stages_bwd: int | None = None
 
     def __post_init__(self):
         # Blocks are required; the launch settings may be left to the kernel (None).
@@ -98,8 +104,10 @@ class Plan:
     bk: int
     bq_bwd: int  # backward blocks
     bk_bwd: int
-    num_warps: int | None
+    num_warps: int | None  # launch settings (GPU kernel), forward then backward
     num_stages: int | None
+    num_warps_bwd: int | None
+    num_stages_bwd: int | None
 
     @property
     def scale(self) -> float:
@@ -175,6 +183,8 @@ def make_plan(
         bk_bwd=bk_bwd,
         num_warps=sizes.num_warps,
         num_stages=sizes.num_stages,
+        num_warps_bwd=sizes.num_warps_bwd,
+        num_stages_bwd=sizes.num_stages_bwd,
     )
 
 

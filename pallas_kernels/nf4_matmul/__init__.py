@@ -19,7 +19,7 @@ gradient:
 from __future__ import annotations
 
 from lmjax.quant.nf4 import BLOCK, QuantizedWeight
-from pallas_kernels import _backend
+from pallas_kernels import _backend, _triton
 from pallas_kernels._backend import CPU_KERNEL, KERNELS
 from pallas_kernels.nf4_matmul.pallas import nf4_matmul, resolve_backend
 from pallas_kernels.nf4_matmul.plan import BlockSizes
@@ -32,7 +32,9 @@ def quantized_linear(x, qw: QuantizedWeight, bias=None):
     when in-features are a multiple of 64; otherwise `nf4_matmul_tiled` (on CPU, where the
     kernel could only be interpreted, and for weights whose quantization blocks straddle rows),
     which, like the kernel, never saves a float copy of the weight for the backward."""
-    compiled = _backend.platform() in KERNELS  # the default device's, e.g. compiling for a TPU
+    target = _backend.platform()  # the default device's, e.g. compiling for a TPU
+    # A jax without the Triton backend has no GPU kernel: the tiled path then (docs/kernels.md).
+    compiled = target in KERNELS and (target != "gpu" or _triton.available())
     if compiled and isinstance(qw, QuantizedWeight) and qw.ndim == 2 and qw.shape[1] % BLOCK == 0:
         return nf4_matmul(x, qw, bias)
     return nf4_matmul_tiled(x, qw, bias)

@@ -40,10 +40,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from jax.experimental.pallas import triton as pltriton
 
 from lmjax.quant.nf4 import BLOCK, NF4
 from pallas_kernels._backend import dot as _dot
+from pallas_kernels._triton import params as triton_params
 from pallas_kernels.nf4_matmul.plan import Plan
 
 _HALF_BLOCK = BLOCK // 2  # packed bytes per quantization block
@@ -114,7 +114,7 @@ def _gpu_dx_kernel(g_ref, p_ref, s_ref, dxe_ref, dxo_ref, *, plan: Plan):
 
 
 def _gpu_params(plan: Plan):
-    return pltriton.CompilerParams(num_warps=plan.num_warps or 4, num_stages=plan.num_stages or 3)
+    return triton_params(plan.num_warps or 4, plan.num_stages or 3)
 
 
 def _gpu_forward(plan: Plan, xe, xo, packed, scales):

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from lmjax.quant.nf4 import BLOCK, QuantizedWeight, block_absmax
-from pallas_kernels import _backend
+from pallas_kernels import _backend, _triton
 from pallas_kernels.nf4_matmul import kernels
 from pallas_kernels.nf4_matmul.plan import BlockSizes, Plan, check_blocks, make_plan
 from pallas_kernels.nf4_matmul.reference import add_bias, check_inputs
@@ -92,6 +92,8 @@ def nf4_matmul(
     sizes = _backend.block_sizes_or_default(block_sizes, BlockSizes, kernel)
     check_blocks(sizes, kernel, interpret)
     _backend.require_platform(kernel, interpret)
+    if kernel == "gpu" and not interpret:
+        _triton.require("nf4_matmul backend", "use the XLA path (nf4_matmul_tiled)")
     out_features, in_features = qw.shape
     x_MI = x.reshape(-1, in_features)
     plan = make_plan(x_MI.shape[0], out_features, in_features, sizes, kernel, interpret)
