@@ -67,6 +67,9 @@
 # whole limit leaves gradcheck no time (it is then skipped and counted as failed).
 # GPU_CHECK_STEPS picks steps for a shorter rerun, e.g. GPU_CHECK_STEPS="bench" or
 # "smoke fast" (env always runs); steps left out are recorded as not requested.
+# BENCH_EXTRA_ARGS are added to the bench step's command: a run meant to update the flash block
+# table, GPU_CHECK_STEPS=bench BENCH_TIMEOUT_S=560 TOTAL_BUDGET_S=570
+# BENCH_EXTRA_ARGS="--search-share 0.9 --seq-lens 4096" (docs/kernels.md).
 # GPU_CHECK_XLA_FLAGS are added to XLA_FLAGS for the profile step only, to try XLA's GPU options
 # on the same step, e.g. GPU_CHECK_STEPS=profile GPU_CHECK_XLA_FLAGS="--xla_gpu_enable_latency_hiding_scheduler=true
 # --xla_gpu_enable_triton_gemm=false" (an unknown flag stops XLA: check them against the jaxlib).
@@ -129,7 +132,7 @@ if [ "$DRY_RUN" = 1 ]; then
     export LMJAX_PALLAS_INTERPRET="${LMJAX_PALLAS_INTERPRET:-1}"
     MODE="dry run, LMJAX_PALLAS_INTERPRET=$LMJAX_PALLAS_INTERPRET"
     BENCH_ARGS=(--allow-cpu --seq-lens 64 128 --head-dims 32 --tokens 128 --hidden 64
-        --search-t 128 --calls 1 --samples 1)
+        --search-t 128 --calls 1 --samples 1 --search-candidates 2)
 else
     # The test file reads this: 0 runs the kernel of the default backend compiled (the
     # TPU-style kernel's tests are skipped on a GPU).
@@ -343,7 +346,10 @@ fi
 # ---- 3a: attention timings, whatever step 2 gave -----------------------------------------------
 if begin_step bench "$BENCH_TIMEOUT_S" "$MIN_STEP_S" "flash vs cuDNN vs XLA, bf16, causal"; then
     margin=$((STEP_LIMIT / 3 < 60 ? STEP_LIMIT / 3 : 60))
+    BENCH_EXTRA=()
+    if [ -n "${BENCH_EXTRA_ARGS:-}" ]; then read -r -a BENCH_EXTRA <<<"$BENCH_EXTRA_ARGS"; fi
     run_bounded "$PYTHON" benchmarks/attention_gpu.py "${BENCH_ARGS[@]}" \
+        ${BENCH_EXTRA[@]+"${BENCH_EXTRA[@]}"} \
         --results-dir "$DETAILS_DIR" --budget-s "$((STEP_LIMIT - margin))"
 fi
 
