@@ -162,18 +162,21 @@ def test_auto_says_once_which_it_chose(monkeypatch, caplog):
     """One log line per choice per process, however often attention is traced."""
     monkeypatch.setattr(attention_choice, "this_machine", lambda: A100)
     attention_choice.say_once.cache_clear()
-    with caplog.at_level(logging.WARNING, logger="lmjax"):
+    with caplog.at_level(logging.INFO, logger="lmjax"):
         for _ in range(3):
             assert resolve("auto", BF16, 64) == "cudnn"
         assert resolve("auto", F32, 64) == "flash"
         assert resolve("auto", F32, 64) == "flash"
         assert resolve("cudnn", BF16, 64) == "cudnn"  # explicit: nothing said
-    lines = [r.getMessage() for r in caplog.records if r.name == "lmjax"]
+    lines = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "lmjax"]
+    fallback = "model.attention=auto runs flash on this gpu, not cudnn: cuDNN attention takes " \
+        "bfloat16 or float16 inputs, not float32"  # fmt: skip
+    # The plain choice at INFO (an error's stderr stays one line), the fallback at WARNING.
     assert lines == [
-        "lmjax: model.attention=auto runs cudnn on this gpu",
-        "lmjax: model.attention=auto runs flash on this gpu, not cudnn: cuDNN attention takes "
-        "bfloat16 or float16 inputs, not float32",
+        ("INFO", "lmjax: model.attention=auto runs cudnn on this gpu"),
+        ("WARNING", "lmjax: " + fallback),
     ]
+    assert attention_choice.said()[-2:] == ["model.attention=auto runs cudnn on this gpu", fallback]
     attention_choice.say_once.cache_clear()
 
 

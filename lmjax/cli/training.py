@@ -103,6 +103,10 @@ def print_run(result) -> int:
     for path in (run_dir.plot_file, run_dir.metrics_file, run_dir.samples_file):
         if path.exists():
             print(f"  {path.name}: {path}")
+    from lmjax.models.attention_choice import said
+
+    for line in [*said(), *([result.compile_cache] if result.compile_cache else [])]:
+        print(line)
     if result.sample:
         print(f"sample:\n{result.sample}")
     return 0

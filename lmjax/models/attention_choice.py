@@ -126,11 +126,22 @@ def choose(
     return "flash", said.format("flash") + f", not cudnn: {why}"
 
 
+_SAID: list[str] = []
+
+
 @functools.cache
 def say_once(line: str) -> None:
-    """Log `line` once per process (the "lmjax" logger at WARNING, so with no logging set up
-    Python prints it on stderr as it is)."""
-    _log.warning("lmjax: %s", line)
+    """Say `line` once per process: kept for `said()` (`lmjax train` and `finetune` print them
+    with the run's files) and logged on the "lmjax" logger, at WARNING when `auto` fell back
+    from its first choice (the line gives the reason: Python prints it on stderr with no logging
+    set up), else at INFO, so a plain choice never adds a line to an error's stderr."""
+    _SAID.append(line)
+    _log.log(logging.WARNING if ", not " in line else logging.INFO, "lmjax: %s", line)
+
+
+def said() -> list[str]:
+    """What `auto` has said in this process, in order."""
+    return list(_SAID)
 
 
 def resolve(impl: str, dtype, d_head: int, flash_refusal: str | None = None) -> str:

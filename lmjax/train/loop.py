@@ -24,6 +24,7 @@ module builds them (`build_trainer`) and is where the names callers know stay im
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import jax
@@ -72,13 +73,14 @@ def train(
     plan = make_plan(cfg, config_path=config_path, resume=resume, finetune=finetune)
     if note := warmup_only_note(plan.cfg):
         print(note, file=out)
-    # Every host reads and writes its own cache; one says where.
-    if (note := compile_cache.enable(plan.cfg.run.compile_cache)) and parallel.is_main():
-        print(note, file=out)
+    # Every host reads and writes its own cache; the result says where (`lmjax train` prints it
+    # with the run's files, so an error stays one line on stderr).
+    cache_note = compile_cache.enable(plan.cfg.run.compile_cache)
     # Every host checks the (shared) run directory before process 0 writes into it.
     parallel.barrier("lmjax train: run directory checked")
     plan.run.path.mkdir(parents=True, exist_ok=True)
-    return build_trainer(plan, trainable, out).run(lambda: publish(plan, trainable))
+    result = build_trainer(plan, trainable, out).run(lambda: publish(plan, trainable))
+    return dataclasses.replace(result, compile_cache=cache_note)
 
 
 def publish(plan: Plan, trainable: Trainable) -> None:

@@ -47,6 +47,7 @@ class RunResult:
     val_loss: float | None
     sample: str | None
     params: Any = None  # the trained parameters (the adapters of a fine-tune) at `step`
+    compile_cache: str | None = None  # where JAX's compilation cache is (None: off)
 
 
 def _identity(params):
