@@ -4,6 +4,7 @@ and the results file they rewrite after every point."""
 from __future__ import annotations
 
 import json
+import platform
 import time
 from pathlib import Path
 
@@ -38,6 +39,18 @@ def seconds_per_call(fn, args, calls: int, samples: int):
         jax.block_until_ready(out)
         best = min(best, (time.perf_counter() - start) / calls)
     return best, out
+
+
+def environment(**extra) -> dict:
+    """Where a GPU benchmark ran: the first device's kind, the backend, jax and Python, and
+    `extra` (JSON-able) beside them."""
+    return {
+        "device": jax.devices()[0].device_kind,
+        "backend": jax.default_backend(),
+        "jax": jax.__version__,
+        "python": platform.python_version(),
+        **extra,
+    }
 
 
 def error_text(e: BaseException) -> str:

@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import platform
 import sys
 import time
 import traceback
@@ -46,7 +45,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
 
-from benchmarks._gpu import error_text, no_gpu_exit, seconds_per_call, write_json  # noqa: E402
+from benchmarks._gpu import environment, error_text, no_gpu_exit, seconds_per_call, write_json  # noqa: E402
 from lmjax.quant import quantize, storage_bytes  # noqa: E402
 from pallas_kernels.nf4_matmul import BlockSizes, nf4_matmul, nf4_matmul_reference  # noqa: E402
 
@@ -232,16 +231,6 @@ def target_verdicts(rows: list[dict], points: list[tuple]) -> dict:
     for entry in listed:
         counts[entry["verdict"]] = counts.get(entry["verdict"], 0) + 1
     return {"counts": counts, "points": listed}
-
-
-def environment() -> dict:
-    device = jax.devices()[0]
-    return {
-        "device": device.device_kind,
-        "backend": jax.default_backend(),
-        "jax": jax.__version__,
-        "python": platform.python_version(),
-    }
 
 
 def main(argv=None) -> int:

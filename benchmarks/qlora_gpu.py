@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -46,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import jax  # noqa: E402
 
-from benchmarks._gpu import error_text, no_gpu_exit, write_json  # noqa: E402
+from benchmarks._gpu import environment, error_text, no_gpu_exit, write_json  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 FILENAME = "qlora_gpu.json"
@@ -186,17 +185,6 @@ def compare(runs: dict) -> dict:
     return out
 
 
-def environment() -> dict:
-    device = jax.devices()[0]
-    return {
-        "device": device.device_kind,
-        "backend": jax.default_backend(),
-        "jax": jax.__version__,
-        "python": platform.python_version(),
-        "machine_cpus": os.cpu_count(),
-    }
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--require-gpu", action="store_true", help="exit 1 when there is no GPU")
@@ -231,7 +219,7 @@ def main(argv=None) -> int:
     path = args.results_dir / FILENAME
     result = {
         "status": "running",
-        **environment(),
+        **environment(machine_cpus=os.cpu_count()),
         "benchmark": "QLoRA (NF4 base) vs LoRA (bf16 base) train step, all-linear adapters",
         "quick": args.quick,
         "lora": {"r": R, "alpha": ALPHA, "targets": "all-linear", "optimizer": f"adamw lr {LR}"},
