@@ -41,13 +41,13 @@ def native_masks(q_shape, k_shape, *, causal: bool, offset, window) -> dict:
     return {"is_causal": causal, "local_window_size": (window - 1, 0) if window_ok else None}
 
 
-def needs_keep_mask(q_shape, k_shape, *, causal, offset, mask, window, segment_ids) -> bool:
-    """Whether `native_masks` alone miss part of lmjax's keep (then a bias is needed).
+def needs_keep_mask(native: dict, *, causal, mask, window, segment_ids) -> bool:
+    """Whether the `native_masks` flags `native` miss part of lmjax's keep (then a bias is
+    needed).
 
     Every row then sees a key: its own (causal, T == S) or all of them (not causal, no window)."""
     if mask is not None or segment_ids is not None:
         return True
-    native = native_masks(q_shape, k_shape, causal=causal, offset=offset, window=window)
     return (causal and not native["is_causal"]) or (
         window is not None and native["local_window_size"] is None
     )
@@ -78,7 +78,9 @@ def cudnn_attention(
     translation). `segment_ids`: None or a checked (q [B, T], kv [B, S]) pair."""
     masks = dict(causal=causal, offset=offset, window=window)
     native = native_masks(q.shape, k.shape, **masks)
-    if not needs_keep_mask(q.shape, k.shape, **masks, mask=mask, segment_ids=segment_ids):
+    if not needs_keep_mask(
+        native, causal=causal, mask=mask, window=window, segment_ids=segment_ids
+    ):
         out = jax.nn.dot_product_attention(q, k, v, **native, implementation=implementation)
         return out.astype(q.dtype)
     b, t, h, d = q.shape
