@@ -1,16 +1,18 @@
 """The `lmjax` command line: thin parsing around library calls, one-line errors.
 
 Subcommands: `prepare` (corpus -> token files), `train` (a YAML run config), `eval` (a run's
-validation loss), `generate` (sample from a run), `import-hf` / `export-hf` (Hugging Face GPT-2
-directories), `inspect` (parameter table, counts, memory estimate), `gradcheck` (every
-primitive's hand-written VJP against `jax.grad` and finite differences), `compile` (a config's
-sharded step compiled for a TPU topology by libtpu, its memory against the HBM). Library errors
-(`lmjax.errors`) print one line on stderr and exit 2; Ctrl-C exits 130.
+validation loss), `generate` (sample from a run), `chat` (a conversation through a run's chat
+template), `import-hf` / `export-hf` (Hugging Face checkpoints), `inspect` (parameter table,
+counts, memory estimate), `gradcheck` (every primitive's hand-written VJP against `jax.grad` and
+finite differences), `compile` (a config's sharded step compiled for a TPU topology by libtpu,
+its memory against the HBM). Library errors (`lmjax.errors`) print one line on stderr and exit
+2; Ctrl-C exits 130.
 
 One module per command group, each adding its parsers and running its commands: `training`
-(prepare, train, finetune), `runs` (eval, generate), `hf` (import-hf, export-hf), `inspection`
-(inspect), `measure` (gradcheck, bench, compile); `common` holds what they share. Their lmjax
-imports sit inside the functions, so `lmjax --help` reads no more than the parser needs.
+(prepare, train, finetune), `runs` (eval, generate), `chat`, `hf` (import-hf, export-hf),
+`inspection` (inspect), `measure` (gradcheck, bench, compile); `common` holds what they share.
+Their lmjax imports sit inside the functions, so `lmjax --help` reads no more than the parser
+needs.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from lmjax.cli import hf, inspection, measure, runs, training
+from lmjax.cli import chat, hf, inspection, measure, runs, training
 from lmjax.errors import LMJaxError
 
 # The subcommands in `lmjax --help` order, each as the function adding its parser.
@@ -29,6 +31,7 @@ _COMMANDS = (
     training.add_train,
     runs.add_eval,
     runs.add_generate,
+    chat.add_chat,
     hf.add_import_hf,
     hf.add_export_hf,
     measure.add_bench,

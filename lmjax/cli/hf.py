@@ -4,10 +4,13 @@ qwen2, qwen3) in and out of lmjax run directories, with their tokenizers."""
 from __future__ import annotations
 
 import argparse
+import shutil
 from pathlib import Path
 
 from lmjax.cli.common import load_run
 from lmjax.errors import CheckpointError, LMJaxError
+
+GENERATION_CONFIG = "generation_config.json"  # lmjax.chat's name, without importing it here
 
 
 def add_import_hf(sub) -> None:
@@ -21,25 +24,45 @@ def add_import_hf(sub) -> None:
         "lmjax generate / eval / export-hf. tokenizer/ is the tokenizer.json (with "
         "tokenizer_config.json) or the vocab.json + merges.txt beside SOURCE; without them, "
         "GPT-2's own vocabulary for a 50,257-token GPT-2, else no tokenizer (the output says "
-        "so: copy the original run's tokenizer/ into OUT).",
+        "so: copy the original run's tokenizer/ into OUT). generation_config.json (the "
+        "model's end-of-sequence ids, for lmjax chat) is kept in OUT/tokenizer/. SOURCE may "
+        "be a model id ORG/NAME: its snapshot in the Hugging Face cache (HF_HUB_CACHE, "
+        "HF_HOME) is read; nothing is downloaded without --download (and HF_HUB_OFFLINE=1 "
+        "forbids that too).",
     )
-    imp.add_argument("source", help="a Hugging Face checkpoint directory or a .safetensors file")
+    imp.add_argument(
+        "source",
+        help="a Hugging Face checkpoint directory, a .safetensors file, or a model id ORG/NAME "
+        "(from the Hugging Face cache)",
+    )
     imp.add_argument("--out", required=True, help="the new run directory")
     imp.add_argument("--dtype", default="float32", help="parameter dtype (default float32)")
+    imp.add_argument(
+        "--download",
+        action="store_true",
+        help="ORG/NAME: download what is missing from the Hugging Face Hub (default: the "
+        "local cache only)",
+    )
+    imp.add_argument(
+        "--revision", default=None, help="ORG/NAME: a branch, tag or commit (default: main)"
+    )
     imp.set_defaults(run=run_import_hf)
 
 
 def run_import_hf(args: argparse.Namespace) -> int:
     from lmjax import params as ptree
+    from lmjax.files import atomic_write_text
     from lmjax.io import hf, hf_gpt2
+    from lmjax.io.hf_hub import resolve
     from lmjax.tokenizers import gpt2
     from lmjax.train.runs import write_weights_run
 
-    family = hf.model_type(args.source)
-    params, model = hf.load(args.source, dtype=args.dtype)
-    tokenizer, note = _hf_tokenizer(args.source), ""
+    source = resolve(args.source, download=args.download, revision=args.revision)
+    family = hf.model_type(source)
+    params, model = hf.load(source, dtype=args.dtype)
+    tokenizer, note = _hf_tokenizer(source), ""
     if tokenizer is not None:
-        hf_gpt2.check_tokenizer(tokenizer, model, args.source)
+        hf_gpt2.check_tokenizer(tokenizer, model, source)
     elif family == "gpt2" and model.vocab_size == gpt2.VOCAB_SIZE:
         from lmjax.train.data import gpt2_tokenizer
 
@@ -52,8 +75,11 @@ def run_import_hf(args: argparse.Namespace) -> int:
             f"the run it came from into {args.out}/tokenizer, or put the files beside it and "
             "import again)"
         )
+    generation_config = _generation_config(source) if tokenizer is not None else None
     try:
         write_weights_run(args.out, params, model, tokenizer, "gpt2")
+        if generation_config is not None:  # beside the tokenizer: chat's end-of-turn ids
+            atomic_write_text(Path(args.out) / "tokenizer" / GENERATION_CONFIG, generation_config)
     except OSError as err:  # the output can't be made (a file in the path, no permission...)
         if isinstance(err, LMJaxError):
             raise
@@ -61,7 +87,8 @@ def run_import_hf(args: argparse.Namespace) -> int:
         fix = "pick a writable location (nothing was written)"
         raise CheckpointError.describe("--out", args.out, expected, fix) from err
     count = f"{ptree.count(params):,} parameters"
-    print(f"imported {args.source} -> {args.out}: {family}, {count}{note}")
+    cached = f" ({source})" if str(source) != str(args.source) else ""
+    print(f"imported {args.source}{cached} -> {args.out}: {family}, {count}{note}")
     return 0
 
 
@@ -74,12 +101,24 @@ def _not_gpt2(family: str, vocab_size: int) -> str:
     return f"vocab_size {vocab_size} is not GPT-2's {gpt2.VOCAB_SIZE:,}"
 
 
-def _hf_tokenizer(source: str):
+def _generation_config(source: Path) -> str | None:
+    """The text of the generation_config.json beside a checkpoint, checked (None if absent)."""
+    from lmjax.chat import eos_ids, read_generation_config
+
+    directory = source if source.is_dir() else source.parent
+    path = directory / GENERATION_CONFIG
+    if not path.is_file():
+        return None
+    eos_ids(read_generation_config(directory), str(path))  # a bad file fails the import
+    return path.read_text(encoding="utf-8")
+
+
+def _hf_tokenizer(source: Path):
     """The tokenizer files next to a Hugging Face checkpoint, if any: tokenizer.json (with its
     tokenizer_config.json), else either GPT-2 pair."""
     from lmjax.tokenizers import BPETokenizer, load_hf_tokenizer
 
-    directory = Path(source) if Path(source).is_dir() else Path(source).parent
+    directory = source if source.is_dir() else source.parent
     if (directory / "tokenizer.json").is_file():
         return load_hf_tokenizer(directory)
     for vocab, merges in (("vocab.json", "merges.txt"), ("encoder.json", "vocab.bpe")):
@@ -106,6 +145,7 @@ def add_export_hf(sub) -> None:
 
 
 def run_export_hf(args: argparse.Namespace) -> int:
+    from lmjax.chat import generation_config_dir
     from lmjax.checks import require
     from lmjax.files import atomic_dir
     from lmjax.io import hf
@@ -126,6 +166,8 @@ def run_export_hf(args: argparse.Namespace) -> int:
         elif run.tokenizer is not None and run.tokenizer.kind == "bpe":
             run.tokenizer.save(tmp)  # vocab.json + merges.txt, as transformers expects
             (tmp / "tokenizer.json").unlink()  # lmjax's manifest; transformers reads its own
+        if run.tokenizer is not None and (found := generation_config_dir(run.directory)):
+            shutil.copyfile(found / GENERATION_CONFIG, tmp / GENERATION_CONFIG)  # stop ids
     print(
         f"exported {run.directory} (step {run.step}) -> {out}: {family}, config.json, "
         "model.safetensors"

@@ -104,7 +104,8 @@ def add_generate(sub) -> None:
         help="sample text from a trained or imported run, streaming tokens",
         description="Encode --prompt with the run's tokenizer and sample a continuation with "
         "a KV cache (temperature 0 = greedy). One prompt streams as it is generated; several "
-        "--prompt flags are generated as one batch.",
+        "--prompt flags are generated as one batch. --chat renders each prompt as a user "
+        "message with the run's chat template; --show-ids prints the token ids too.",
     )
     source = gen.add_mutually_exclusive_group(required=True)
     source.add_argument("--run", dest="run_dir", help="a run directory (its newest checkpoint)")
@@ -127,6 +128,16 @@ def add_generate(sub) -> None:
         "--stop-token", type=int, action="append", default=[], help="token id that ends a sequence"
     )
     gen.add_argument("--cache", choices=("contiguous", "paged"), default="contiguous")
+    gen.add_argument(
+        "--chat",
+        action="store_true",
+        help="each --prompt is a user message: render it with the run's chat template (with "
+        "the assistant header) and stop at the model's end-of-sequence ids "
+        "(generation_config.json, tokenizer_config.json); see lmjax chat for a conversation",
+    )
+    gen.add_argument(
+        "--show-ids", action="store_true", help="also print the prompt's and the new token ids"
+    )
     gen.add_argument(
         "--quantize",
         choices=("nf4", "none"),
@@ -154,7 +165,10 @@ def run_generate(args: argparse.Namespace) -> int:
         "copy the data's tokenizer/ into the run",
         error=FileFormatError,
     )
-    prompts = [run.tokenizer.encode(text) for text in args.prompt]
+    prompts, stops, hidden = [run.tokenizer.encode(text) for text in args.prompt], [], ()
+    if args.chat:
+        prompts, stops = chat_prompts(run, args.prompt)
+        hidden = stops  # an end-of-turn token ends the reply; it is not part of its text
     n = _check_generate_lengths(args, prompts, run.model.context_length)
     options = dict(
         max_new_tokens=n,
@@ -162,28 +176,64 @@ def run_generate(args: argparse.Namespace) -> int:
         top_k=args.top_k,
         top_p=args.top_p,
         seed=args.seed,
-        stop_tokens=args.stop_token,
+        stop_tokens=[*args.stop_token, *stops],
         cache=args.cache,
     )
+    shown = args.prompt if not args.chat else ["" for _ in args.prompt]
     if len(prompts) > 1:  # a batch: print each continuation when all are done
         outs = generate.generate(run.params, prompts, run.model, **options)
-        for text, out in zip(args.prompt, outs, strict=True):
-            print(f"--- {text!r}\n{text}{run.tokenizer.decode(out)}")
+        for text, head, prompt, out in zip(args.prompt, shown, prompts, outs, strict=True):
+            body = run.tokenizer.decode([i for i in out if i not in hidden])
+            print(f"--- {text!r}\n{head}{body}")
+            if args.show_ids:
+                print_ids(prompt, out)
         return 0
     steps = generate.stream(run.params, prompts, run.model, **options)
     first = next(steps)  # every option is validated before the first token: print nothing before
-    print(args.prompt[0], end="", flush=True)
-    shown, ids = "", []
-    for step in itertools.chain([first], steps):
+    print(shown[0], end="", flush=True)
+    ids = stream_text(run.tokenizer, itertools.chain([first], steps), hidden)
+    if args.show_ids:
+        print_ids(prompts[0], ids)
+    return 0
+
+
+def chat_prompts(run, messages: list[str]) -> tuple[list[list[int]], list[int]]:
+    """(prompt ids of each message as a one-turn chat, the stop ids) for `generate --chat`."""
+    from lmjax import chat
+
+    stops = run_stop_ids(run)
+    return [chat.Conversation(run.tokenizer).prompt_ids(m) for m in messages], stops
+
+
+def run_stop_ids(run) -> list[int]:
+    """The end-of-sequence ids of a loaded run (`lmjax.chat.stop_ids`)."""
+    from lmjax import chat
+
+    where = chat.generation_config_dir(run.directory)
+    config = chat.read_generation_config(where) if where is not None else {}
+    return chat.stop_ids(run.tokenizer, config, run.model.vocab_size)
+
+
+def stream_text(tokenizer, steps, hidden=()) -> list[int]:
+    """Print row 0's text as `generate.stream` yields it; its new ids. Ids in `hidden` (an
+    end-of-turn token) are generated but not printed."""
+    shown, ids, text = "", [], ""
+    for step in steps:
         if step.active[0]:
             ids.append(int(step.tokens[0]))
-        text = run.tokenizer.decode(ids)
+        text = tokenizer.decode([i for i in ids if i not in hidden])
         # A multi-byte character split across tokens decodes to U+FFFD until it is complete.
         stable = text.rstrip("\ufffd")
         print(stable[len(shown) :], end="", flush=True)
         shown = stable
     print(text[len(shown) :])
-    return 0
+    return ids
+
+
+def print_ids(prompt: list[int], new: list[int]) -> None:
+    """`--show-ids`: the prompt's ids and the generated ones, each a JSON list on its line."""
+    print(f"prompt ids: {list(map(int, prompt))}")
+    print(f"new ids: {list(map(int, new))}")
 
 
 def _quantization(flag: str | None, path) -> str | None:

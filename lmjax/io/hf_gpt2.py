@@ -244,12 +244,15 @@ def _rename(key: str) -> str | None:
 
 
 def _infer_config(shapes: dict[str, tuple], n_heads: int | None, where: Path) -> dict:
-    if n_heads is None:
-        raise ConfigError.describe(
-            "n_heads",
-            None,
-            f"a head count (no config.json beside {where})",
-            "pass n_heads=... (GPT-2 uses d_model / 64) or put config.json beside the file",
+    if n_heads is None:  # import-hf never passes one: the file it lacks is what to name
+        folder = where if where.is_dir() else where.parent
+        raise CheckpointError.describe(
+            f"{folder / 'config.json'}",
+            "missing",
+            "the config.json saved with these weights (model_type, head counts, sizes: "
+            "the weights alone do not say them)",
+            "copy the checkpoint's config.json beside its weights (save_pretrained writes it), "
+            "or import the complete directory or model id",
         )
     need = ("wte.weight", "wpe.weight", "h.0.mlp.c_fc.weight")
     missing = [k for k in need if k not in shapes]
