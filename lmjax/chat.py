@@ -88,6 +88,14 @@ def stop_ids(tokenizer, generation_config: dict, vocab_size: int) -> list[int]:
     return [i for i in dict.fromkeys(ids) if i < vocab_size]
 
 
+def run_stop_ids(run) -> list[int]:
+    """`stop_ids` of a loaded run (`lmjax.train.load_run`): its generation config (or its
+    base's) and its tokenizer's eos_token, below its model's vocab_size."""
+    where = generation_config_dir(run.directory)
+    config = read_generation_config(where) if where is not None else {}
+    return stop_ids(run.tokenizer, config, run.model.vocab_size)
+
+
 class Conversation:
     """The messages of a chat so far, rendered by `tokenizer`'s chat template (an `HFTokenizer`
     or any tokenizer with `apply_chat_template` and `chat_template`)."""
@@ -123,5 +131,6 @@ __all__ = [
     "eos_ids",
     "generation_config_dir",
     "read_generation_config",
+    "run_stop_ids",
     "stop_ids",
 ]

@@ -189,3 +189,14 @@ def test_chat_errors_are_one_line(chat_run, tmp_path, capsys):
     assert "eos_token_id = 'two'" in line
     line = _one_error_line(["chat", str(run), "--message", "hi", "--max-new-tokens", "500"], capsys)
     assert "--max-new-tokens = 500" in line
+
+
+def test_import_refuses_a_bad_generation_config_and_writes_nothing(chat_run, tmp_path, capsys):
+    hf_dir, _ = chat_run
+    shutil.copytree(hf_dir, tmp_path / "hf")
+    (tmp_path / "hf" / "generation_config.json").write_text('{"eos_token_id": [2, -1]}')
+    line = _one_error_line(
+        ["import-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "r")], capsys
+    )
+    assert "generation_config.json: eos_token_id = [2, -1]" in line
+    assert not (tmp_path / "r").exists()

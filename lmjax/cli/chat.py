@@ -59,7 +59,7 @@ def add_chat(sub) -> None:
 def run_chat(args: argparse.Namespace) -> int:
     from lmjax import chat, generate
     from lmjax.checks import require
-    from lmjax.cli.runs import _quantization, print_ids, run_stop_ids, stream_text
+    from lmjax.cli.runs import _quantization, print_ids, stream_text
 
     generate.Sampling(args.temperature, args.top_k, args.top_p)  # a typo fails before loading
     run = load_run(args.run_path, args.step, _quantization(args.quantize, args.run_path))
@@ -72,7 +72,7 @@ def run_chat(args: argparse.Namespace) -> int:
         error=FileFormatError,
     )
     conversation = chat.Conversation(run.tokenizer, system=args.system)
-    stops = [*args.stop_token, *run_stop_ids(run)]
+    stops = [*args.stop_token, *chat.run_stop_ids(run)]
     for message in _user_turns(args.message):
         prompt = conversation.prompt_ids(message)
         options = dict(
@@ -99,11 +99,14 @@ def _user_turns(messages: list[str]):
     if messages:
         yield from messages
         return
+    typed = sys.stdin.isatty()
     while True:
-        if sys.stdin.isatty():
+        if typed:
             print("> ", end="", flush=True)
         line = sys.stdin.readline()
         if not line:
+            if typed:  # Ctrl-D after the prompt sign: end its line
+                print()
             return
         if line.strip():
             yield line.rstrip("\n")

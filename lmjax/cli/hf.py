@@ -51,7 +51,6 @@ def add_import_hf(sub) -> None:
 
 def run_import_hf(args: argparse.Namespace) -> int:
     from lmjax import params as ptree
-    from lmjax.files import atomic_write_text
     from lmjax.io import hf, hf_gpt2
     from lmjax.io.hf_hub import resolve
     from lmjax.tokenizers import gpt2
@@ -76,10 +75,10 @@ def run_import_hf(args: argparse.Namespace) -> int:
             "import again)"
         )
     generation_config = _generation_config(source) if tokenizer is not None else None
+    if generation_config is not None:  # beside the tokenizer: chat's end-of-turn ids
+        tokenizer = _WithFile(tokenizer, GENERATION_CONFIG, generation_config)
     try:
         write_weights_run(args.out, params, model, tokenizer, "gpt2")
-        if generation_config is not None:  # beside the tokenizer: chat's end-of-turn ids
-            atomic_write_text(Path(args.out) / "tokenizer" / GENERATION_CONFIG, generation_config)
     except OSError as err:  # the output can't be made (a file in the path, no permission...)
         if isinstance(err, LMJaxError):
             raise
@@ -99,6 +98,22 @@ def _not_gpt2(family: str, vocab_size: int) -> str:
     if family != "gpt2":
         return f"GPT-2's vocabulary is not a {family} model's"
     return f"vocab_size {vocab_size} is not GPT-2's {gpt2.VOCAB_SIZE:,}"
+
+
+class _WithFile:
+    """A tokenizer that saves one more file beside its own (inside the run's atomic write)."""
+
+    def __init__(self, tokenizer, name: str, text: str):
+        self._tokenizer, self._name, self._text = tokenizer, name, text
+
+    def __getattr__(self, attr):
+        return getattr(self._tokenizer, attr)
+
+    def save(self, directory) -> None:
+        from lmjax.files import atomic_write_text
+
+        self._tokenizer.save(directory)
+        atomic_write_text(Path(directory) / self._name, self._text)
 
 
 def _generation_config(source: Path) -> str | None:

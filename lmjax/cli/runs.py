@@ -201,17 +201,8 @@ def chat_prompts(run, messages: list[str]) -> tuple[list[list[int]], list[int]]:
     """(prompt ids of each message as a one-turn chat, the stop ids) for `generate --chat`."""
     from lmjax import chat
 
-    stops = run_stop_ids(run)
+    stops = chat.run_stop_ids(run)
     return [chat.Conversation(run.tokenizer).prompt_ids(m) for m in messages], stops
-
-
-def run_stop_ids(run) -> list[int]:
-    """The end-of-sequence ids of a loaded run (`lmjax.chat.stop_ids`)."""
-    from lmjax import chat
-
-    where = chat.generation_config_dir(run.directory)
-    config = chat.read_generation_config(where) if where is not None else {}
-    return chat.stop_ids(run.tokenizer, config, run.model.vocab_size)
 
 
 def stream_text(tokenizer, steps, hidden=()) -> list[int]:

@@ -252,7 +252,8 @@ def _infer_config(shapes: dict[str, tuple], n_heads: int | None, where: Path) ->
             "the config.json saved with these weights (model_type, head counts, sizes: "
             "the weights alone do not say them)",
             "copy the checkpoint's config.json beside its weights (save_pretrained writes it), "
-            "or import the complete directory or model id",
+            "or import the complete directory or model id (in Python, GPT-2 weights alone "
+            "load with hf_gpt2.load(path, n_heads=...))",
         )
     need = ("wte.weight", "wpe.weight", "h.0.mlp.c_fc.weight")
     missing = [k for k in need if k not in shapes]
