@@ -148,7 +148,8 @@ def add_export_hf(sub) -> None:
         help="export a run as a Hugging Face directory (gpt2, llama, mistral, qwen2, qwen3)",
         description="Write OUT/config.json and OUT/model.safetensors (plus the tokenizer: "
         "tokenizer.json + tokenizer_config.json for an imported Hugging Face one, vocab.json "
-        "and merges.txt for a BPE tokenizer) so transformers.AutoModelForCausalLM."
+        "and merges.txt for a BPE tokenizer; the generation_config.json import-hf kept) so "
+        "transformers.AutoModelForCausalLM."
         "from_pretrained(OUT) loads the run's newest (or --step) weights. The family follows "
         "the config: gpt2 for LayerNorm and learned positions; else qk_norm -> qwen3, q/k/v "
         "biases -> qwen2, a sliding window -> mistral, otherwise llama.",
