@@ -49,17 +49,22 @@ def read_generation_config(directory: Path) -> dict:
 
 def generation_config_dir(run_dir: Path) -> Path | None:
     """The directory holding the generation_config.json of a run: its tokenizer/, or for a
-    fine-tuned run without one, its base's (followed through finetune.yaml); None if none."""
+    fine-tuned run without one, its base's (followed through finetune.yaml; a fine-tune's
+    merged/ run follows the fine-tune); None if none."""
     from lmjax.train.finetuned import read_spec
-    from lmjax.train.rundir import RunDir
+    from lmjax.train.rundir import MERGED_DIR, RunDir
 
     run = RunDir(Path(run_dir))
     for _ in range(_MAX_BASES):
         if (run.tokenizer_dir / GENERATION_CONFIG).is_file():
             return run.tokenizer_dir
-        if not run.is_finetune():
+        parent = RunDir(run.path.parent)
+        if run.path.name == MERGED_DIR and parent.is_finetune():
+            run = parent
+        elif run.is_finetune():
+            run = RunDir(Path(read_spec(run).base_path))
+        else:
             return None
-        run = RunDir(Path(read_spec(run).base_path))
     return None
 
 

@@ -151,6 +151,8 @@ def test_a_fine_tune_finds_the_generation_config_of_its_base(chat_run, tmp_path)
     (tmp_path / "ft").mkdir()
     (tmp_path / "ft" / "finetune.yaml").write_text(spec.to_yaml())
     assert chat.generation_config_dir(tmp_path / "ft") == run / "tokenizer"
+    (tmp_path / "ft" / "merged").mkdir()  # the fine-tune's merged weights-only run
+    assert chat.generation_config_dir(tmp_path / "ft" / "merged") == run / "tokenizer"
     assert chat.generation_config_dir(tmp_path) is None
 
 
