@@ -37,13 +37,14 @@ def run_import_hf(args: argparse.Namespace) -> int:
 
     family = hf.model_type(args.source)
     params, model = hf.load(args.source, dtype=args.dtype)
-    tokenizer, note = _hf_tokenizer(args.source), ""
+    # "hf": the files beside SOURCE (the model's own), or none; "gpt2": GPT-2's fetched vocabulary
+    tokenizer, note, kind = _hf_tokenizer(args.source), "", "hf"
     if tokenizer is not None:
         hf_gpt2.check_tokenizer(tokenizer, model, args.source)
     elif family == "gpt2" and model.vocab_size == gpt2.VOCAB_SIZE:
         from lmjax.train.data import gpt2_tokenizer
 
-        tokenizer = gpt2_tokenizer()
+        tokenizer, kind = gpt2_tokenizer(), "gpt2"
         note = " (no vocab.json/merges.txt beside it: GPT-2's own vocabulary is used)"
     else:  # GPT-2's vocabulary would encode ids this model lacks: write none rather than guess
         note = (
@@ -53,7 +54,7 @@ def run_import_hf(args: argparse.Namespace) -> int:
             "import again)"
         )
     try:
-        write_weights_run(args.out, params, model, tokenizer, "gpt2")
+        write_weights_run(args.out, params, model, tokenizer, kind)
     except OSError as err:  # the output can't be made (a file in the path, no permission...)
         if isinstance(err, LMJaxError):
             raise
