@@ -1,6 +1,7 @@
-"""Encode speed of a Hugging Face tokenizer.json read by lmjax (`HFTokenizer`).
+"""Encode speed of a Hugging Face tokenizer.json in lmjax: now (`tokenizers`) and before.
 
-    python benchmarks/hf_tokenizer.py [--mb 4] [--vocab 8192] [--quick] [--output FILE]
+    python benchmarks/hf_tokenizer.py [--mb 4] [--vocab 8192] [--repeats 2] [--quick]
+                                      [--output FILE]
 
 The tokenizer.json is built here, offline: a byte-level BPE in Llama 3's layout (its split
 regex, then ByteLevel without a regex, ignore_merges, `<|begin_of_text|>` added by the
@@ -9,13 +10,20 @@ documentation, the standard library's sources and a multilingual block: the same
 benchmarks/tokenizer.py). Then every document of two corpora is encoded, one call each, single
 thread (RAYON_NUM_THREADS=1): "natural" (that text, whose words repeat, as real text's do) and
 "unique words" (the same number of bytes of seeded random words, so that no cache of words
-helps), by `lmjax.tokenizers.load_hf_tokenizer(...).encode` and by
-`tokenizers.Tokenizer.encode` itself; both must give the same ids. Reports MB/s of UTF-8 input,
-best of 3 (of 1 for an engine under 5 MB/s). `--quick`: 0.2 MB, vocabulary 1,024 (the smoke
-test). Writes benchmarks/results/hf_tokenizer.json (or --output).
+helps), by three engines in turn, in one process (so the machine's load is shared alike):
 
-lmjax's figure is whatever engine `HFTokenizer` runs: the pure-Python BPE it had before issue 34
-is recorded in benchmarks/results/hf_tokenizer_python.json (this script at that commit).
+    lmjax HFTokenizer.encode (tokenizers)   lmjax now: the `tokenizers` library behind lmjax's
+                                            checks
+    tokenizers Tokenizer.encode             the library called directly
+    lmjax before issue 34 (Python BPE)      lmjax's own pure-Python BPE loop (with its cache of
+                                            words), loaded from git history at
+                                            PYTHON_ENGINE_COMMIT; left out without that history
+
+All must give the same ids. Reports MB/s of UTF-8 input, best of --repeats passes, each pass by
+a fresh tokenizer (no words cached from an earlier pass). `--quick`: 0.2 MB, vocabulary 1,024
+(the smoke test). Writes benchmarks/results/hf_tokenizer.json (or --output).
+benchmarks/results/hf_tokenizer_python.json is an earlier run of this script's first version at
+PYTHON_ENGINE_COMMIT (then lmjax's only engine was the Python one).
 """
 
 from __future__ import annotations
@@ -32,8 +40,10 @@ import platform  # noqa: E402
 import pydoc_data.topics  # noqa: E402
 import random  # noqa: E402
 import subprocess  # noqa: E402
+import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
+import types  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import tokenizers  # noqa: E402
@@ -50,6 +60,7 @@ from tokenizers import (  # noqa: E402
 from lmjax.tokenizers import load_hf_tokenizer  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "hf_tokenizer.json"
+PYTHON_ENGINE_COMMIT = "4af229c822f65d7de8a59d78b1a8b0e197e12c4e"  # the last with lmjax's own BPE
 LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -111,54 +122,89 @@ def llama3_style(train_docs: list[str], vocab_size: int) -> Tokenizer:
     return tok
 
 
-def timed(fn, docs, repeats: int) -> tuple[float, list]:
-    """Best wall time of `repeats` passes of `fn` over `docs`, and the ids of the last."""
+def timed(make, docs, repeats: int) -> tuple[float, list]:
+    """Best wall time of `repeats` passes over `docs`, each by a fresh encode function `make()`
+    (so no pass finds the words of an earlier one cached), and the ids of the last pass."""
     best, ids = float("inf"), None
     for _ in range(repeats):
+        fn = make()
+        fn(docs[0][:1000])  # first-call costs (thread pools) outside the timing
         start = time.perf_counter()
         ids = [fn(d) for d in docs]
         best = min(best, time.perf_counter() - start)
     return best, ids
 
 
-def encode_speeds(docs: list[str], engines: dict) -> dict:
+def encode_speeds(docs: list[str], engines: dict, repeats: int) -> dict:
     """MB/s of each engine over `docs` (the first engine's ids are the reference)."""
     nbytes = sum(len(d.encode("utf-8")) for d in docs)
     results, reference = {}, None
-    for name, fn in engines.items():
-        timed(fn, docs[:1], 1)  # warm: thread pools, first-call costs
-        seconds, ids = timed(fn, docs, 1)
-        if nbytes / seconds / 1e6 > 5:
-            seconds, ids = timed(fn, docs, 3)
+    for name, make in engines.items():
+        seconds, ids = timed(make, docs, repeats)
         reference = reference or ids
         results[name] = {
             "seconds": round(seconds, 4),
             "mb_per_s": round(nbytes / seconds / 1e6, 3),
             "ids_equal_to_first": ids == reference,
         }
-        print(f"  {name:32s} {results[name]['mb_per_s']:9.3f} MB/s  same ids: {ids == reference}")
+        print(f"  {name:40s} {results[name]['mb_per_s']:9.3f} MB/s  same ids: {ids == reference}")
     tokens = sum(map(len, reference))
     return {"bytes": nbytes, "documents": len(docs), "tokens": tokens, "engines": results}
 
 
-def bench(megabytes: float, vocab_size: int) -> dict:
+def python_engine(directory: str):
+    """`load_hf_tokenizer(directory)` of lmjax before issue 34 (its pure-Python BPE), loaded
+    from git history at PYTHON_ENGINE_COMMIT; None where that history is not at hand."""
+    root = Path(__file__).resolve().parents[1]
+    sources = {}
+    for name in ("hf_json", "hf_tokenizer"):
+        spec = f"{PYTHON_ENGINE_COMMIT}:lmjax/tokenizers/{name}.py"
+        try:
+            shown = subprocess.run(["git", "show", spec], cwd=root, capture_output=True, text=True)
+        except OSError:
+            return None
+        if shown.returncode != 0:
+            return None
+        sources[name] = shown.stdout
+    sources["hf_tokenizer"] = sources["hf_tokenizer"].replace(
+        "from lmjax.tokenizers.hf_json import", "from bench_old_hf_json import"
+    )
+    modules = {}
+    for name in ("hf_json", "hf_tokenizer"):
+        module = types.ModuleType(f"bench_old_{name}")
+        sys.modules[module.__name__] = module  # dataclasses look their module up there
+        exec(compile(sources[name], f"{spec} (old {name})", "exec"), module.__dict__)
+        modules[name] = module
+    return modules["hf_tokenizer"].load_hf_tokenizer(directory)
+
+
+def bench(megabytes: float, vocab_size: int, repeats: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        llama3_style(corpus(min(1.0, megabytes)), vocab_size).save(f"{tmp}/tokenizer.json")
+        file = f"{tmp}/tokenizer.json"
+        llama3_style(corpus(min(1.0, megabytes)), vocab_size).save(file)
         start = time.perf_counter()
         ours = load_hf_tokenizer(tmp)
         load_s = time.perf_counter() - start
-        theirs = Tokenizer.from_file(f"{tmp}/tokenizer.json")
-    engines = {
-        "lmjax HFTokenizer.encode": ours.encode,
-        "tokenizers Tokenizer.encode": lambda d: theirs.encode(d).ids,
-    }
-    out = {"vocab_size": ours.vocab_size, "lmjax_load_seconds": round(load_s, 4)}
-    natural = corpus(megabytes)
-    print("natural text")
-    out["natural"] = encode_speeds(natural, engines)
-    print("unique words")
-    out["unique_words"] = encode_speeds(unique_words(out["natural"]["bytes"]), engines)
+        engines = {
+            "lmjax HFTokenizer.encode (tokenizers)": lambda: load_hf_tokenizer(tmp).encode,
+            "tokenizers Tokenizer.encode": lambda: _ids(
+                Tokenizer.from_file(f"{tmp}/tokenizer.json")
+            ),
+        }
+        if python_engine(tmp) is not None:
+            engines["lmjax before issue 34 (Python BPE)"] = lambda: python_engine(tmp).encode
+        out = {"vocab_size": ours.vocab_size, "lmjax_load_seconds": round(load_s, 4)}
+        natural = corpus(megabytes)
+        print("natural text")
+        out["natural"] = encode_speeds(natural, engines, repeats)
+        print("unique words")
+        words = unique_words(out["natural"]["bytes"])
+        out["unique_words"] = encode_speeds(words, engines, repeats)
     return out
+
+
+def _ids(tok: Tokenizer):
+    return lambda text: tok.encode(text).ids
 
 
 def _commit() -> str | None:
@@ -174,6 +220,7 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mb", type=float, default=4.0, help="encode corpus size (MB)")
     parser.add_argument("--vocab", type=int, default=8192, help="vocabulary size to train")
+    parser.add_argument("--repeats", type=int, default=2, help="passes per engine (best)")
     parser.add_argument("--quick", action="store_true", help="0.2 MB, vocabulary 1,024")
     parser.add_argument("--output", type=Path, default=RESULTS, help="the JSON file to write")
     args = parser.parse_args(argv)
@@ -189,7 +236,7 @@ def main(argv=None) -> dict:
             "tokenizers": tokenizers.__version__,
             "commit": _commit(),
         },
-        "encode": bench(mb, vocab),
+        "encode": bench(mb, vocab, args.repeats),
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(result, indent=1) + "\n")
