@@ -217,6 +217,11 @@ REFUSED = {
     ),
     "merge out of vocab": (lambda d: d["model"]["merges"].append(["zz", "qq"]), "'zz'"),
     "Strip decoder": (lambda d: d.update(decoder={"type": "Strip"}), "Strip"),
+    # passes lmjax's checks; the tokenizers library's regex engine refuses it (one line too)
+    "unclosed Split regex": (
+        lambda d: d["pre_tokenizer"]["pretokenizers"][0].update(pattern={"Regex": "(a"}),
+        "tokenizers library",
+    ),
 }
 
 

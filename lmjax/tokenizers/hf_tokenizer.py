@@ -43,7 +43,8 @@ TOKENIZER_FILE, CONFIG_FILE, TEMPLATE_FILE = (
 
 
 def _splitter(tokens: list[AddedToken]):
-    """A function text -> [(ordinary text, AddedToken | None), ...] covering the text in order."""
+    """A function text -> [(ordinary text, AddedToken | None), ...] covering the text in order
+    (`normalize` needs it: NFC applies outside the added tokens matched in the raw text)."""
     if not tokens:
         return lambda text: [(text, None)]
     by_content = {t.content: t for t in tokens}
