@@ -68,7 +68,8 @@ def _engine(data: dict, where: Path) -> hf_tokenizers.Tokenizer:
     except Exception as err:  # the binding raises a bare Exception for a file it cannot build
         reason = " ".join(str(err).split()) or type(err).__name__
         expected = f"a tokenizer.json the tokenizers library {hf_tokenizers.__version__} reads"
-        raise bad(str(where), reason, expected) from None
+        fix = "repair the file: tokenizers.Tokenizer.from_file (and transformers) must load it"
+        raise bad(str(where), reason, expected, fix) from None
 
 
 class HFTokenizer:
