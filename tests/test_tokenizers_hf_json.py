@@ -1,10 +1,12 @@
 """Hugging Face tokenizer.json as an lmjax tokenizer (SPEC section 8, issue 23).
 
-Witness: the `tokenizers` library itself. Each tokenizer.json is built offline: a small
-byte-level BPE trained on Python's own documentation with the Llama 3 / Qwen2 split regexes
-(or plain ByteLevel), added tokens, ignore_merges on and off, NFC, a BOS post-processor. Our ids
-must equal `tokenizers.Tokenizer.from_file(path).encode(text).ids`. Cost: ~3 s (training five
-600-token vocabularies, a pure-Python encode of ~40 kB per case, 150 hypothesis examples).
+Witness: the `tokenizers` library itself, read from the file (lmjax runs the same library since
+issue 34: these tests pin lmjax's checks, its byte table and its decode, and that nothing lmjax
+adds changes the ids). Each tokenizer.json is built offline: a small byte-level BPE trained on
+Python's own documentation with the Llama 3 / Qwen2 split regexes (or plain ByteLevel), added
+tokens, ignore_merges on and off, NFC, a BOS post-processor. Our ids must equal
+`tokenizers.Tokenizer.from_file(path).encode(text).ids`. Cost: ~3 s (training five 600-token
+vocabularies, ~40 kB encoded per case, 150 hypothesis examples).
 """
 
 from __future__ import annotations
@@ -215,6 +217,11 @@ REFUSED = {
     ),
     "merge out of vocab": (lambda d: d["model"]["merges"].append(["zz", "qq"]), "'zz'"),
     "Strip decoder": (lambda d: d.update(decoder={"type": "Strip"}), "Strip"),
+    # passes lmjax's checks; the tokenizers library's regex engine refuses it (one line too)
+    "unclosed Split regex": (
+        lambda d: d["pre_tokenizer"]["pretokenizers"][0].update(pattern={"Regex": "(a"}),
+        "tokenizers library",
+    ),
 }
 
 

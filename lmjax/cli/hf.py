@@ -59,13 +59,14 @@ def run_import_hf(args: argparse.Namespace) -> int:
     source = resolve(args.source, download=args.download, revision=args.revision)
     family = hf.model_type(source)
     params, model = hf.load(source, dtype=args.dtype)
-    tokenizer, note = _hf_tokenizer(source), ""
+    # "hf": the files beside SOURCE (the model's own), or none; "gpt2": GPT-2's fetched vocabulary
+    tokenizer, note, kind = _hf_tokenizer(source), "", "hf"
     if tokenizer is not None:
         hf_gpt2.check_tokenizer(tokenizer, model, source)
     elif family == "gpt2" and model.vocab_size == gpt2.VOCAB_SIZE:
         from lmjax.train.data import gpt2_tokenizer
 
-        tokenizer = gpt2_tokenizer()
+        tokenizer, kind = gpt2_tokenizer(), "gpt2"
         note = " (no vocab.json/merges.txt beside it: GPT-2's own vocabulary is used)"
     else:  # GPT-2's vocabulary would encode ids this model lacks: write none rather than guess
         note = (
@@ -78,7 +79,7 @@ def run_import_hf(args: argparse.Namespace) -> int:
     if generation_config is not None:  # beside the tokenizer: chat's end-of-turn ids
         tokenizer = _WithFile(tokenizer, GENERATION_CONFIG, generation_config)
     try:
-        write_weights_run(args.out, params, model, tokenizer, "gpt2")
+        write_weights_run(args.out, params, model, tokenizer, kind)
     except OSError as err:  # the output can't be made (a file in the path, no permission...)
         if isinstance(err, LMJaxError):
             raise

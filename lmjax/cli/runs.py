@@ -64,10 +64,18 @@ def run_eval(args: argparse.Namespace) -> int:
     print(
         f"{run.directory} step {run.step}: validation loss {loss:.4f} nats/token "
         f"(perplexity {math.exp(min(loss, 700)):.3f}) over {t.eval_batches} batches of "
-        f"{t.batch_size} x {cfg.seq_len} tokens of {cfg.data.corpus} ({cfg.data.tokenizer} "
-        "tokenizer)"
+        f"{t.batch_size} x {cfg.seq_len} tokens of {cfg.data.corpus} "
+        f"({_tokenizer_words(cfg.data.tokenizer, tokenizer_dir, prepared.tokenizer)})"
     )
     return 0
+
+
+def _tokenizer_words(kind: str, own_dir, tok) -> str:
+    """What encoded eval's corpus: the data section's kind, or the run's own tokenizer/."""
+    if own_dir is None:
+        return f"{kind} tokenizer"
+    what = "Hugging Face tokenizer.json" if tok.kind == "hf" else f"{tok.kind} tokenizer"
+    return f"the run's own {what} in {own_dir}, {tok.vocab_size:,} tokens"
 
 
 def _eval_config(args: argparse.Namespace, run):

@@ -35,8 +35,20 @@ def add_prepare(sub) -> None:
         "--skip-bad", action="store_true", help="skip malformed records (counted, reported)"
     )
     prep.add_argument("--workers", type=int, default=None, help="tokenizing processes")
-    prep.add_argument("--tokenizer", choices=TOKENIZERS, default="char")
+    prep.add_argument(
+        "--tokenizer",
+        choices=[t for t in TOKENIZERS if t != "hf"],  # hf is read from a run: --tokenizer-from
+        default=None,
+        help="char (the default), byte, bpe (trained here, with --vocab-size) or gpt2",
+    )
     prep.add_argument("--vocab-size", type=int, default=None, help="bpe only: vocabulary size")
+    prep.add_argument(
+        "--tokenizer-from",
+        metavar="RUN",
+        default=None,
+        help="encode with the tokenizer/ of run directory RUN (e.g. an imported model's own "
+        "Hugging Face tokenizer), as lmjax finetune and eval of that run do",
+    )
     prep.add_argument("--val-fraction", type=float, default=0.1, help="tail of text for val")
     prep.add_argument("--out", default=None, help="output directory (default: the cache)")
     prep.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -47,10 +59,11 @@ def run_prepare(args: argparse.Namespace) -> int:
     from lmjax.config import DataConfig
     from lmjax.train import data
 
-    section = DataConfig(args.corpus, args.out, args.tokenizer, args.vocab_size, args.val_fraction)
+    kind, vocab_size, tokenizer_dir = _prepare_tokenizer(args)
+    section = DataConfig(args.corpus, args.out, kind, vocab_size, args.val_fraction)
     more = {"field": args.field, "eot": args.eot, "skip_bad": args.skip_bad}
     section = dataclasses.replace(section, workers=args.workers, **more)
-    directory = data.prepare_section(section, progress=not args.quiet)
+    directory = data.prepare_section(section, not args.quiet, tokenizer_dir=tokenizer_dir)
     meta = data.open_prepared(directory).meta
     docs = ""
     if "train_documents" in meta:  # a corpus of documents (format 2)
@@ -60,7 +73,39 @@ def run_prepare(args: argparse.Namespace) -> int:
         f"tokens ({meta['dtype']}){docs}, "
         f"{meta['tokenizer']} tokenizer, vocab_size {meta['vocab_size']}"
     )
+    if kind == "bpe" and meta["vocab_size"] < vocab_size:
+        print(
+            f"note: the bpe tokenizer has {meta['vocab_size']} tokens, fewer than --vocab-size "
+            f"{vocab_size}: training stopped when no pair was left to merge (every piece of the "
+            "training split is already one token); a larger corpus gives more"
+        )
     return 0
+
+
+def _prepare_tokenizer(args: argparse.Namespace):
+    """`(data.tokenizer, data.vocab_size, tokenizer directory or None)` of prepare's flags:
+    --tokenizer-from RUN takes RUN's tokenizer/ and the kind its config records."""
+    from lmjax.checks import require
+    from lmjax.errors import FileFormatError
+    from lmjax.train.rundir import RunDir
+
+    if args.tokenizer_from is None:
+        return args.tokenizer or "char", args.vocab_size, None
+    flags = (("--tokenizer", args.tokenizer), ("--vocab-size", args.vocab_size))
+    given = [flag for flag, value in flags if value is not None]
+    fix = f"drop {' and '.join(given)}: the run's tokenizer decides" if given else ""
+    require(not given, "--tokenizer-from", args.tokenizer_from, f"no {given} with it", fix)
+    run, _ = RunDir.parse(args.tokenizer_from)
+    require(
+        run.tokenizer_dir.is_dir(),
+        "--tokenizer-from",
+        args.tokenizer_from,
+        "a run with a tokenizer/ directory",
+        "pass a run written by lmjax train, finetune or import-hf (with its tokenizer/)",
+        error=FileFormatError,
+    )
+    d = run.read_config().data
+    return d.tokenizer, d.vocab_size, run.tokenizer_dir
 
 
 def add_train(sub) -> None:

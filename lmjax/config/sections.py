@@ -13,7 +13,9 @@ from lmjax.parallel.mesh import parse_mesh_text
 
 OPTIMIZERS = ("adamw", "adam", "sgd")
 DECAYS = ("cosine", "linear", "constant")
-TOKENIZERS = ("char", "byte", "bpe", "gpt2")
+# hf: the Hugging Face tokenizer a run holds in its tokenizer/ (lmjax import-hf): its
+# tokenizer.json, or its vocab.json + merges.txt. It is read from there, never built.
+TOKENIZERS = ("char", "byte", "bpe", "gpt2", "hf")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +50,9 @@ class DataConfig:
 
     corpus: str = "shakespeare"
     dir: str | None = None  # prepared token files; null = a cache dir keyed by corpus + tokenizer
-    tokenizer: str = "char"  # char | byte | bpe (trained on the corpus) | gpt2 (GPT-2's own)
+    # char | byte | bpe (trained on the corpus) | gpt2 (GPT-2's own) | hf (the run's own
+    # Hugging Face tokenizer/, from import-hf)
+    tokenizer: str = "char"
     vocab_size: int | None = None  # bpe only: the trained vocabulary size
     val_fraction: float = 0.1
     packing: bool = False  # rows of whole documents with segment ids (else random crops)

@@ -9,7 +9,8 @@ directory with `tokenizer.json` (`{"kind": ..., ...}`) plus whatever files its k
   encoding a character it never saw raises `TokenError` naming it.
 - `BPETokenizer` (`lmjax.tokenizers.bpe`): byte-level BPE in the GPT-2 scheme.
 - `HFTokenizer` (`lmjax.tokenizers.hf_tokenizer`): a Hugging Face `tokenizer.json` (byte-level
-  BPE: Llama 3, Qwen2/3, SmolLM), with its chat template; `load_hf_tokenizer(dir_or_file)`.
+  BPE: Llama 3, Qwen2/3, SmolLM), checked by lmjax and run by the `tokenizers` library, with its
+  chat template; `load_hf_tokenizer(dir_or_file)`.
   Saved, it is HF's own files, and `load` recognises them (a tokenizer.json with a 'model').
 """
 

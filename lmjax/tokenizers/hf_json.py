@@ -1,24 +1,31 @@
-r"""Hugging Face `tokenizer.json` (the fast-tokenizer file) read into a checked `HFSpec`.
+r"""Hugging Face `tokenizer.json` (the fast-tokenizer file) checked and read into an `HFSpec`.
 
-Only byte-level BPE, as Llama 3, Qwen2/3, SmolLM and GPT-2 ship it, is understood:
+The `tokenizers` library (the format's own implementation) encodes and decodes
+(`lmjax.tokenizers.hf_tokenizer`); this module decides, before it runs, which files lmjax
+accepts, and keeps what lmjax needs beside the library. It stays for three reasons:
 
-    added_tokens     matched in the raw text first (leftmost, then longest), each -> its id;
-                     HF's order: tokens with normalized=false on the raw text, then the
-                     normalizer runs on what is left, then tokens with normalized=true
+- lmjax relies on byte-level BPE: each token stands for a known run of bytes (`token_bytes`,
+  HF's ByteLevel decoder table), which is what gives the chat template's assistant mask its token
+  offsets (`chat.render_with_mask`) and what the tests compare with `transformers`. So only the
+  layout Llama 3, Qwen2/3, SmolLM and GPT-2 ship is accepted:
+
+    added_tokens     single_word / lstrip / rstrip false (each -> its id wherever it appears)
     normalizer       null or NFC (a Sequence of those)
     pre_tokenizer    Split(Regex|String, Isolated, invert=false) or Digits ... then ByteLevel
-                     (add_prefix_space=false; use_regex=true adds the GPT-2 pattern), or a
-                     plain ByteLevel; each split keeps its matches and the gaps between them
-                     (Digits is the split \p{N}, or \p{N}+ without individual_digits)
-    model            BPE: vocab + merges ("a b" strings or [a, b] lists); a pair merges by its
-                     rank in `merges`; ignore_merges=true emits a piece that is a token whole
-    post_processor   null, ByteLevel, TemplateProcessing (its `single` template: ids before
-                     and after $A), or a Sequence of those
+                     (add_prefix_space=false), or a plain ByteLevel
+    model            BPE over all 256 byte tokens: vocab + merges ("a b" strings or [a, b]
+                     lists) whose parts are in the vocab; no dropout, prefix/suffix, byte_fallback
+    post_processor   null, ByteLevel, TemplateProcessing, or a Sequence of those
     decoder          ByteLevel
 
-Anything else (WordPiece, Unigram, Metaspace, byte_fallback, a Split behaviour other than
-Isolated, ...) is one `FileFormatError` line naming it. This module only reads and checks; the
-tokenizer built on it is `lmjax.tokenizers.hf_tokenizer.HFTokenizer`.
+- Anything else (WordPiece, Unigram, Metaspace, byte_fallback, a Split behaviour other than
+  Isolated, ...) is one `FileFormatError` line naming the field; the library's own errors name
+  only a line and column of the JSON.
+- `added` (which added tokens are special, which are matched before the normalizer) gives
+  `HFTokenizer.special_tokens` and `normalize`.
+
+The pre-tokenizer's regexes are left to the library to compile (its regex engine, not Python's,
+decides what they mean). The BPE merge loop that used to live here is gone: the library runs it.
 """
 
 from __future__ import annotations
@@ -28,12 +35,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import regex
-
 from lmjax.checks import is_int, is_nonnegative_int
 from lmjax.errors import FileFormatError
 from lmjax.tokenizers._base import check_regular
-from lmjax.tokenizers.bpe_scheme import CHAR_TO_BYTE, GPT2_PATTERN
+from lmjax.tokenizers.bpe_scheme import CHAR_TO_BYTE
 
 _FIX = (
     "lmjax reads byte-level BPE tokenizer.json files (Llama 3, Qwen2/3, SmolLM, GPT-2 style); "
@@ -53,23 +58,15 @@ class AddedToken:
 
 @dataclass(frozen=True)
 class HFSpec:
-    """What encoding and decoding need from a tokenizer.json (see the module docstring).
+    """What lmjax keeps of a checked tokenizer.json beside the `tokenizers` library.
 
-    `vocab`: byte-level token -> id (model.vocab through GPT-2's byte alphabet);
-    `pair_ranks`: (left, right) bytes -> merge rank; `splits`: the pre-tokenizer's patterns in
-    order; `token_bytes`: id -> the bytes HF's ByteLevel decoder gives that token;
-    `prefix_ids` / `suffix_ids`: what the post-processor adds around a single sequence.
+    `nfc`: whether the normalizer is NFC; `added`: the added tokens; `token_bytes`: id -> the
+    bytes HF's ByteLevel decoder gives that token (model vocab and added tokens).
     """
 
-    vocab: dict[bytes, int]
-    pair_ranks: dict[tuple[bytes, bytes], int]
-    ignore_merges: bool
     nfc: bool
-    splits: tuple[regex.Pattern, ...]
     added: tuple[AddedToken, ...]
     token_bytes: dict[int, bytes]
-    prefix_ids: tuple[int, ...]
-    suffix_ids: tuple[int, ...]
 
 
 def bad(where: str, value: Any, expected: str, fix: str = _FIX) -> FileFormatError:
@@ -139,8 +136,8 @@ def _bpe_vocab(model: dict, where: str) -> dict[str, int]:
     return vocab
 
 
-def parse_model(model: Any, where: str = "model"):
-    """`(vocab bytes -> id, pair ranks, ignore_merges, id -> token string)` of a BPE model."""
+def parse_model(model: Any, where: str = "model") -> dict[int, str]:
+    """id -> token string of a checked byte-level BPE model."""
     kind = _type(model, where)
     if kind != "BPE":
         raise bad(f"{where}.type", kind, "'BPE' (byte-level)")
@@ -152,7 +149,6 @@ def parse_model(model: Any, where: str = "model"):
     merges = model.get("merges")
     if not isinstance(merges, list):
         raise bad(f"{where}.merges", type(merges).__name__, "a list of merges")
-    pair_ranks = {}
     for rank, merge in enumerate(merges):
         left, right = _merge_pair(merge, f"{where}.merges[{rank}]")
         for part in (left, right, left + right):
@@ -162,12 +158,7 @@ def parse_model(model: Any, where: str = "model"):
                     merge,
                     f"parts and result in the vocab ({part!r} is not)",
                 )
-        # a repeated pair keeps its last rank, as HF's own loader does
-        pair_ranks[token_bytes(left), token_bytes(right)] = rank
-    byte_level = {t: i for t, i in vocab.items() if all(c in CHAR_TO_BYTE for c in t)}
-    ranks = {token_bytes(t): i for t, i in byte_level.items()}
-    names = {i: t for t, i in vocab.items()}
-    return ranks, pair_ranks, bool(model.get("ignore_merges", False)), names
+    return {i: t for t, i in vocab.items()}
 
 
 def parse_normalizer(node: Any, where: str = "normalizer") -> bool:
@@ -183,48 +174,34 @@ def parse_normalizer(node: Any, where: str = "normalizer") -> bool:
     raise bad(f"{where}.type", kind, "null or 'NFC'")
 
 
-def _split_pattern(node: dict, where: str) -> regex.Pattern:
+def _check_split(node: dict, where: str) -> None:
     pattern = node.get("pattern")
-    if isinstance(pattern, dict) and isinstance(pattern.get("Regex"), str):
-        source = pattern["Regex"]
-    elif isinstance(pattern, dict) and isinstance(pattern.get("String"), str):
-        source = regex.escape(pattern["String"])
-    else:
+    kinds = ("Regex", "String")
+    ok = isinstance(pattern, dict) and any(isinstance(pattern.get(k), str) for k in kinds)
+    if not ok:
         raise bad(f"{where}.pattern", pattern, "{'Regex': ...} or {'String': ...}")
     if node.get("behavior") != "Isolated":
         raise bad(f"{where}.behavior", node.get("behavior"), "'Isolated'")
     _flag(node, "invert", where, False)
-    try:
-        return regex.compile(source)
-    except regex.error as err:
-        raise bad(
-            f"{where}.pattern", source, f"a regex Python's `regex` compiles ({err})"
-        ) from None
 
 
-def parse_pre_tokenizer(node: Any, where: str = "pre_tokenizer") -> tuple[regex.Pattern, ...]:
-    """The split patterns, in order, of Split/Digits ... ByteLevel (ByteLevel last, once)."""
+def parse_pre_tokenizer(node: Any, where: str = "pre_tokenizer") -> None:
+    """Check the steps: Split/Digits ... ByteLevel (ByteLevel last, once)."""
     kind = _type(node, where)
     steps = node.get("pretokenizers") if kind == "Sequence" else [node]
     if not isinstance(steps, list) or not steps:
         raise bad(f"{where}.pretokenizers", steps, "a non-empty list")
-    patterns = []
     for k, step in enumerate(steps):
         here = f"{where}.pretokenizers[{k}]" if kind == "Sequence" else where
         step_kind = _type(step, here)
         last = k == len(steps) - 1
         if step_kind == "Split" and not last:
-            patterns.append(_split_pattern(step, here))
-        elif step_kind == "Digits" and not last:  # SmolLM: each digit (Rust is_numeric = \p{N})
-            patterns.append(regex.compile(r"\p{N}" if step.get("individual_digits") else r"\p{N}+"))
+            _check_split(step, here)
         elif step_kind == "ByteLevel" and last:
             _flag(step, "add_prefix_space", here, False)
-            if step.get("use_regex", True):
-                patterns.append(regex.compile(GPT2_PATTERN))
-        else:
+        elif step_kind != "Digits" or last:
             expected = "Split/Digits steps, then ByteLevel" if kind == "Sequence" else "ByteLevel"
             raise bad(f"{here}.type", step_kind, expected)
-    return tuple(patterns)
 
 
 def parse_added(entries: Any, where: str = "added_tokens") -> tuple[AddedToken, ...]:
@@ -294,9 +271,9 @@ def parse(data: dict, path: Path) -> HFSpec:
     if "model" not in data:
         raise bad(f"{path}", sorted(data)[:8], "a Hugging Face tokenizer.json (with 'model')")
     at = f"{path}: "
-    vocab, pair_ranks, ignore_merges, names = parse_model(data["model"], at + "model")
+    names = parse_model(data["model"], at + "model")
     nfc = parse_normalizer(data.get("normalizer"), at + "normalizer")
-    splits = parse_pre_tokenizer(data.get("pre_tokenizer"), at + "pre_tokenizer")
+    parse_pre_tokenizer(data.get("pre_tokenizer"), at + "pre_tokenizer")
     decoder = data.get("decoder")
     if _type(decoder, at + "decoder") != "ByteLevel":
         raise bad(at + "decoder.type", decoder.get("type"), "'ByteLevel'")
@@ -307,5 +284,4 @@ def parse(data: dict, path: Path) -> HFSpec:
     for i in (*prefix, *suffix):
         if i not in names:
             raise bad(at + "post_processor id", i, "an id of the vocabulary or added_tokens")
-    table = {i: token_bytes(t) for i, t in names.items()}
-    return HFSpec(vocab, pair_ranks, ignore_merges, nfc, splits, added, table, prefix, suffix)
+    return HFSpec(nfc, added, {i: token_bytes(t) for i, t in names.items()})

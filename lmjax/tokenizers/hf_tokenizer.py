@@ -1,14 +1,16 @@
 """A Hugging Face `tokenizer.json` (byte-level BPE) as an lmjax tokenizer (SPEC section 8).
 
-    text --added tokens split out (hf_json's order)--> segments and added-token ids
-    segment --NFC if the file asks--> --each split pattern in turn (matches and gaps)--> pieces
-    piece --UTF-8--> bpe_merge(pair_ranks=merges, whole=ignore_merges)      (lmjax's BPE loop)
-    add_special_tokens=True: the post-processor's ids around the result   (HF's default too)
+Encoding and decoding run in the `tokenizers` library, the format's own (Rust) implementation:
 
-so `encode(text)` equals `tokenizers.Tokenizer.from_file(path).encode(text).ids` and
-`encode(text, add_special_tokens=False)` equals it with `add_special_tokens=False`. `decode`
-joins each token's bytes (HF's ByteLevel decoder) and keeps special tokens, so
-`decode(encode(text, add_special_tokens=False)) == text` for NFC-stable text.
+    tokenizer.json --hf_json.parse: checked, one error line naming what lmjax refuses-->
+    --tokenizers.Tokenizer.from_str--> encode(text, add_special_tokens) / decode(ids)
+
+so `encode(text)` is `tokenizers.Tokenizer.from_file(path).encode(text).ids` by construction
+(with `add_special_tokens=True` the post-processor's ids, e.g. Llama 3's `<|begin_of_text|>`, as
+the library's default), and `decode` is its `decode` (special tokens kept unless skipped).
+lmjax adds the checks the library leaves out: a str without lone surrogates, and ids in range
+and defined. `encode_parts` pairs each id with the number of bytes it stands for (HF's ByteLevel
+decoder table, `hf_json`), which the chat template's assistant mask needs.
 
 On disk the tokenizer is HF's own files: `save(dir)` writes the `tokenizer.json` it was read
 from and its `tokenizer_config.json` (chat template, bos/eos), so `transformers` loads the
@@ -21,19 +23,18 @@ from __future__ import annotations
 import json
 import os
 import unicodedata
-from collections.abc import Iterator
 from pathlib import Path
+
+import tokenizers as hf_tokenizers
 
 from lmjax.errors import TokenError
 from lmjax.files import atomic_write_text
 from lmjax.tokenizers import chat
 from lmjax.tokenizers._base import check_ids, check_text, writing
-from lmjax.tokenizers.bpe import bpe_merge
 from lmjax.tokenizers.bpe_scheme import special_regex
 from lmjax.tokenizers.chat import config_template
-from lmjax.tokenizers.hf_json import AddedToken, HFSpec, parse, read_json
+from lmjax.tokenizers.hf_json import AddedToken, HFSpec, bad, parse, read_json
 
-_CACHE_PIECES = 200_000  # pieces -> ids kept between encode calls (~50 MB at most)
 TOKENIZER_FILE, CONFIG_FILE, TEMPLATE_FILE = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -42,7 +43,8 @@ TOKENIZER_FILE, CONFIG_FILE, TEMPLATE_FILE = (
 
 
 def _splitter(tokens: list[AddedToken]):
-    """A function text -> [(ordinary text, AddedToken | None), ...] covering the text in order."""
+    """A function text -> [(ordinary text, AddedToken | None), ...] covering the text in order
+    (`normalize` needs it: NFC applies outside the added tokens matched in the raw text)."""
     if not tokens:
         return lambda text: [(text, None)]
     by_content = {t.content: t for t in tokens}
@@ -59,26 +61,15 @@ def _splitter(tokens: list[AddedToken]):
     return split
 
 
-def _pieces(text: str, splits) -> list[str]:
-    """`text` cut by each pattern in turn; a split keeps its matches and the gaps between them
-    (HF's `Isolated` behaviour); empty pieces are dropped."""
-    pieces = [text] if text else []
-    for pattern in splits:
-        cut = []
-        for piece in pieces:
-            if not pattern.groups:  # findall gives whole matches: the fast path when no gaps
-                found = pattern.findall(piece)
-                if sum(map(len, found)) == len(piece):
-                    cut += [p for p in found if p] if "" in found else found
-                    continue
-            start = 0
-            for found in pattern.finditer(piece):
-                cut += [p for p in (piece[start : found.start()], found.group()) if p]
-                start = found.end()
-            if start < len(piece):
-                cut.append(piece[start:])
-        pieces = cut
-    return pieces
+def _engine(data: dict, where: Path) -> hf_tokenizers.Tokenizer:
+    """The `tokenizers` library's tokenizer for the (already checked) JSON object `data`."""
+    try:
+        return hf_tokenizers.Tokenizer.from_str(json.dumps(data))
+    except Exception as err:  # the binding raises a bare Exception for a file it cannot build
+        reason = " ".join(str(err).split()) or type(err).__name__
+        expected = f"a tokenizer.json the tokenizers library {hf_tokenizers.__version__} reads"
+        fix = "repair the file: tokenizers.Tokenizer.from_file (and transformers) must load it"
+        raise bad(str(where), reason, expected, fix) from None
 
 
 class HFTokenizer:
@@ -102,6 +93,7 @@ class HFTokenizer:
         where = where or Path(TOKENIZER_FILE)
         self._data, self._config = data, dict(config or {})
         self.spec: HFSpec = parse(data, where)
+        self._engine = _engine(data, where)
         spec = self.spec
         self.special_tokens = {t.content: t.id for t in spec.added if t.special}
         self.bos_token = chat.token_text(self._config.get("bos_token"))
@@ -110,10 +102,10 @@ class HFTokenizer:
             template if template is not None else config_template(self._config, where)
         )
         self._raw_split = _splitter([t for t in spec.added if not t.normalized])
-        self._normalized_split = _splitter([t for t in spec.added if t.normalized])
-        self._max_token_bytes = max(map(len, spec.vocab))
         self._vocab_size = 1 + max(spec.token_bytes)
-        self._cache: dict[str, tuple[tuple[int, int], ...]] = {}
+        # ids below vocab_size that neither the vocab nor added_tokens define (rare): decode
+        # refuses them, where the library would drop them silently
+        self._holes = frozenset(range(self._vocab_size)) - spec.token_bytes.keys()
 
     @property
     def vocab_size(self) -> int:
@@ -122,51 +114,17 @@ class HFTokenizer:
 
     # ---- encode ---------------------------------------------------------------------------
 
-    def _segments(self, text: str) -> Iterator[tuple[str, AddedToken | None]]:
-        for raw, token in self._raw_split(text):
-            if self.spec.nfc:
-                raw = unicodedata.normalize("NFC", raw)
-            yield from self._normalized_split(raw)
-            if token is not None:
-                yield "", token
-
-    def _piece_parts(self, piece: str) -> tuple[tuple[int, int], ...]:
-        got = self._cache.get(piece)
-        if got is None:
-            data = piece.encode("utf-8")
-            ids = bpe_merge(
-                data,
-                self.spec.vocab,
-                self._max_token_bytes,
-                pair_ranks=self.spec.pair_ranks,
-                whole=self.spec.ignore_merges,
-            )
-            got = tuple((i, len(self.spec.token_bytes[i])) for i in ids)
-            if len(self._cache) > _CACHE_PIECES:  # bounded memory over a streamed corpus
-                self._cache.clear()
-            if len(piece) < 64:
-                self._cache[piece] = got
-        return got
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; `add_special_tokens` adds the post-processor's ids (e.g. Llama 3's
+        `<|begin_of_text|>`), as `tokenizers.Tokenizer.encode` does by default."""
+        check_text(text)
+        return self._engine.encode(text, add_special_tokens=add_special_tokens).ids
 
     def encode_parts(self, text: str) -> list[tuple[int, int]]:
         """`(id, byte length)` per token of `text` (no post-processor): the lengths add up to the
         UTF-8 length of the normalized text, so they give each token's byte offsets."""
-        check_text(text)
-        parts: list[tuple[int, int]] = []
-        for segment, token in self._segments(text):
-            for piece in _pieces(segment, self.spec.splits):
-                parts.extend(self._piece_parts(piece))
-            if token is not None:
-                parts.append((token.id, len(token.content.encode("utf-8"))))
-        return parts
-
-    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`; `add_special_tokens` adds the post-processor's ids (e.g. Llama 3's
-        `<|begin_of_text|>`), as `tokenizers.Tokenizer.encode` does by default."""
-        ids = [i for i, _ in self.encode_parts(text)]
-        if add_special_tokens:
-            return [*self.spec.prefix_ids, *ids, *self.spec.suffix_ids]
-        return ids
+        table = self.spec.token_bytes
+        return [(i, len(table[i])) for i in self.encode(text, add_special_tokens=False)]
 
     def normalize(self, text: str) -> str:
         """`text` as the BPE model sees it: NFC outside non-normalized added tokens, if asked."""
@@ -179,22 +137,15 @@ class HFTokenizer:
 
     # ---- decode ---------------------------------------------------------------------------
 
-    def decode_bytes(self, ids) -> bytes:
-        table = self.spec.token_bytes
+    def decode(self, ids, *, skip_special_tokens: bool = False) -> str:
+        """Text of `ids` (invalid UTF-8 -> U+FFFD, as HF); special tokens kept unless skipped."""
         ids = check_ids(ids, self.vocab_size)
-        gaps = [i for i in ids if i not in table]
+        gaps = [i for i in ids if i in self._holes] if self._holes else []
         if gaps:
             raise TokenError.describe(
                 "token id", gaps[0], "an id this tokenizer.json defines", "decode ids from encode()"
             )
-        return b"".join(table[i] for i in ids)
-
-    def decode(self, ids, *, skip_special_tokens: bool = False) -> str:
-        """Text of `ids` (invalid UTF-8 -> U+FFFD, as HF); special tokens kept unless skipped."""
-        if skip_special_tokens:
-            special = set(self.special_tokens.values())
-            ids = [i for i in check_ids(ids, self.vocab_size) if i not in special]
-        return self.decode_bytes(ids).decode("utf-8", errors="replace")
+        return self._engine.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def token_id(self, text: str | None) -> int | None:
         """The id of the added token (or single vocab token) `text`, None for None."""

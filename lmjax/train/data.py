@@ -127,6 +127,14 @@ def prepare(
     if out.exists():
         _check_reusable(out, settings)
         return out
+    if given is None and tokenizer == "hf":
+        raise ConfigError.describe(
+            "data.tokenizer",
+            tokenizer,
+            "a tokenizer that can be built from the corpus ('hf' is a run's own Hugging Face "
+            "tokenizer/, read from the run, never built)",
+            "fine-tune or evaluate that run, or run `lmjax prepare --tokenizer-from RUN`",
+        )
     build = _prepare_text if one_text else _prepare_documents
     build(files, out, settings, given, opts)
     return out
