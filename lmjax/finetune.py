@@ -66,7 +66,7 @@ from lmjax.train.finetuned import (
     read_spec,
 )
 from lmjax.train.metrics import lora_flops_per_token
-from lmjax.train.rundir import ADAPTERS_FILE, FINETUNE_FILE, MERGED_DIR, RunDir
+from lmjax.train.rundir import ADAPTERS_FILE, FINETUNE_FILE, MERGED_DIR, RunDir, run_label
 from lmjax.train.runs import LoadedRun, load_finetuned, load_run, write_weights_run
 
 SPEC_FILE = FINETUNE_FILE  # the names callers know (cli prints ADAPTERS_FILE and MERGED_DIR)
@@ -307,6 +307,7 @@ def finetune(
     run_dir = run.path
     if resume:
         _check_same_spec(run, spec)
+        _check_resume_data(run, data, path)
     else:  # the loop checks too, but after the data is prepared (and cached)
         run.check_writable(resume)
     # Before the data is prepared (and cached): a base NF4 can't hold fails with nothing written.
@@ -345,7 +346,7 @@ def _check_same_spec(run: RunDir, spec: FinetuneSpec) -> None:
         raise ConfigError.describe(
             "base weights on resume",
             f"{spec.base_path} (sha256 {spec.base_sha256[:12]})",
-            f"the weights the run started from ({saved.base_path}, step {saved.base_step}, "
+            f"the weights the run started from ({run_label(saved.base_path, saved.base_step)}, "
             f"sha256 {saved.base_sha256[:12]})",
             "point finetune.base at that base (e.g. RUN/checkpoints/STEP if it trained on), or "
             "start a new run",
@@ -360,6 +361,21 @@ def _check_same_spec(run: RunDir, spec: FinetuneSpec) -> None:
                 f"the run's {getattr(saved, field)!r}",
                 "resume with the same finetune/lora settings, or start a new run",
             )
+
+
+def _check_resume_data(run: RunDir, data, config_path) -> None:
+    """A run fine-tuned on SFT records (`--data`) resumes only with `--data` again: data.corpus
+    alone would read the records file as a text corpus."""
+    saved = run.read_config().data
+    if data is not None or not sft.is_sft_dir(saved.dir):
+        return
+    raise ConfigError.describe(
+        "--data on resume",
+        "not given",
+        f"the SFT records the run trained on ({saved.corpus})",
+        f"resume with lmjax finetune {config_path} --resume --data {saved.corpus} (and the "
+        "same overrides)",
+    )
 
 
 def _write_merged(run_dir: Path, params: dict, base_run) -> None:

@@ -109,6 +109,7 @@ def run_export_hf(args: argparse.Namespace) -> int:
     from lmjax.checks import require
     from lmjax.files import atomic_dir
     from lmjax.io import hf
+    from lmjax.train.rundir import run_label
 
     run = load_run(args.run_path, args.step)
     out = Path(args.out)
@@ -127,7 +128,7 @@ def run_export_hf(args: argparse.Namespace) -> int:
             run.tokenizer.save(tmp)  # vocab.json + merges.txt, as transformers expects
             (tmp / "tokenizer.json").unlink()  # lmjax's manifest; transformers reads its own
     print(
-        f"exported {run.directory} (step {run.step}) -> {out}: {family}, config.json, "
+        f"exported {run_label(run.directory, run.step)} -> {out}: {family}, config.json, "
         "model.safetensors"
     )
     return 0
