@@ -5,6 +5,7 @@ A fine-tune config is a run config (`lmjax train`'s sections) without a model se
 
     finetune: {base: RUN, qlora: false}       # RUN: a run directory, RUN/checkpoints/STEP, or
                                               # an `lmjax import-hf` run (any family)
+    finetune: {..., data: FILE.jsonl}         # optional: SFT records, as --data (which wins)
     lora: {r: 8, alpha: 16, targets: [...], dropout: 0.05, init: kaiming, rslora: false}
 
 or, for full fine-tuning (`--full`, `--freeze GLOB,...`; no lora section, no qlora):
@@ -71,6 +72,8 @@ from lmjax.train.runs import LoadedRun, load_finetuned, load_run, write_weights_
 
 SPEC_FILE = FINETUNE_FILE  # the names callers know (cli prints ADAPTERS_FILE and MERGED_DIR)
 MODEL_FIELDS = ("dropout", "dtype", "remat", "attention", "ops")  # what a fine-tune may change
+# The finetune section; `data` (SFT records, as --data) is read by `records_file`.
+FINETUNE_FIELDS = ("base", "qlora", "full", "freeze", "data")
 
 
 def load_config(
@@ -89,27 +92,10 @@ def load_config(
     and the spec has no `base_sha256`. `full` / `freeze` (`--full`, `--freeze 'a.*,b.*'`) over
     `finetune.full` / `finetune.freeze` (None: keep).
     """
-    data = read_yaml(path)
-    if not isinstance(data, dict):
-        raise ConfigError.describe("config", data, "a mapping of sections", "see configs/")
-    data = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}
-    items = parse_run_overrides(list(overrides)) if not isinstance(overrides, dict) else overrides
-    run_overrides = {}
-    for key, value in items.items():
-        section, _, field = key.partition(".")
-        if section in ("finetune", "lora") and field:
-            data[section] = {**(data.get(section) or {}), field: value}
-        else:
-            run_overrides[key] = value
+    data, run_overrides = _sections(path, overrides)
     section = data.pop("finetune", None) or {}
     lora_section = data.pop("lora", None) or {}
-    if not isinstance(section, dict) or set(section) - {"base", "qlora", "full", "freeze"}:
-        raise ConfigError.describe(
-            "finetune section",
-            section,
-            "a mapping with base (a run path), qlora, full and freeze",
-            "write finetune: {base: runs/NAME, qlora: false}",
-        )
+    _check_finetune_section(section)
     use_full, globs = full_fields(section, full, freeze)
     qlora_value = section.get("qlora", False)
     require(isinstance(qlora_value, bool), "finetune.qlora", qlora_value, "true or false", "fix it")
@@ -151,6 +137,48 @@ def load_config(
     else:
         lora.target_layers(base_run.model, lcfg)  # a target that selects nothing fails here
     return cfg, spec, base_run
+
+
+def _sections(path, overrides) -> tuple[dict, dict]:
+    """The config's sections with the finetune.* and lora.* overrides applied, and the other
+    overrides (for `RunConfig.from_dict`)."""
+    data = read_yaml(path)
+    if not isinstance(data, dict):
+        raise ConfigError.describe("config", data, "a mapping of sections", "see configs/")
+    data = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}
+    items = parse_run_overrides(list(overrides)) if not isinstance(overrides, dict) else overrides
+    run_overrides = {}
+    for key, value in items.items():
+        section, _, field = key.partition(".")
+        if section in ("finetune", "lora") and field:
+            data[section] = {**(data.get(section) or {}), field: value}
+        else:
+            run_overrides[key] = value
+    return data, run_overrides
+
+
+def _check_finetune_section(section) -> None:
+    if not isinstance(section, dict) or set(section) - set(FINETUNE_FIELDS):
+        raise ConfigError.describe(
+            "finetune section",
+            section,
+            f"a mapping with {', '.join(FINETUNE_FIELDS)} (base: a run path)",
+            "write finetune: {base: runs/NAME, qlora: false}",
+        )
+    records = section.get("data")
+    ok = records is None or (isinstance(records, str) and records != "")
+    fix = "write finetune.data: FILE.jsonl, or pass --data FILE.jsonl"
+    require(ok, "finetune.data", records, "a .jsonl file of SFT records, or null", fix)
+
+
+def records_file(path, overrides=(), data: str | None = None) -> str | None:
+    """The SFT records a fine-tune trains on: `--data` (`data`), else the config's
+    `finetune.data` (after overrides), else None (data.corpus, as plain text)."""
+    if data is not None:
+        return data
+    section = _sections(path, overrides)[0].get("finetune") or {}
+    _check_finetune_section(section)
+    return section.get("data")
 
 
 def _check_base_step(base: str, base_run) -> None:
@@ -299,10 +327,12 @@ def finetune(
     """Run (or resume) a fine-tune as configured; see the module docstring. `lora_text`:
     `--lora` fields over the config's; `qlora`: True/False over `finetune.qlora` (None: keep);
     `full` / `freeze`: `--full` and `--freeze`'s comma-separated globs; `data`: `--data`, a
-    .jsonl of supervised fine-tuning records (`lmjax.train.sft`) instead of data.corpus.
+    .jsonl of supervised fine-tuning records (`lmjax.train.sft`) instead of data.corpus (None:
+    the config's finetune.data, if any).
     `out`: where progress and notes go (default: sys.stderr at the time of the call)."""
     out = sys.stderr if out is None else out  # looked up now: a redirected stderr is honoured
     cfg, spec, base_run = load_config(path, overrides, lora_text, qlora, full=full, freeze=freeze)
+    data = records_file(path, overrides, data)
     run = RunDir.for_config(cfg, str(path))
     run_dir = run.path
     if resume:
@@ -445,6 +475,7 @@ def format_memory(mem: dict[str, int], lcfg: LoraConfig, qlora: bool, optimizer:
 __all__ = [
     "ADAPTERS_FILE",
     "MERGED_DIR",
+    "FINETUNE_FIELDS",
     "MODEL_FIELDS",
     "SPEC_FILE",
     "FinetuneSpec",
@@ -457,6 +488,7 @@ __all__ = [
     "load_finetuned",
     "memory",
     "prepare_base_data",
+    "records_file",
     "trainable",
     "with_base_tokenized_data",
 ]

@@ -4,6 +4,7 @@ tests/test_lora_llama.py and tests/test_full_finetune.py fine-tune from the comm
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -20,42 +21,59 @@ TEXT = "".join(
 VOCAB = 300  # the tokenizer's size; the model's vocab_size equals it
 
 
-def tokenizer() -> Tokenizer:
-    """Byte-level BPE as SmolLM ships it (ByteLevel pre-tokenizer with its regex)."""
+# ChatML as SmolLM2-Instruct writes it (without its default system message).
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + "
+    "message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+CHAT_SPECIALS = ["<|im_start|>", "<|im_end|>"]
+
+
+def tokenizer(chat: bool = False) -> Tokenizer:
+    """Byte-level BPE as SmolLM ships it (ByteLevel pre-tokenizer with its regex); `chat` adds
+    ChatML's two special tokens (the vocabulary keeps its size)."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=VOCAB,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        special_tokens=["<|endoftext|>"],
+        special_tokens=["<|endoftext|>", *(CHAT_SPECIALS if chat else [])],
         show_progress=False,
     )
     tok.train_from_iterator([TEXT], trainer)
     return tok
 
 
-def hf_checkpoint(directory: Path) -> transformers.LlamaForCausalLM:
-    """A GQA Llama (4 heads, 2 key/value heads, untied head) and its tokenizer.json in
-    `directory`."""
-    tok = tokenizer()
+def hf_checkpoint(
+    directory: Path, chat: bool = False, context: int = 64
+) -> transformers.LlamaForCausalLM:
+    """A GQA Llama (4 heads, 2 key/value heads, untied head, `context` positions) and its
+    tokenizer.json in `directory`; `chat`: a chat model's tokenizer (ChatML specials, and a
+    tokenizer_config.json with `CHAT_TEMPLATE` and eos_token <|im_end|>)."""
+    tok = tokenizer(chat)
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
         vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=64, tie_word_embeddings=False, bos_token_id=None,
+        max_position_embeddings=context, tie_word_embeddings=False, bos_token_id=None,
         eos_token_id=None, pad_token_id=None,
     )  # fmt: skip
     model = transformers.LlamaForCausalLM(config).eval()
     model.save_pretrained(directory)
     tok.save(str(directory / "tokenizer.json"))
+    if chat:
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>"}
+        config["chat_template"] = CHAT_TEMPLATE
+        (directory / "tokenizer_config.json").write_text(json.dumps(config))
     return model
 
 
-def imported_run(root: Path) -> Path:
-    """`lmjax import-hf` of `hf_checkpoint` (root/hf) into root/base; the corpus at
-    root/corpus.txt."""
-    hf_checkpoint(root / "hf")
+def imported_run(root: Path, chat: bool = False, context: int = 64) -> Path:
+    """`lmjax import-hf` of `hf_checkpoint(root/hf, chat, context)` into root/base; the corpus
+    at root/corpus.txt."""
+    hf_checkpoint(root / "hf", chat, context)
     (root / "corpus.txt").write_text(TEXT)
     assert cli.main(["import-hf", str(root / "hf"), "--out", str(root / "base")]) == 0
     return root / "base"

@@ -26,6 +26,7 @@ from lmjax.errors import ConfigError, LMJaxError
 from lmjax.models import ModelConfig
 from lmjax.train import data as D
 from lmjax.train.rundir import RunDir
+from lmjax.train.sampling import prompt_ids
 from lmjax.train.sft_rows import SFTSplit
 from lmjax.train.wandb_log import require_installed
 
@@ -140,20 +141,23 @@ def preflight(cfg: RunConfig, model: ModelConfig, prepared: D.Prepared) -> None:
     g = cfg.logging
     if g.sample_tokens == 0:
         return
+    what = "logging.sample_prompt" if g.sample_chat is None else "logging.sample_chat"
+    text = g.sample_prompt if g.sample_chat is None else g.sample_chat
     try:
-        ids = prepared.tokenizer.encode(g.sample_prompt)
+        ids = prompt_ids(prepared.tokenizer, g)
+    except ConfigError:
+        raise
     except LMJaxError as err:
         expected = f"text the tokenizer can encode ({err})"
         fix = "change the prompt or set logging.sample_tokens=0"
-        what = "logging.sample_prompt"
-        raise ConfigError.describe(what, g.sample_prompt, expected, fix) from None
+        raise ConfigError.describe(what, text, expected, fix) from None
     room = model.context_length - len(ids)
     require(
         bool(ids) and g.sample_tokens <= room,
         "logging.sample_tokens",
         g.sample_tokens,
         f"<= context_length - prompt tokens = {room} and a non-empty prompt",
-        "lower logging.sample_tokens or shorten logging.sample_prompt",
+        f"lower logging.sample_tokens or shorten {what}",
     )
 
 
