@@ -21,6 +21,7 @@ Cost: three fine-tunes of a 2-layer, 64-wide model (compile, a few steps, an eva
 from __future__ import annotations
 
 import json
+import re
 import shlex
 from pathlib import Path
 
@@ -141,6 +142,18 @@ def test_bad_record_from_the_command_line_is_one_line(ws, capfd):
     assert len(err) == 1 and err[0].startswith("lmjax finetune: error:")
     assert "bad.jsonl:2" in err[0] and "'output' is int" in err[0]
     assert not (ws / "runs/bad").exists()
+
+
+def test_the_walk_through_shows_the_recipes_as_run_here():
+    """docs/fine-tuning.md's lines: what the tests below run (they add SHORT only)."""
+    text = (CONFIGS.parent / "docs/fine-tuning.md").read_text()
+    assert "lmjax import-hf ~/models/SmolLM2-135M-Instruct --out runs/llama" in text
+    for kind, recipe in RECIPES.items():
+        assert re.search(rf"^lmjax finetune configs/{recipe.name} +# ", text, re.M), kind
+        config = yaml.safe_load(recipe.read_text())
+        assert config["finetune"]["base"] == "runs/llama"
+        assert config["finetune"]["data"] == "chat.jsonl"
+        assert config["run"]["dir"] == f"runs/llama-{kind}"
 
 
 def _run(ws, kind: str, capfd) -> tuple[Path, str]:
