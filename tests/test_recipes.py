@@ -198,6 +198,12 @@ def test_sft_run_resumed_without_data_says_how_and_resumes(ws, capfd):
     assert cli.main(["finetune", str(RECIPES["lora"]), "--resume", *more]) == 2
     err = capfd.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--data on resume" in err[0], err
+    (ws / "other.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _records()[:-1]))
+    argv = ["finetune", str(RECIPES["lora"]), "--resume", "--data", "other.jsonl", *more]
+    assert cli.main(argv) == 2  # other records: the hint names --data, not data.corpus=
+    other = capfd.readouterr().err.strip().splitlines()[-1]
+    assert "data.corpus on resume = 'other.jsonl'" in other
+    assert "Fix: resume with --data chat.jsonl (the run's SFT records)" in other
     command = err[0].split("Fix: resume with ")[1].split(" (and the same overrides)")[0]
     argv = shlex.split(command)
     assert argv[:2] == ["lmjax", "finetune"] and argv[-2:] == ["--data", "chat.jsonl"]

@@ -27,6 +27,7 @@ from lmjax.models import ModelConfig
 from lmjax.train import data as D
 from lmjax.train.rundir import RunDir
 from lmjax.train.sampling import prompt_ids
+from lmjax.train.sft import is_sft_dir
 from lmjax.train.sft_rows import SFTSplit
 from lmjax.train.wandb_log import require_installed
 
@@ -174,13 +175,18 @@ def resumed_config(run: RunDir, cfg: RunConfig) -> RunConfig:
         schedule = dataclasses.replace(cfg.schedule, decay_steps=saved.schedule.decay_steps)
         cfg = cfg.replace(schedule=schedule)
     old, new = _flat(saved), _flat(cfg)
+    sft_records = saved.data.corpus if is_sft_dir(saved.data.dir) else None
     for key in sorted(set(old) | set(new)):
+        fix = f"resume with {key}={_override_text(old.get(key))} or start a new run"
+        if sft_records is not None and key in ("data.corpus", "data.dir"):
+            # The records file is not a corpus: data.corpus=FILE would read it as text.
+            fix = f"resume with --data {sft_records} (the run's SFT records) or start a new run"
         require(
             old.get(key) == new.get(key) or key.startswith(RESUMABLE_CHANGES),
             f"{key} on resume",
             new.get(key),
             f"the run's value {old.get(key)!r} (only {', '.join(RESUMABLE_CHANGES)} may change)",
-            f"resume with {key}={_override_text(old.get(key))} or start a new run",
+            fix,
         )
     latest = run.latest_step()
     require(
