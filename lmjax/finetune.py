@@ -474,8 +474,8 @@ def format_memory(mem: dict[str, int], lcfg: LoraConfig, qlora: bool, optimizer:
 
 __all__ = [
     "ADAPTERS_FILE",
-    "MERGED_DIR",
     "FINETUNE_FIELDS",
+    "MERGED_DIR",
     "MODEL_FIELDS",
     "SPEC_FILE",
     "FinetuneSpec",
