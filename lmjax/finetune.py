@@ -5,6 +5,7 @@ A fine-tune config is a run config (`lmjax train`'s sections) without a model se
 
     finetune: {base: RUN, qlora: false}       # RUN: a run directory, RUN/checkpoints/STEP, or
                                               # an `lmjax import-hf` run (any family)
+    finetune: {..., data: FILE.jsonl}         # optional: SFT records, as --data (which wins)
     lora: {r: 8, alpha: 16, targets: [...], dropout: 0.05, init: kaiming, rslora: false}
 
 or, for full fine-tuning (`--full`, `--freeze GLOB,...`; no lora section, no qlora):
@@ -66,11 +67,13 @@ from lmjax.train.finetuned import (
     read_spec,
 )
 from lmjax.train.metrics import lora_flops_per_token
-from lmjax.train.rundir import ADAPTERS_FILE, FINETUNE_FILE, MERGED_DIR, RunDir
+from lmjax.train.rundir import ADAPTERS_FILE, FINETUNE_FILE, MERGED_DIR, RunDir, run_label
 from lmjax.train.runs import LoadedRun, load_finetuned, load_run, write_weights_run
 
 SPEC_FILE = FINETUNE_FILE  # the names callers know (cli prints ADAPTERS_FILE and MERGED_DIR)
 MODEL_FIELDS = ("dropout", "dtype", "remat", "attention", "ops")  # what a fine-tune may change
+# The finetune section; `data` (SFT records, as --data) is read by `records_file`.
+FINETUNE_FIELDS = ("base", "qlora", "full", "freeze", "data")
 
 
 def load_config(
@@ -89,27 +92,10 @@ def load_config(
     and the spec has no `base_sha256`. `full` / `freeze` (`--full`, `--freeze 'a.*,b.*'`) over
     `finetune.full` / `finetune.freeze` (None: keep).
     """
-    data = read_yaml(path)
-    if not isinstance(data, dict):
-        raise ConfigError.describe("config", data, "a mapping of sections", "see configs/")
-    data = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}
-    items = parse_run_overrides(list(overrides)) if not isinstance(overrides, dict) else overrides
-    run_overrides = {}
-    for key, value in items.items():
-        section, _, field = key.partition(".")
-        if section in ("finetune", "lora") and field:
-            data[section] = {**(data.get(section) or {}), field: value}
-        else:
-            run_overrides[key] = value
+    data, run_overrides = _sections(path, overrides)
     section = data.pop("finetune", None) or {}
     lora_section = data.pop("lora", None) or {}
-    if not isinstance(section, dict) or set(section) - {"base", "qlora", "full", "freeze"}:
-        raise ConfigError.describe(
-            "finetune section",
-            section,
-            "a mapping with base (a run path), qlora, full and freeze",
-            "write finetune: {base: runs/NAME, qlora: false}",
-        )
+    _check_finetune_section(section)
     use_full, globs = full_fields(section, full, freeze)
     qlora_value = section.get("qlora", False)
     require(isinstance(qlora_value, bool), "finetune.qlora", qlora_value, "true or false", "fix it")
@@ -151,6 +137,48 @@ def load_config(
     else:
         lora.target_layers(base_run.model, lcfg)  # a target that selects nothing fails here
     return cfg, spec, base_run
+
+
+def _sections(path, overrides) -> tuple[dict, dict]:
+    """The config's sections with the finetune.* and lora.* overrides applied, and the other
+    overrides (for `RunConfig.from_dict`)."""
+    data = read_yaml(path)
+    if not isinstance(data, dict):
+        raise ConfigError.describe("config", data, "a mapping of sections", "see configs/")
+    data = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}
+    items = parse_run_overrides(list(overrides)) if not isinstance(overrides, dict) else overrides
+    run_overrides = {}
+    for key, value in items.items():
+        section, _, field = key.partition(".")
+        if section in ("finetune", "lora") and field:
+            data[section] = {**(data.get(section) or {}), field: value}
+        else:
+            run_overrides[key] = value
+    return data, run_overrides
+
+
+def _check_finetune_section(section) -> None:
+    if not isinstance(section, dict) or set(section) - set(FINETUNE_FIELDS):
+        raise ConfigError.describe(
+            "finetune section",
+            section,
+            f"a mapping with {', '.join(FINETUNE_FIELDS)} (base: a run path)",
+            "write finetune: {base: runs/NAME, qlora: false}",
+        )
+    records = section.get("data")
+    ok = records is None or (isinstance(records, str) and records != "")
+    fix = "write finetune.data: FILE.jsonl, or pass --data FILE.jsonl"
+    require(ok, "finetune.data", records, "a .jsonl file of SFT records, or null", fix)
+
+
+def records_file(path, overrides=(), data: str | None = None) -> str | None:
+    """The SFT records a fine-tune trains on: `--data` (`data`), else the config's
+    `finetune.data` (after overrides), else None (data.corpus, as plain text)."""
+    if data is not None:
+        return data
+    section = _sections(path, overrides)[0].get("finetune") or {}
+    _check_finetune_section(section)
+    return section.get("data")
 
 
 def _check_base_step(base: str, base_run) -> None:
@@ -299,14 +327,17 @@ def finetune(
     """Run (or resume) a fine-tune as configured; see the module docstring. `lora_text`:
     `--lora` fields over the config's; `qlora`: True/False over `finetune.qlora` (None: keep);
     `full` / `freeze`: `--full` and `--freeze`'s comma-separated globs; `data`: `--data`, a
-    .jsonl of supervised fine-tuning records (`lmjax.train.sft`) instead of data.corpus.
+    .jsonl of supervised fine-tuning records (`lmjax.train.sft`) instead of data.corpus (None:
+    the config's finetune.data, if any).
     `out`: where progress and notes go (default: sys.stderr at the time of the call)."""
     out = sys.stderr if out is None else out  # looked up now: a redirected stderr is honoured
     cfg, spec, base_run = load_config(path, overrides, lora_text, qlora, full=full, freeze=freeze)
+    data = records_file(path, overrides, data)
     run = RunDir.for_config(cfg, str(path))
     run_dir = run.path
     if resume:
         _check_same_spec(run, spec)
+        _check_resume_data(run, data, path)
     else:  # the loop checks too, but after the data is prepared (and cached)
         run.check_writable(resume)
     # Before the data is prepared (and cached): a base NF4 can't hold fails with nothing written.
@@ -345,7 +376,7 @@ def _check_same_spec(run: RunDir, spec: FinetuneSpec) -> None:
         raise ConfigError.describe(
             "base weights on resume",
             f"{spec.base_path} (sha256 {spec.base_sha256[:12]})",
-            f"the weights the run started from ({saved.base_path}, step {saved.base_step}, "
+            f"the weights the run started from ({run_label(saved.base_path, saved.base_step)}, "
             f"sha256 {saved.base_sha256[:12]})",
             "point finetune.base at that base (e.g. RUN/checkpoints/STEP if it trained on), or "
             "start a new run",
@@ -360,6 +391,21 @@ def _check_same_spec(run: RunDir, spec: FinetuneSpec) -> None:
                 f"the run's {getattr(saved, field)!r}",
                 "resume with the same finetune/lora settings, or start a new run",
             )
+
+
+def _check_resume_data(run: RunDir, data, config_path) -> None:
+    """A run fine-tuned on SFT records (`--data`) resumes only with `--data` again: data.corpus
+    alone would read the records file as a text corpus."""
+    saved = run.read_config().data
+    if data is not None or not sft.is_sft_dir(saved.dir):
+        return
+    raise ConfigError.describe(
+        "--data on resume",
+        "not given",
+        f"the SFT records the run trained on ({saved.corpus})",
+        f"resume with lmjax finetune {config_path} --resume --data {saved.corpus} (and the "
+        "same overrides)",
+    )
 
 
 def _write_merged(run_dir: Path, params: dict, base_run) -> None:
@@ -428,6 +474,7 @@ def format_memory(mem: dict[str, int], lcfg: LoraConfig, qlora: bool, optimizer:
 
 __all__ = [
     "ADAPTERS_FILE",
+    "FINETUNE_FIELDS",
     "MERGED_DIR",
     "MODEL_FIELDS",
     "SPEC_FILE",
@@ -441,6 +488,7 @@ __all__ = [
     "load_finetuned",
     "memory",
     "prepare_base_data",
+    "records_file",
     "trainable",
     "with_base_tokenized_data",
 ]

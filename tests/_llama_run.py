@@ -52,17 +52,20 @@ def tokenizer(chat: bool = False) -> Tokenizer:
     return tok
 
 
-def hf_checkpoint(directory: Path, chat: bool = False) -> transformers.LlamaForCausalLM:
-    """A GQA Llama (4 heads, 2 key/value heads, untied head) and its tokenizer.json in
-    `directory`. `chat`: also a tokenizer_config.json (CHAT_TEMPLATE, eos_token <|im_end|>) and
-    a generation_config.json (eos_token_id [<|im_end|>, <|endoftext|>]), and a head that says
-    <|im_end|> EOS_STEP tokens into its greedy reply to CHAT_PROMPT (`_end_turn`)."""
+def hf_checkpoint(
+    directory: Path, chat: bool = False, context: int | None = None
+) -> transformers.LlamaForCausalLM:
+    """A GQA Llama (4 heads, 2 key/value heads, untied head, `context` positions: 128 with
+    `chat`, else 64) and its tokenizer.json in `directory`. `chat`: also a tokenizer_config.json
+    (CHAT_TEMPLATE, eos_token <|im_end|>) and a generation_config.json (eos_token_id
+    [<|im_end|>, <|endoftext|>]), and a head that says <|im_end|> EOS_STEP tokens into its
+    greedy reply to CHAT_PROMPT (`_end_turn`)."""
     tok = tokenizer(chat)
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
         vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=128 if chat else 64, tie_word_embeddings=False,
+        max_position_embeddings=context or (128 if chat else 64), tie_word_embeddings=False,
         bos_token_id=None, eos_token_id=None, pad_token_id=None,
     )  # fmt: skip
     model = transformers.LlamaForCausalLM(config).eval()
@@ -104,10 +107,10 @@ def _end_turn(model, directory: Path, eos: int) -> None:
         model.lm_head.weight[eos] = 1.25 * model.lm_head.weight[t]
 
 
-def imported_run(root: Path, chat: bool = False) -> Path:
-    """`lmjax import-hf` of `hf_checkpoint(chat=chat)` (root/hf) into root/base; the corpus at
-    root/corpus.txt."""
-    hf_checkpoint(root / "hf", chat)
+def imported_run(root: Path, chat: bool = False, context: int | None = None) -> Path:
+    """`lmjax import-hf` of `hf_checkpoint(root/hf, chat, context)` into root/base; the corpus
+    at root/corpus.txt."""
+    hf_checkpoint(root / "hf", chat, context)
     (root / "corpus.txt").write_text(TEXT)
     assert cli.main(["import-hf", str(root / "hf"), "--out", str(root / "base")]) == 0
     return root / "base"

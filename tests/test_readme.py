@@ -39,6 +39,7 @@ def test_readme_python_blocks_run(capsys):
     assert "(2, 64, 65) 24800" in printed
     assert "steps 3 loss" in printed
     assert "[True, True]" in printed  # the generate tour
+    assert "lora steps 3 loss falls True" in printed  # docs/fine-tuning.md's LoRA train state
 
 
 def test_readme_names_the_two_commands_that_the_makefile_defines():

@@ -99,7 +99,8 @@ def test_run_directory_contents(straight):
 def test_resume_in_a_new_process_is_bit_exact(workspace, straight):
     lmjax(workspace, "train", "tiny.yaml", "run.dir=resumed", "train.steps=4")
     assert Checkpoints(workspace / "resumed/checkpoints", create=False).steps() == [2, 4]
-    lmjax(workspace, "train", "tiny.yaml", "run.dir=resumed", "--resume")
+    done = lmjax(workspace, "train", "tiny.yaml", "run.dir=resumed", "--resume")
+    assert "resumed resumed from step 4" in done.stdout  # said, on stdout
     assert_same_state(final_state(workspace / "resumed"), final_state(straight))
     assert losses(workspace / "resumed") == losses(straight)  # every step logged once
 

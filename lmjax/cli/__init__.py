@@ -85,11 +85,21 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.run(args)
     except LMJaxError as err:
+        _close_progress_bars()
         print(f"lmjax {args.command}: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        _close_progress_bars()
         print(f"lmjax {args.command}: interrupted", file=sys.stderr)
         return 130
+
+
+def _close_progress_bars() -> None:
+    """Close the progress bars an error left open, so their line ends before the error line
+    (an open bar's text has no newline yet; it would be glued in front of the message)."""
+    module = sys.modules.get("tqdm")  # not imported: no bar was ever shown
+    for bar in list(getattr(module.tqdm, "_instances", ())) if module else ():
+        bar.close()
 
 
 __all__ = ["build_parser", "main"]

@@ -166,6 +166,7 @@ def run_export_hf(args: argparse.Namespace) -> int:
     from lmjax.checks import require
     from lmjax.files import atomic_dir
     from lmjax.io import hf
+    from lmjax.train.rundir import run_label
 
     run = load_run(args.run_path, args.step)
     out = Path(args.out)
@@ -186,7 +187,7 @@ def run_export_hf(args: argparse.Namespace) -> int:
         if run.tokenizer is not None and (found := generation_config_dir(run.directory)):
             shutil.copyfile(found / GENERATION_CONFIG, tmp / GENERATION_CONFIG)  # stop ids
     print(
-        f"exported {run.directory} (step {run.step}) -> {out}: {family}, config.json, "
+        f"exported {run_label(run.directory, run.step)} -> {out}: {family}, config.json, "
         "model.safetensors"
     )
     return 0

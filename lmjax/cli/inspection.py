@@ -1,5 +1,6 @@
-"""`lmjax inspect`: a preset's or a config's parameter table, counts and memory estimate (per
-device on a mesh, and for LoRA / QLoRA fine-tuning), traced with nothing allocated."""
+"""`lmjax inspect`: a preset's, a run directory's or a config's parameter table, counts and
+memory estimate (per device on a mesh, and for LoRA / QLoRA fine-tuning), traced with nothing
+allocated."""
 
 from __future__ import annotations
 
@@ -19,7 +20,11 @@ def add_inspect(sub) -> None:
         "AdamW state and the activations the backward pass keeps (traced, nothing is "
         "allocated).",
     )
-    insp.add_argument("preset", help=f"a preset ({', '.join(PRESETS)}) or a run config CONFIG.yaml")
+    insp.add_argument(
+        "preset",
+        help=f"a preset ({', '.join(PRESETS)}), a run directory (RUN, RUN/checkpoints/STEP: its "
+        "model) or a run config CONFIG.yaml",
+    )
     insp.add_argument(
         "overrides",
         nargs="*",
@@ -75,7 +80,7 @@ def run_inspect(args: argparse.Namespace) -> int:
     lcfg = _inspect_lora_config(args)  # checked before anything is printed
     if args.preset.endswith((".yaml", ".yml")):
         return _inspect_config(args)
-    cfg = models.preset(args.preset, **parse_overrides(args.overrides))
+    cfg = _model_named(args.preset, parse_overrides(args.overrides))
     if args.seq_len is not None and args.seq_len > cfg.context_length:
         raise LMJaxError(
             f"--seq-len = {args.seq_len}; expected <= context_length = {cfg.context_length}. "
@@ -91,6 +96,30 @@ def run_inspect(args: argparse.Namespace) -> int:
 
         _print_lora_memory(cfg, lcfg, args.qlora, optax.adamw(1e-3), "adamw")
     return 0
+
+
+def _model_named(name: str, overrides: dict):
+    """The model of a preset, or of a run directory (`RUN` or `RUN/checkpoints/STEP`, as
+    `lmjax train`, `finetune` or `import-hf` wrote it: its config.yaml), with model-field
+    `overrides`; anything else is one error line naming the three."""
+    from pathlib import Path
+
+    from lmjax import models
+    from lmjax.errors import ConfigError
+    from lmjax.models.config import PRESETS
+    from lmjax.train.rundir import RunDir
+
+    if name in PRESETS:
+        return models.preset(name, **overrides)
+    if Path(name).is_dir():
+        run, _ = RunDir.parse(name)
+        return run.read_config().model_config().replace(**overrides)
+    raise ConfigError.describe(
+        "model preset",
+        name,
+        f"one of ({', '.join(PRESETS)}), a run directory (with config.yaml) or a CONFIG.yaml",
+        "pick a listed preset, or check the path (no such directory)",
+    )
 
 
 def _inspect_lora_config(args: argparse.Namespace):

@@ -34,7 +34,7 @@ def add_eval(sub) -> None:
 def run_eval(args: argparse.Namespace) -> int:
     from lmjax import train
     from lmjax.checks import require
-    from lmjax.train.rundir import RunDir
+    from lmjax.train.rundir import RunDir, run_label
     from lmjax.train.runs import eval_tokenizer_dir
 
     if args.step is not None:  # a checkpoint path already names its step
@@ -62,7 +62,7 @@ def run_eval(args: argparse.Namespace) -> int:
     )
     t = cfg.train
     print(
-        f"{run.directory} step {run.step}: validation loss {loss:.4f} nats/token "
+        f"{run_label(run.directory, run.step)}: validation loss {loss:.4f} nats/token "
         f"(perplexity {math.exp(min(loss, 700)):.3f}) over {t.eval_batches} batches of "
         f"{t.batch_size} x {cfg.seq_len} tokens of {cfg.data.corpus} "
         f"({_tokenizer_words(cfg.data.tokenizer, tokenizer_dir, prepared.tokenizer)})"

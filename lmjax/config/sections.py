@@ -96,6 +96,9 @@ class LoggingConfig:
     plot: bool = True
     sample_tokens: int = 200  # text sampled at each evaluation; 0 disables
     sample_prompt: str = "\n"
+    # A user message instead: the prompt is the tokenizer's chat template over it, ending with
+    # the assistant header (`lmjax.train.sampling.prompt_ids`); null = sample_prompt.
+    sample_chat: str | None = None
     sample_temperature: float = 0.8
     peak_flops: float | None = None  # for MFU; null = measure a matmul on the device
 

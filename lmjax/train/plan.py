@@ -26,6 +26,8 @@ from lmjax.errors import ConfigError, LMJaxError
 from lmjax.models import ModelConfig
 from lmjax.train import data as D
 from lmjax.train.rundir import RunDir
+from lmjax.train.sampling import prompt_ids
+from lmjax.train.sft import is_sft_dir
 from lmjax.train.sft_rows import SFTSplit
 from lmjax.train.wandb_log import require_installed
 
@@ -140,20 +142,23 @@ def preflight(cfg: RunConfig, model: ModelConfig, prepared: D.Prepared) -> None:
     g = cfg.logging
     if g.sample_tokens == 0:
         return
+    what = "logging.sample_prompt" if g.sample_chat is None else "logging.sample_chat"
+    text = g.sample_prompt if g.sample_chat is None else g.sample_chat
     try:
-        ids = prepared.tokenizer.encode(g.sample_prompt)
+        ids = prompt_ids(prepared.tokenizer, g)
+    except ConfigError:
+        raise
     except LMJaxError as err:
         expected = f"text the tokenizer can encode ({err})"
         fix = "change the prompt or set logging.sample_tokens=0"
-        what = "logging.sample_prompt"
-        raise ConfigError.describe(what, g.sample_prompt, expected, fix) from None
+        raise ConfigError.describe(what, text, expected, fix) from None
     room = model.context_length - len(ids)
     require(
         bool(ids) and g.sample_tokens <= room,
         "logging.sample_tokens",
         g.sample_tokens,
         f"<= context_length - prompt tokens = {room} and a non-empty prompt",
-        "lower logging.sample_tokens or shorten logging.sample_prompt",
+        f"lower logging.sample_tokens or shorten {what}",
     )
 
 
@@ -170,13 +175,18 @@ def resumed_config(run: RunDir, cfg: RunConfig) -> RunConfig:
         schedule = dataclasses.replace(cfg.schedule, decay_steps=saved.schedule.decay_steps)
         cfg = cfg.replace(schedule=schedule)
     old, new = _flat(saved), _flat(cfg)
+    sft_records = saved.data.corpus if is_sft_dir(saved.data.dir) else None
     for key in sorted(set(old) | set(new)):
+        fix = f"resume with {key}={_override_text(old.get(key))} or start a new run"
+        if sft_records is not None and key in ("data.corpus", "data.dir"):
+            # The records file is not a corpus: data.corpus=FILE would read it as text.
+            fix = f"resume with --data {sft_records} (the run's SFT records) or start a new run"
         require(
             old.get(key) == new.get(key) or key.startswith(RESUMABLE_CHANGES),
             f"{key} on resume",
             new.get(key),
             f"the run's value {old.get(key)!r} (only {', '.join(RESUMABLE_CHANGES)} may change)",
-            f"resume with {key}={_override_text(old.get(key))} or start a new run",
+            fix,
         )
     latest = run.latest_step()
     require(

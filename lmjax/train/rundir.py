@@ -179,6 +179,12 @@ class RunDir:
             shutil.copytree(source, self.tokenizer_dir)
 
 
+def run_label(path, step: int | None) -> str:
+    """How a message names a run's weights: "PATH step 12", or "PATH (weights only)" for a run
+    without checkpoints (import-hf, merged/), whose step is None."""
+    return f"{path} (weights only)" if step is None else f"{path} step {step}"
+
+
 __all__ = [
     "ADAPTERS_FILE",
     "CHECKPOINTS_DIR",
@@ -194,4 +200,5 @@ __all__ = [
     "TRAINED",
     "WEIGHTS",
     "WEIGHTS_FILE",
+    "run_label",
 ]

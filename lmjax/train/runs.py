@@ -31,7 +31,7 @@ from lmjax.quant.params import quantize_params
 from lmjax.train import optim
 from lmjax.train.checkpoint import check_same_model
 from lmjax.train.finetuned import FinetuneSpec, fingerprint, model_params, parts, read_spec
-from lmjax.train.rundir import FINETUNED, TRAINED, WEIGHTS, RunDir
+from lmjax.train.rundir import FINETUNED, TRAINED, WEIGHTS, RunDir, run_label
 from lmjax.train.step import init_state
 
 QUANTIZE = ("nf4",)  # what load_run's `quantize` takes besides None
@@ -138,14 +138,14 @@ def load_base(spec: FinetuneSpec, run: RunDir) -> LoadedRun:
     except LMJaxError as err:
         raise CheckpointError.describe(
             "fine-tune base",
-            f"{spec.base_path} (step {spec.base_step})",
+            run_label(spec.base_path, spec.base_step),
             f"the base run this fine-tune trained on ({type(err).__name__}: {err})",
             fix,
         ) from None
     if spec.base_sha256 is not None and fingerprint(base_run.params) != spec.base_sha256:
         raise CheckpointError.describe(
             "fine-tune base",
-            f"{spec.base_path} (step {spec.base_step})",
+            run_label(spec.base_path, spec.base_step),
             f"the weights the adapters were trained on (sha256 {spec.base_sha256[:12]}); "
             "that base has changed",
             fix,

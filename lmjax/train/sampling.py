@@ -3,6 +3,9 @@
     ===== step 200 =====
     PROMPT + continuation
 
+PROMPT is `logging.sample_prompt`, or `logging.sample_chat` (a user message) through the
+tokenizer's chat template, decoded with its special tokens.
+
 A mesh run samples from a host copy of its parameters (`process_allgather`: every process
 takes part, so it runs on all of them), decoding on one device; only the main process writes.
 """
@@ -17,18 +20,38 @@ from typing import Any
 from jax.experimental import multihost_utils
 
 from lmjax import generate, parallel
+from lmjax.checks import require
 from lmjax.files import atomic_write_text
 
 
 def sample_text(
-    params, model, tokenizer, prompt: str, n_tokens: int, temperature: float, seed: int
+    params, model, tokenizer, prompt: str | list[int], n_tokens: int, temperature: float, seed: int
 ) -> str:
-    """`prompt` continued by `n_tokens` sampled tokens (decoded, prompt included)."""
-    ids = tokenizer.encode(prompt)
+    """`prompt` (text, or its ids) continued by `n_tokens` sampled tokens (decoded, prompt
+    included)."""
+    ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
     out = generate.generate(
         params, [ids], model, max_new_tokens=n_tokens, temperature=temperature, seed=seed
     )
     return tokenizer.decode(list(ids) + list(out[0]))
+
+
+def prompt_ids(tokenizer, logging) -> list[int]:
+    """The ids a run's samples start from: `logging.sample_chat` as one user message through the
+    tokenizer's chat template with the assistant header after it (what `apply_chat_template(...,
+    add_generation_prompt=True)` gives), else `logging.sample_prompt` encoded. One error line
+    for a chat prompt and a tokenizer without a chat template."""
+    if logging.sample_chat is None:
+        return list(tokenizer.encode(logging.sample_prompt))
+    require(
+        getattr(tokenizer, "chat_template", None) is not None,
+        "logging.sample_chat",
+        logging.sample_chat,
+        f"a tokenizer with a chat template (this {tokenizer.kind} tokenizer has none)",
+        "set logging.sample_chat=null and give logging.sample_prompt, or fine-tune a chat model",
+    )
+    chat = [{"role": "user", "content": logging.sample_chat}]
+    return list(tokenizer.apply_chat_template(chat, add_generation_prompt=True))
 
 
 def truncate_samples(path: Path, step: int) -> None:
@@ -48,7 +71,7 @@ class Sampler:
 
     model: Any  # ModelConfig
     tokenizer: Any
-    logging: Any  # the run's LoggingConfig: sample_prompt, sample_tokens, sample_temperature
+    logging: Any  # the run's LoggingConfig: sample_prompt or _chat, _tokens, _temperature
     model_params: Any  # trained params -> the tree generate takes
     path: Path
     gather: bool = False
@@ -60,12 +83,14 @@ class Sampler:
         if self.gather:  # sample from a host copy: decoding runs on one device
             params = multihost_utils.process_allgather(params, tiled=True)
         params = self.model_params(params)
-        prompt, n, temperature = g.sample_prompt, g.sample_tokens, g.sample_temperature
-        text = sample_text(params, self.model, self.tokenizer, prompt, n, temperature, seed=step)
+        prompt, temperature = prompt_ids(self.tokenizer, g), g.sample_temperature
+        text = sample_text(
+            params, self.model, self.tokenizer, prompt, g.sample_tokens, temperature, step
+        )
         if parallel.is_main():
             with open(self.path, "a", encoding="utf-8") as handle:
                 handle.write(f"===== step {step} =====\n{text}\n\n")
         return text
 
 
-__all__ = ["Sampler", "sample_text", "truncate_samples"]
+__all__ = ["Sampler", "prompt_ids", "sample_text", "truncate_samples"]

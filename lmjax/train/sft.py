@@ -106,6 +106,15 @@ def with_sft_data(cfg, path, tok_dir, out=None):
     return cfg.replace(data=dataclasses.replace(cfg.data, corpus=str(path), dir=str(target)))
 
 
+def is_sft_dir(directory) -> bool:
+    """Whether `directory` (a run's data.dir, may be None or gone) holds prepared SFT records."""
+    try:
+        meta = json.loads((Path(directory) / "meta.json").read_text(encoding="utf-8"))
+    except (TypeError, OSError, ValueError):
+        return False
+    return isinstance(meta, dict) and isinstance(meta.get("sft"), dict)
+
+
 def _check_file(path: Path) -> None:
     if not path.is_file():
         raise ConfigError.describe(
@@ -226,4 +235,12 @@ def _reusable(target: Path, settings: dict) -> dict:
     return meta
 
 
-__all__ = ["SFT_FORMAT", "Counts", "prepare", "scan", "settings_of", "with_sft_data"]
+__all__ = [
+    "SFT_FORMAT",
+    "Counts",
+    "is_sft_dir",
+    "prepare",
+    "scan",
+    "settings_of",
+    "with_sft_data",
+]

@@ -12,15 +12,20 @@ token ids and a per-token loss mask by the base run's own tokenizer.
                                                                  apply_chat_template; mask 1 on
                                                                  the assistant turns' tokens)
 
+    {"instruction": str, "input": str (optional, may be empty), "output": str}   (Alpaca)
+        user = instruction + "\n\n" + input   (just instruction when input is empty or absent)
+        with a chat template: the messages [user, assistant = output], as above
+        without one:          prompt = user + "\n\n", completion = output, as above
+
 `mask[i] = 1` means token i is predicted (its target position enters the loss). `eot`: the
 tokenizer's eos token (a Hugging Face tokenizer's `eos_token`) or `<|endoftext|>`, by
 `data.eot` (auto); none for byte/char tokenizers (nothing is appended). The prompt gets the
 post-processor's special tokens (e.g. a BOS) when the tokenizer has them, the completion none.
 
-A malformed record (invalid JSON, not an object, neither schema, a non-string field, an empty
-completion, an unknown role, no assistant turn, text the tokenizer or template refuses) is a
-`FileFormatError` naming `FILE:LINE`, or counted with `skip_bad` (`corpus_files.BadRecords`, as
-`lmjax prepare`). An empty prompt is allowed.
+A malformed record (invalid JSON, not an object, none of the schemas, a non-string field, an
+empty completion, output or instruction, an unknown role, no assistant turn, text the tokenizer
+or template refuses) is a `FileFormatError` naming `FILE:LINE`, or counted with `skip_bad`
+(`corpus_files.BadRecords`, as `lmjax prepare`). An empty prompt (or input) is allowed.
 """
 
 from __future__ import annotations
@@ -92,10 +97,31 @@ def schema_error(record) -> str | None:
         return _prompt_error(record)
     if keys == {"messages"}:
         return _messages_error(record["messages"])
+    if keys in ({"instruction", "output"}, {"instruction", "input", "output"}):
+        return _alpaca_error(record)
     return (
-        f"fields {sorted(keys)}: expected exactly {{prompt, completion}} (two strings) or "
-        "{messages} (a list of {role, content})"
+        f"fields {sorted(keys)}: expected exactly {{prompt, completion}} (two strings), "
+        "{messages} (a list of {role, content}) or {instruction, input, output} (Alpaca; "
+        "input optional)"
     )
+
+
+def _alpaca_error(record: dict) -> str | None:
+    for key in ("instruction", "input", "output"):
+        if not isinstance(record.get(key, ""), str):
+            return f"field {key!r} is {type(record[key]).__name__}, not a string"
+    for key in ("instruction", "output"):
+        if not record[key]:
+            return f"field {key!r} is an empty string"
+    return None
+
+
+def alpaca_messages(record: dict) -> list[dict]:
+    """An Alpaca record as a conversation: user = instruction (+ "\n\n" + input when
+    non-empty), assistant = output."""
+    extra = record.get("input", "")
+    user = record["instruction"] + (f"\n\n{extra}" if extra else "")
+    return [{"role": "user", "content": user}, {"role": "assistant", "content": record["output"]}]
 
 
 def _prompt_error(record: dict) -> str | None:
@@ -125,6 +151,11 @@ def encode_record(tok, record: dict, eot: int | None) -> tuple[list[int], list[i
     """`(ids, mask)` of a well-formed record (see the module docstring)."""
     if "messages" in record:
         return tok.render_with_mask(record["messages"])
+    if "instruction" in record:
+        user, assistant = alpaca_messages(record)
+        if getattr(tok, "chat_template", None) is not None:
+            return tok.render_with_mask([user, assistant])
+        record = {"prompt": user["content"] + "\n\n", "completion": assistant["content"]}
     prompt = _encode(tok, record["prompt"], True) if record["prompt"] else []
     completion = _encode(tok, record["completion"], False) + ([] if eot is None else [eot])
     return prompt + completion, [0] * len(prompt) + [1] * len(completion)
@@ -167,6 +198,7 @@ def encoded_records(path: Path, tok, eot: int | None, bad: BadRecords):
 __all__ = [
     "ROLES",
     "Encoded",
+    "alpaca_messages",
     "check_chat_tokenizer",
     "encode_record",
     "encoded_records",

@@ -25,6 +25,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 
 from lmjax import models
+from lmjax.checks import require
 from lmjax.models import ModelConfig
 
 # Re-exported: they sit below lora, which uses them.
@@ -44,7 +45,17 @@ def init_state(
     key: jax.Array, cfg: ModelConfig, tx: optax.GradientTransformation, init_params=None
 ) -> TrainState:
     """Step 0: parameters from `init_params(key)` (default `models.init(key, cfg)`; LoRA's
-    adapters for fine-tuning), the optimizer state of exactly those, and the dropout key."""
+    adapters for fine-tuning), the optimizer state of exactly those, and the dropout key.
+
+    LoRA (docs/fine-tuning.md): the adapters are the state, the base stays outside it,
+    `init_state(key, model_cfg, tx, init_params=lambda k: lora.init(k, base, lcfg))`."""
+    require(
+        isinstance(cfg, ModelConfig),
+        "init_state's cfg",
+        type(cfg).__name__,
+        "the ModelConfig (also for LoRA: the adapters come from init_params)",
+        "call init_state(key, model_cfg, tx, init_params=lambda k: lora.init(k, base, lcfg))",
+    )
     init_key, dropout_key = jax.random.split(key)
     params = models.init(init_key, cfg) if init_params is None else init_params(init_key)
     return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), dropout_key)

@@ -112,7 +112,11 @@ class Trainer:
         key = jax.random.PRNGKey(self.plan.cfg.train.seed)
         model, tx, init = self.plan.model, self.step.tx, self.trainable.init_params
         if self.plan.resume and self.ckpt.latest_step() is not None:
-            return self._restore(jax.eval_shape(lambda: init_state(key, model, tx, init)))
+            state = self._restore(jax.eval_shape(lambda: init_state(key, model, tx, init)))
+            self._say(f"resumed {self.plan.run.path} from step {int(state.step)}")
+            return state
+        if self.plan.resume:
+            self._say(f"resuming {self.plan.run.path}: no checkpoint yet, starting at step 0")
         self._rewind(0)
         if self.step.shardings is None:
             state = init_state(key, model, tx, init)
@@ -152,6 +156,12 @@ class Trainer:
 
     def _note(self, text: str) -> None:
         print(text, file=self.out)
+
+    @staticmethod
+    def _say(text: str) -> None:
+        """A note for the user on stdout (main process only), before the progress bar starts."""
+        if parallel.is_main():
+            print(text, flush=True)
 
     # ---- the run -----------------------------------------------------------------------------
 
