@@ -45,6 +45,7 @@ RECIPES = {
 }
 SHORT = ["train.steps=2", "train.seq_len=64"]  # the only changes to the recipes
 COLORS = ("quick", "brown", "red")
+EOS_IDS = (0, 2)  # <|endoftext|>, <|im_end|>: _llama_run's generation_config.json
 
 
 def _records() -> list[dict]:
@@ -185,6 +186,19 @@ def test_recipe_runs_as_written_on_an_imported_chat_llama(ws, capfd, kind):
     samples = (run / "samples.txt").read_text()
     assert samples.startswith(f"===== step 2 =====\n{prompt}")
     assert f"sample:\n{prompt}" in out and f"run directory: runs/llama-{kind} (step 2)" in out
+    # The walk-through's chat line on the fine-tune: transformers' rendering of the turn, and a
+    # reply that never runs past an end-of-turn id of the base's generation_config.json.
+    turn = "What does the fox do?"
+    argv = ["chat", f"runs/llama-{kind}", "--message", turn, "--max-new-tokens", "3"]
+    assert cli.main([*argv, "--temperature", "0", "--show-ids"]) == 0
+    lines = capfd.readouterr().out.splitlines()
+    want = _transformers(ws).apply_chat_template(
+        [{"role": "user", "content": turn}], add_generation_prompt=True, tokenize=True,
+        return_dict=True,
+    )["input_ids"]  # fmt: skip
+    assert f"prompt ids: {want}" in lines
+    new = json.loads(next(x for x in lines if x.startswith("new ids: "))[len("new ids: ") :])
+    assert 1 <= len(new) <= 3 and not set(new[:-1]) & set(EOS_IDS)
 
 
 @pytest.mark.slow  # two fine-tunes of 2 steps and 1 (the step compiled once, then cached)
