@@ -17,7 +17,8 @@ TEXT = "".join(
     for i in range(200)
     for w in ("quick", "brown", "red")[i % 3 : i % 3 + 1]
 )
-VOCAB = 300  # the tokenizer's size; the model's vocab_size equals it
+VOCAB = 300  # the tokenizer's size; the model's vocab_size equals it unless padded
+PADDED_VOCAB = 320  # a padded embedding: 20 rows no token id reaches (tests/test_padded_vocab.py)
 
 
 def tokenizer() -> Tokenizer:
@@ -35,13 +36,14 @@ def tokenizer() -> Tokenizer:
     return tok
 
 
-def hf_checkpoint(directory: Path) -> transformers.LlamaForCausalLM:
+def hf_checkpoint(directory: Path, vocab_size: int | None = None) -> transformers.LlamaForCausalLM:
     """A GQA Llama (4 heads, 2 key/value heads, untied head) and its tokenizer.json in
-    `directory`."""
+    `directory`. `vocab_size`: the embedding's rows (default: the tokenizer's size; more pads
+    it, as published checkpoints do)."""
     tok = tokenizer()
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128,
+        vocab_size=vocab_size or tok.get_vocab_size(), hidden_size=64, intermediate_size=128,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         max_position_embeddings=64, tie_word_embeddings=False, bos_token_id=None,
         eos_token_id=None, pad_token_id=None,
@@ -52,10 +54,10 @@ def hf_checkpoint(directory: Path) -> transformers.LlamaForCausalLM:
     return model
 
 
-def imported_run(root: Path) -> Path:
-    """`lmjax import-hf` of `hf_checkpoint` (root/hf) into root/base; the corpus at
+def imported_run(root: Path, vocab_size: int | None = None) -> Path:
+    """`lmjax import-hf` of `hf_checkpoint(root/hf, vocab_size)` into root/base; the corpus at
     root/corpus.txt."""
-    hf_checkpoint(root / "hf")
+    hf_checkpoint(root / "hf", vocab_size)
     (root / "corpus.txt").write_text(TEXT)
     assert cli.main(["import-hf", str(root / "hf"), "--out", str(root / "base")]) == 0
     return root / "base"

@@ -236,9 +236,9 @@ def check_tokens(tokens, cfg: ModelConfig) -> jax.Array:
     if concrete:
         check_token_ids(
             np.asarray(tokens),
-            cfg.vocab_size,
+            cfg.vocab_ids,
             "tokens",
-            fix=f"re-tokenize with the model's tokenizer (vocab_size = {cfg.vocab_size})",
+            fix=f"re-tokenize with the model's tokenizer ({cfg.vocab_ids} ids)",
         )
     return jnp.asarray(tokens)
 
