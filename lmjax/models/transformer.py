@@ -238,7 +238,12 @@ def check_tokens(tokens, cfg: ModelConfig) -> jax.Array:
             np.asarray(tokens),
             cfg.vocab_ids,
             "tokens",
-            fix=f"re-tokenize with the model's tokenizer ({cfg.vocab_ids} ids)",
+            fix="re-tokenize with the model's tokenizer ("
+            + (
+                f"tokenizer_size = {cfg.vocab_ids}: embedding rows past it are padding)"
+                if cfg.padded_vocab
+                else f"vocab_size = {cfg.vocab_size})"
+            ),
         )
     return jnp.asarray(tokens)
 
