@@ -13,12 +13,13 @@ unrestricted greedy decode picks a padded id at its first step (asserted), and t
 - sampling (greedy, temperature, top-k, top-p; contiguous and paged caches) never returns an id
   >= n even when the padded rows' logits are 1e4 (and does without tokenizer_size: the check
   has teeth);
-- `lmjax finetune` (LoRA) + `eval` + `generate` + `export-hf` on the imported padded run: the
-  export keeps the 320 rows and transformers loads it with lmjax's logits; `lmjax train` with
+- `lmjax finetune configs/finetune-lora.yaml finetune.base=RUN data.tokenizer=...` (the
+  issue's command, whose errors chained) + `eval` + `generate` + `export-hf` on it: the export
+  keeps the 320 rows and transformers loads it with lmjax's logits; `lmjax train` with
   model.vocab_size above the tokenizer's size records tokenizer_size;
 - a tokenizer larger than the embedding is one error line with a fix.
 
-Cost: about 60 s on 2 loaded CPU cores (the CLI fine-tune and train runs compile).
+Cost: about 100 s of CPU (4 min wall on 2 loaded cores) (the CLI fine-tune and train runs compile).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import json
 import math
 import re
 import shutil
+from pathlib import Path
 from types import SimpleNamespace
 
 import jax
@@ -37,7 +39,7 @@ import torch
 import transformers
 import yaml
 from _bad_input import assert_one_line_error, run_main
-from _llama_run import PADDED_VOCAB, TEXT, VOCAB, finetune_config, hf_checkpoint
+from _llama_run import PADDED_VOCAB, TEXT, VOCAB, hf_checkpoint
 from tokenizers import Tokenizer
 
 from lmjax import cli, generate, models, testing
@@ -45,6 +47,7 @@ from lmjax.errors import ConfigError
 from lmjax.models.loss import loss_fn
 from lmjax.train.runs import load_run
 
+REPO = Path(__file__).resolve().parents[1]
 PROMPT = "The quick brown fox"
 NEW = 8  # greedy tokens compared with transformers
 PADDED_IDS = list(range(VOCAB, PADDED_VOCAB))
@@ -210,12 +213,17 @@ def test_ids_at_or_past_the_tokenizer_size_are_refused(loud_padding):
 
 
 def test_finetune_eval_generate_export_on_a_padded_run(padded, capsys, monkeypatch):
-    root = padded.root
-    lora = "lora: {r: 4, alpha: 8, targets: [all-linear]}"
-    config = finetune_config(root, lora)
-    ft = root / "ft"
-    steps = ["train.steps=2", "train.eval_every=2", "checkpoint.every=2", f"run.dir={ft}"]
-    code, out, err = run_main(root, ["finetune", str(config), *steps], capsys, monkeypatch)
+    """The issue's own command: the shipped LoRA config over the imported base, with the data
+    tokenizer the first error named (the base's label) and a small run."""
+    root, ft = padded.root, padded.root / "ft"
+    label = yaml.safe_load((root / "base" / "config.yaml").read_text())["data"]["tokenizer"]
+    config = REPO / "configs" / "finetune-lora.yaml"
+    argv = ["finetune", str(config), f"finetune.base={root / 'base'}",
+            f"data.corpus={root / 'corpus.txt'}", f"data.tokenizer={label}", "train.steps=2",
+            "train.batch_size=4", "train.seq_len=32", "train.eval_every=2", "train.eval_batches=1",
+            "checkpoint.every=2", "logging.sample_tokens=4", "logging.sample_prompt=The",
+            "logging.progress=false", f"run.dir={ft}", "--lora", "targets=all-linear"]  # fmt: skip
+    code, out, err = run_main(root, argv, capsys, monkeypatch)
     assert code == 0, err
     saved = yaml.safe_load((ft / "config.yaml").read_text())["model"]
     assert (saved["vocab_size"], saved["tokenizer_size"]) == (PADDED_VOCAB, VOCAB)
