@@ -231,9 +231,10 @@ def test_finetune_eval_generate_export_on_a_padded_run(padded, capsys, monkeypat
     assert any(x is not None for x in losses)
     assert all(math.isfinite(x) for x in losses if x is not None)
 
-    code, out, err = run_main(root, ["eval", str(ft)], capsys, monkeypatch)
-    assert code == 0, err
-    assert math.isfinite(float(re.search(r"validation loss (\S+)", out).group(1))), out
+    for run in (root / "base", ft):  # the imported run itself failed as finetune did
+        code, out, err = run_main(root, ["eval", str(run)], capsys, monkeypatch)
+        assert code == 0, err
+        assert math.isfinite(float(re.search(r"validation loss (\S+)", out).group(1))), out
 
     argv = ["generate", "--run", str(ft), "--prompt", PROMPT, "--temperature", "0",
             "--max-new-tokens", "6"]  # fmt: skip
