@@ -232,26 +232,10 @@ def _linear_ce_args(rng, dtype):
     return params, x, jnp.asarray(targets, jnp.int32)
 
 
-PADDED_IDS = 3  # the padded-head case: 3 token ids over _linear_args' 5 head rows
-
-
 def _padded_ce_args(rng, dtype):
-    """`_linear_ce_args` with targets below PADDED_IDS (rows 3 and 4 are padding)."""
+    """`_linear_ce_args` with targets below 3: head rows 3 and 4 are a padded vocabulary's."""
     params, x, targets = _linear_ce_args(rng, dtype)
-    return params, x, jnp.where(targets >= 0, targets % PADDED_IDS, targets)
-
-
-def _padded_head_ce(params, x, targets):
-    """The fused loss over the first PADDED_IDS head rows, as `models.loss.loss_fn` runs it
-    for a padded vocabulary: the slice's transpose must give the padded rows zero gradient."""
-    head = {k: w[:PADDED_IDS] for k, w in params.items()}
-    return ops.linear_cross_entropy(head, x, targets, chunk=4)
-
-
-def _padded_head_ce_reference(params, x, targets):
-    """Full logits, then the first PADDED_IDS columns; `jax.grad` does the rest."""
-    logits = ops.linear_reference(params, x)[..., :PADDED_IDS]
-    return ops.cross_entropy_reference(logits, targets)
+    return params, x, jnp.where(targets >= 0, targets % 3, targets)
 
 
 def _norm_args(shape, with_bias):
@@ -418,10 +402,10 @@ def _cases() -> list[OpCase]:
             _linear_ce_args,
             (0, 1),
         ),
-        OpCase(
+        OpCase(  # models.loss_fn on a padded vocabulary: the fused loss over a sliced head
             "linear_cross_entropy_padded_head",
-            _padded_head_ce,
-            _padded_head_ce_reference,
+            lambda p, x, y: o.linear_cross_entropy({k: w[:3] for k, w in p.items()}, x, y, chunk=4),
+            lambda p, x, y: o.cross_entropy_reference(o.linear_reference(p, x)[..., :3], y),
             _padded_ce_args,
             (0, 1),
         ),
