@@ -232,6 +232,12 @@ def _linear_ce_args(rng, dtype):
     return params, x, jnp.asarray(targets, jnp.int32)
 
 
+def _padded_ce_args(rng, dtype):
+    """`_linear_ce_args` with targets below 3: head rows 3 and 4 are a padded vocabulary's."""
+    params, x, targets = _linear_ce_args(rng, dtype)
+    return params, x, jnp.where(targets >= 0, targets % 3, targets)
+
+
 def _norm_args(shape, with_bias):
     def make(rng, dtype):
         x = _normal(rng, shape, dtype, 2.0) + 1.0
@@ -394,6 +400,13 @@ def _cases() -> list[OpCase]:
             partial(o.linear_cross_entropy, chunk=4),
             o.linear_cross_entropy_reference,
             _linear_ce_args,
+            (0, 1),
+        ),
+        OpCase(  # models.loss_fn on a padded vocabulary: the fused loss over a sliced head
+            "linear_cross_entropy_padded_head",
+            lambda p, x, y: o.linear_cross_entropy({k: w[:3] for k, w in p.items()}, x, y, chunk=4),
+            lambda p, x, y: o.cross_entropy_reference(o.linear_reference(p, x)[..., :3], y),
+            _padded_ce_args,
             (0, 1),
         ),
         OpCase("mse", o.mse, o.mse_reference, _binary((2, 3, 4)), (0, 1)),

@@ -18,7 +18,8 @@ TEXT = "".join(
     for i in range(200)
     for w in ("quick", "brown", "red")[i % 3 : i % 3 + 1]
 )
-VOCAB = 300  # the tokenizer's size; the model's vocab_size equals it
+VOCAB = 300  # the tokenizer's size; the model's vocab_size equals it unless padded
+PADDED_VOCAB = 320  # a padded embedding: 20 rows no token id reaches (tests/test_padded_vocab.py)
 
 
 # chat=True: ChatML's turn markers (ids 1 and 2), a template written here (a default system
@@ -53,17 +54,18 @@ def tokenizer(chat: bool = False) -> Tokenizer:
 
 
 def hf_checkpoint(
-    directory: Path, chat: bool = False, context: int | None = None
+    directory: Path, chat: bool = False, context: int | None = None, vocab_size: int | None = None
 ) -> transformers.LlamaForCausalLM:
     """A GQA Llama (4 heads, 2 key/value heads, untied head, `context` positions: 128 with
     `chat`, else 64) and its tokenizer.json in `directory`. `chat`: also a tokenizer_config.json
     (CHAT_TEMPLATE, eos_token <|im_end|>) and a generation_config.json (eos_token_id
     [<|im_end|>, <|endoftext|>]), and a head that says <|im_end|> EOS_STEP tokens into its
-    greedy reply to CHAT_PROMPT (`_end_turn`)."""
+    greedy reply to CHAT_PROMPT (`_end_turn`). `vocab_size`: the embedding's rows (default: the
+    tokenizer's size; more pads it, as published checkpoints do)."""
     tok = tokenizer(chat)
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128,
+        vocab_size=vocab_size or tok.get_vocab_size(), hidden_size=64, intermediate_size=128,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         max_position_embeddings=context or (128 if chat else 64), tie_word_embeddings=False,
         bos_token_id=None, eos_token_id=None, pad_token_id=None,
@@ -107,10 +109,12 @@ def _end_turn(model, directory: Path, eos: int) -> None:
         model.lm_head.weight[eos] = 1.25 * model.lm_head.weight[t]
 
 
-def imported_run(root: Path, chat: bool = False, context: int | None = None) -> Path:
-    """`lmjax import-hf` of `hf_checkpoint(root/hf, chat, context)` into root/base; the corpus
-    at root/corpus.txt."""
-    hf_checkpoint(root / "hf", chat, context)
+def imported_run(
+    root: Path, chat: bool = False, context: int | None = None, vocab_size: int | None = None
+) -> Path:
+    """`lmjax import-hf` of `hf_checkpoint(root/hf, chat, context, vocab_size)` into root/base;
+    the corpus at root/corpus.txt."""
+    hf_checkpoint(root / "hf", chat, context, vocab_size)
     (root / "corpus.txt").write_text(TEXT)
     assert cli.main(["import-hf", str(root / "hf"), "--out", str(root / "base")]) == 0
     return root / "base"

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from lmjax import tokenizers
+from lmjax import models, tokenizers
 from lmjax.errors import ConfigError, FileFormatError
 from lmjax.train import data as D
 
@@ -163,11 +163,16 @@ def test_damaged_token_files_are_reported(corpus, tmp_path):
         D.open_prepared(out)
 
 
-def test_vocab_must_match_the_model(corpus, tmp_path):
+def test_vocab_must_fit_the_model(corpus, tmp_path):
+    """Equal sizes, or a padded embedding (more rows: tokenizer_size records the ids); never a
+    tokenizer larger than the embedding."""
     prepared = D.open_prepared(D.prepare(str(corpus), tmp_path / "d", progress=False))
-    D.check_vocab(prepared, prepared.vocab_size)
-    with pytest.raises(ConfigError, match=f"vocab_size = {prepared.vocab_size}"):
-        D.check_vocab(prepared, prepared.vocab_size + 1)
+    n = prepared.vocab_size
+    model = models.preset("gpt", vocab_size=n)
+    assert D.check_vocab(prepared, model) == model
+    assert D.check_vocab(prepared, model.replace(vocab_size=n + 64)).tokenizer_size == n
+    with pytest.raises(ConfigError, match=f"tokenizer size = {n}; expected at most model.vocab"):
+        D.check_vocab(prepared, model.replace(vocab_size=n - 1))
 
 
 def test_batches_are_a_pure_function_of_seed_and_step():

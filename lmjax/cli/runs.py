@@ -57,7 +57,7 @@ def run_eval(args: argparse.Namespace) -> int:
         prepared.val,
         cfg.train,
         cfg.seq_len,
-        vocab_size=run.model.vocab_size,
+        vocab_size=run.model.vocab_ids,
         documents=prepared.val_documents if cfg.data.packing else None,
     )
     t = cfg.train

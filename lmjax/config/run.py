@@ -84,8 +84,9 @@ class RunConfig:
 
     def _model_with_any_vocab(self) -> ModelConfig:
         """The model config, with vocab_size 1 if the data is still to decide it."""
-        if self.vocab_from_data:
-            return self.with_vocab_size(1).model_config()
+        if self.vocab_from_data:  # tokenizer_size dropped too: it may not exceed vocab_size
+            model = {**self.model, "vocab_size": 1, "tokenizer_size": None}
+            return self.replace(model=model).model_config()
         return self.model_config()
 
     def replace(self, **changes) -> RunConfig:

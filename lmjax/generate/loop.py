@@ -19,6 +19,8 @@ Policies:
 - Stops: a row ends after `max_new_tokens` tokens or after emitting one of `stop_tokens` (the
   stop token is its last token); finished rows keep their batch slot but emit nothing, and a
   paged cache returns their pages to the pool at once. The run ends when every row has ended.
+- Padded vocabulary (`cfg.tokenizer_size` n < V): only the first n logits are sampled from
+  (greedy or not), so no id >= n is ever emitted; prompts and stop tokens must be below n.
 - Randomness: step n samples with `fold_in(key(seed), n)`, so a seed reproduces a run exactly.
 - Dtypes: the params are cast to `cfg.compute_dtype` once, before the first step, so each jitted
   step reads the compute-dtype weights (no per-token cast of float32 master weights).
@@ -58,11 +60,18 @@ class Step(NamedTuple):
     pages_in_use: int | None
 
 
+def token_logits(logits_BV, cfg: ModelConfig):
+    """`[B, V] -> [B, n]`: the logits of the tokenizer's ids only (n = `cfg.vocab_ids`), so a
+    padded embedding's extra rows are never sampled, whatever their values."""
+    return logits_BV[:, : cfg.vocab_ids] if cfg.padded_vocab else logits_BV
+
+
 def _prefill_sample(params, tokens_BT, lengths_B, cache, key, cfg, sampling):
     x_BTD, cache = prefill_hidden(params, tokens_BT, cfg, cache, lengths_B)
     # Only each row's last real position goes through the head.
     last_B1D = jnp.take_along_axis(x_BTD, (lengths_B - 1)[:, None, None], axis=1)
     logits_BV = head(cast(params, cfg.compute_dtype), last_B1D, cfg)[:, 0].astype(jnp.float32)
+    logits_BV = token_logits(logits_BV, cfg)
     finite_B = jnp.isfinite(logits_BV).all(axis=-1)
     return sample(logits_BV, jax.random.fold_in(key, 0), sampling), finite_B, cache
 
@@ -70,6 +79,7 @@ def _prefill_sample(params, tokens_BT, lengths_B, cache, key, cfg, sampling):
 def _decode_sample(params, token_B, cache, key, step, cfg, sampling):
     """`-> (token [B], finite [B], cache)`: the caller maps the pages (see `paged`)."""
     logits_BV, cache = decode_logits(params, token_B, cfg, cache)
+    logits_BV = token_logits(logits_BV, cfg)
     finite_B = jnp.isfinite(logits_BV).all(axis=-1)
     return sample(logits_BV, jax.random.fold_in(key, step), sampling), finite_B, cache
 
@@ -116,7 +126,7 @@ def stream(
     """
     rows = _check_prompts(prompts, cfg)
     sampling = Sampling(temperature, top_k, top_p)
-    sampling.check_vocab(cfg.vocab_size)
+    sampling.check_vocab(cfg.vocab_ids)
     _check_run(rows, cfg, max_new_tokens, seed, cache, page_size, num_pages)
     stops = _check_stop_tokens(stop_tokens, cfg)
     check_params(params, cfg)
@@ -278,7 +288,7 @@ def _check_prompts(prompts, cfg: ModelConfig) -> list[np.ndarray]:
                 f"<= context_length = {cfg.context_length}",
                 "crop the prompt to its last tokens or use a model with a longer context",
             )
-        check_token_ids(row, cfg.vocab_size, f"prompts[{i}]")
+        check_token_ids(row, cfg.vocab_ids, f"prompts[{i}]")
         rows.append(row.astype(np.int32))
     return rows
 
@@ -336,15 +346,15 @@ def _check_stop_tokens(stop_tokens, cfg: ModelConfig) -> np.ndarray:
             "stop_tokens", stop_tokens, "a list of int token ids", "pass ids, not strings"
         )
     for i, stop in enumerate(stop_tokens):  # before int64 conversion, which overflows
-        if not 0 <= stop < cfg.vocab_size:
+        if not 0 <= stop < cfg.vocab_ids:
             raise TokenError.describe(
                 f"stop_tokens[{i}]",
                 stop,
-                f"an id in [0, {cfg.vocab_size})",
+                f"an id in [0, {cfg.vocab_ids})",
                 "pass ids of the model's vocabulary",
             )
     stops = np.asarray(stop_tokens, dtype=np.int64).reshape(-1)
     return stops
 
 
-__all__ = ["CACHES", "Step", "cache_slots", "generate", "stream"]
+__all__ = ["CACHES", "Step", "cache_slots", "generate", "stream", "token_logits"]

@@ -297,7 +297,8 @@ def check_tokenizer(tokenizer, cfg: ModelConfig, where: str | os.PathLike) -> No
             f"{where}: tokenizer vocabulary",
             f"{tokenizer.vocab_size} tokens",
             f"at most the model's vocab_size ({cfg.vocab_size}): every id it encodes must exist",
-            "put the vocab.json/merges.txt saved with this checkpoint beside it",
+            "put the tokenizer saved with this checkpoint (tokenizer.json, or vocab.json and "
+            "merges.txt) beside it; one with fewer ids than the model's rows is fine",
         )
 
 

@@ -91,6 +91,7 @@ class ModelConfig:
     rope_high_freq_factor: float = 4.0
     rope_original_context: int = 8192
     sliding_window: int | None = None
+    tokenizer_size: int | None = None
 
     def __post_init__(self):
         for name in ("dtype", "param_dtype"):  # accept jnp.bfloat16 as well as "bfloat16"
@@ -118,6 +119,16 @@ class ModelConfig:
         return self.kv_heads * self.d_head
 
     @property
+    def vocab_ids(self) -> int:
+        """n: the token ids the model reads and writes, [0, n) (`tokenizer_size`, or V)."""
+        return self.vocab_size if self.tokenizer_size is None else self.tokenizer_size
+
+    @property
+    def padded_vocab(self) -> bool:
+        """Whether the embedding has rows past the tokenizer's ids (n < V)."""
+        return self.vocab_ids < self.vocab_size
+
+    @property
     def qkv_has_bias(self) -> bool:
         """Whether query/key/value have biases: `qkv_bias`, or `bias` when that is None."""
         return self.bias if self.qkv_bias is None else self.qkv_bias
@@ -140,6 +151,18 @@ class ModelConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def for_tokenizer(self, n_ids: int, what: str, fix: str) -> ModelConfig:
+        """This model for a tokenizer of `n_ids` ids: `tokenizer_size` n_ids when the embedding
+        is larger (padded), None when equal. ConfigError (`what` = n_ids, with `fix`) when the
+        tokenizer is larger than the embedding, or differs from a `tokenizer_size` already set.
+        """
+        v, given = self.vocab_size, self.tokenizer_size
+        expected = f"at most model.vocab_size = {v} ids (each id needs an embedding row)"
+        require(n_ids <= v, what, n_ids, expected, fix)
+        expected = f"model.tokenizer_size = {given} (the tokenizer this model was made for)"
+        require(given in (None, n_ids), what, n_ids, expected, fix)
+        return self.replace(tokenizer_size=n_ids if n_ids < v else None)
 
     @classmethod
     def from_dict(cls, fields: dict[str, Any]) -> ModelConfig:
@@ -202,6 +225,7 @@ def _validate(cfg: ModelConfig) -> None:
         require(ok, f"model.{name}", value, "a finite float > 0", fix)
     ok = is_real(cfg.dropout) and 0.0 <= cfg.dropout < 1.0
     require(ok, "model.dropout", cfg.dropout, "a float in [0, 1)", "use e.g. 0.1, or 0.0 for none")
+    _validate_tokenizer_size(cfg)
     _validate_heads(cfg)
     _validate_rope(cfg)
     _validate_positions(cfg)
@@ -212,6 +236,19 @@ def _optional_size(cfg: ModelConfig, name: str, meaning: str) -> None:
     ok = value is None or (is_int(value) and 1 <= value <= MAX_SIZE)
     fix = f"set {name} to a positive integer, or null for {meaning}"
     require(ok, f"model.{name}", value, f"null or an int in [1, {MAX_SIZE}]", fix)
+
+
+def _validate_tokenizer_size(cfg: ModelConfig) -> None:
+    """tokenizer_size: null, or at most vocab_size (every id needs an embedding row)."""
+    _optional_size(cfg, "tokenizer_size", "vocab_size (no padded rows)")
+    n = cfg.tokenizer_size
+    require(
+        n is None or n <= cfg.vocab_size,
+        "model.tokenizer_size",
+        n,
+        f"<= model.vocab_size = {cfg.vocab_size} (each token id needs an embedding row)",
+        f"use a tokenizer of at most {cfg.vocab_size} ids, or a model with vocab_size >= {n}",
+    )
 
 
 def _validate_heads(cfg: ModelConfig) -> None:

@@ -6,6 +6,10 @@ with m the loss mask (1 where the target counts; all ones without one) and a tar
 never counted. Both sit here, below `lmjax.lora` and `lmjax.train`, so that LoRA's objective
 (`lora.objective`) is built without importing the trainer above it; `lmjax.train.step`
 re-exports them.
+
+With a padded vocabulary (`cfg.tokenizer_size` n < V) CE runs over the first n logits only:
+rows n..V-1 of the head are no token, so they take no probability mass (their gradient is
+exactly 0) and a target >= n is out of range, as one >= V is otherwise.
 """
 
 from __future__ import annotations
@@ -48,11 +52,16 @@ def loss_fn(
     """
     # Only when given: the model's forward takes segment_ids since the packing change.
     model_kw = {} if segment_ids_BT is None else {"segment_ids": segment_ids_BT}
+    n = cfg.vocab_ids  # V unless padded: then the slices below are no-ops and are skipped
     if cfg.ops == "custom" and set(head_params(params, cfg)) <= {"weight", "bias"}:
         p, x_BTD = features(params, inputs_BT, cfg, dropout_key=dropout_key, **model_kw)
+        # A padded head is sliced to its token rows before the fused op, whose VJP stays the
+        # plain one; the slice's transpose gives the padded rows a zero gradient.
         head = head_params(p, cfg)
+        head = {k: w[:n] for k, w in head.items()} if cfg.padded_vocab else head
         return ops.linear_cross_entropy(head, x_BTD, targets_BT, loss_mask=loss_mask_BT)
     logits_BTV = forward(params, inputs_BT, cfg, dropout_key=dropout_key, **model_kw)
+    logits_BTV = logits_BTV[..., :n] if cfg.padded_vocab else logits_BTV
     return ops.cross_entropy(logits_BTV, targets_BT, loss_mask=loss_mask_BT)
 
 

@@ -236,9 +236,14 @@ def check_tokens(tokens, cfg: ModelConfig) -> jax.Array:
     if concrete:
         check_token_ids(
             np.asarray(tokens),
-            cfg.vocab_size,
+            cfg.vocab_ids,
             "tokens",
-            fix=f"re-tokenize with the model's tokenizer (vocab_size = {cfg.vocab_size})",
+            fix="re-tokenize with the model's tokenizer ("
+            + (
+                f"tokenizer_size = {cfg.vocab_ids}: embedding rows past it are padding)"
+                if cfg.padded_vocab
+                else f"vocab_size = {cfg.vocab_size})"
+            ),
         )
     return jnp.asarray(tokens)
 

@@ -108,7 +108,7 @@ def time_train_step(
     rng = np.random.default_rng(seed)
     micro = batch_size // grad_accum
     batches = [
-        random_batch(rng, cfg.vocab_size, grad_accum, micro, seq_len) for _ in range(n_batches)
+        random_batch(rng, cfg.vocab_ids, grad_accum, micro, seq_len) for _ in range(n_batches)
     ]
     state = init_state(jax.random.PRNGKey(seed), cfg, tx)
     train_step = make_train_step(cfg, tx, lr)

@@ -45,6 +45,7 @@ from lmjax.checks import require
 from lmjax.config import DataConfig, validate_data
 from lmjax.errors import ConfigError, FileFormatError
 from lmjax.files import atomic_dir, atomic_write_text
+from lmjax.models import ModelConfig
 from lmjax.tokenizers import gpt2
 from lmjax.train import encoding, sft_rows, text_stream
 from lmjax.train import prepare_docs as docs
@@ -408,16 +409,15 @@ def open_prepared(directory: str | os.PathLike) -> Prepared:
     return Prepared(directory, train, val, tok, meta, index["train"], index["val"])
 
 
-def check_vocab(prepared: Prepared, model_vocab: int) -> None:
-    """The token file's vocabulary must be the model's."""
-    if prepared.vocab_size != model_vocab:
-        raise ConfigError.describe(
-            f"data {prepared.directory} vocab_size",
-            prepared.vocab_size,
-            f"model.vocab_size = {model_vocab}",
-            "leave model.vocab_size null (taken from the data) or prepare with a matching "
-            "tokenizer",
-        )
+def check_vocab(prepared: Prepared, model: ModelConfig) -> ModelConfig:
+    """`model` for the data's tokenizer (`ModelConfig.for_tokenizer`): its ids must fit the
+    embedding (more rows than ids is a padded vocabulary, and fine)."""
+    return model.for_tokenizer(
+        prepared.vocab_size,
+        f"data {prepared.directory} tokenizer size",
+        f"set model.vocab_size >= {prepared.vocab_size} or null (taken from the data) and "
+        "model.tokenizer_size null, or prepare the data with the model's own tokenizer",
+    )
 
 
 __all__ = [

@@ -112,7 +112,7 @@ def build_trainer(plan: Plan, trainable: Trainable, out) -> Trainer:
         val,
         cfg.train,
         cfg.seq_len,
-        model.vocab_size,
+        model.vocab_ids,
         to_model,
         eval_sharding,
         documents,

@@ -96,10 +96,14 @@ def prepare_data(cfg: RunConfig, progress: bool = True, tokenizer_dir=None) -> D
 
 
 def resolve(cfg: RunConfig, prepared: D.Prepared) -> RunConfig:
-    """Fill model.vocab_size from the data, or check that it agrees with the data."""
+    """Fill model.vocab_size from the data (when null), and model.tokenizer_size when the
+    embedding has more rows than the data's tokenizer has ids (a padded vocabulary); a tokenizer
+    larger than the embedding is refused (`D.check_vocab`)."""
     if cfg.vocab_from_data:
         cfg = cfg.with_vocab_size(prepared.vocab_size)
-    D.check_vocab(prepared, cfg.model_config().vocab_size)
+    size = D.check_vocab(prepared, cfg.model_config()).tokenizer_size
+    if size != cfg.model.get("tokenizer_size"):
+        cfg = cfg.replace(model={**cfg.model, "tokenizer_size": size})
     return cfg
 
 

@@ -65,11 +65,12 @@ def load_run(path, step: int | None = None, *, quantize: str | None = None) -> L
     run, ckpt_step = RunDir.parse(path)
     step = step if step is not None else ckpt_step
     cfg = read_config(run.path)
-    model = cfg.model_config()
+    model, tokenizer = cfg.model_config(), run.tokenizer()
     kind = run.kind()
     if kind == FINETUNED:
         params, step = load_finetuned(run.path, cfg, step, quantize=quantize)
-        return LoadedRun(run.path, cfg, model, params, run.tokenizer(), step)
+        return LoadedRun(run.path, cfg, with_own_tokenizer(model, tokenizer, run), params,
+                         tokenizer, step)  # fmt: skip
     elif kind == TRAINED:
         ckpt = run.read_checkpoints()
         step = step if step is not None else ckpt.latest_step()
@@ -85,7 +86,18 @@ def load_run(path, step: int | None = None, *, quantize: str | None = None) -> L
             "train the run first (it has no saved weights yet)",
         )
     params = params if quantize is None else quantize_params(params)
-    return LoadedRun(run.path, cfg, model, params, run.tokenizer(), step)
+    model = with_own_tokenizer(model, tokenizer, run)
+    return LoadedRun(run.path, cfg, model, params, tokenizer, step)
+
+
+def with_own_tokenizer(model: ModelConfig, tokenizer, run: RunDir) -> ModelConfig:
+    """`model` with `tokenizer_size` from the run's own tokenizer (none: as it is). A run
+    imported before the field existed, with a padded embedding, so decodes and scores only the
+    tokenizer's ids; a tokenizer larger than the embedding is refused."""
+    if tokenizer is None:
+        return model
+    fix = f"put the tokenizer these weights were trained with in {run.tokenizer_dir}"
+    return model.for_tokenizer(tokenizer.vocab_size, f"{run.tokenizer_dir} size", fix)
 
 
 def is_qlora(path) -> bool:
@@ -192,6 +204,9 @@ def write_weights_run(out, params: dict, model: ModelConfig, tokenizer, tokenize
             "a path that does not exist yet",
             "pick a new --out (nothing was overwritten)",
         )
+    if tokenizer is not None:  # a padded embedding (more rows than ids) records the ids
+        fix = "write the weights with the tokenizer they were trained with"
+        model = model.for_tokenizer(tokenizer.vocab_size, "tokenizer size", fix)
     train_cfg = TrainConfig(batch_size=4, seq_len=min(256, model.context_length), eval_batches=10)
     cfg = RunConfig(
         model=model.to_dict(), data=DataConfig(tokenizer=tokenizer_kind), train=train_cfg

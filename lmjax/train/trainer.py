@@ -226,7 +226,7 @@ class Trainer:
 
     def _batch(self, step: int) -> dict:
         t, seq_len = self.plan.cfg.train, self.plan.cfg.seq_len
-        vocab, tokens = self.plan.model.vocab_size, self.plan.data.train
+        vocab, tokens = self.plan.model.vocab_ids, self.plan.data.train
 
         documents = self.plan.data.train_documents if self.plan.cfg.data.packing else None
 
