@@ -276,3 +276,15 @@ def test_split_and_digits_steps_leave_gaps_like_hf(llama_pair, tmp_path, individ
     hf, ours = Tokenizer.from_file(str(tmp_path / "tokenizer.json")), load_hf_tokenizer(tmp_path)
     for text in ("ab 12345 x٣٤ ²³ 7", TEXTS["code"], TEXTS["multilingual"], "0" * 70):
         assert ours.encode(text) == hf.encode(text).ids
+
+
+def test_a_text_encoded_in_chunks_gets_the_post_processor_ids_once(pair):
+    """`lmjax prepare` encodes long documents in chunks: the ids of the chunks must be the ids
+    of the whole document by the tokenizers library (Llama 3's BOS once, at the start)."""
+    from lmjax.train import encoding
+
+    hf, ours = pair
+    text = "".join(f"The fox {i} jumps.\nIt sleeps {i}.\n" for i in range(40))
+    assert len(list(encoding.chunks(text, 64))) > 10  # many cuts at this size
+    ids = encoding.encode_text(ours, text, "int32", size=64)
+    assert ids.tolist() == hf.encode(text).ids

@@ -120,6 +120,15 @@ class HFTokenizer:
         check_text(text)
         return self._engine.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def specials_around(self) -> tuple[list[int], list[int]]:
+        """The post-processor's ids before and after any text (`encode(t)` is `before +
+        encode(t, add_special_tokens=False) + after`): what a text encoded in pieces gets once,
+        not once a piece."""
+        inner = self._engine.encode("a", add_special_tokens=False).ids
+        whole = self._engine.encode("a").ids
+        start = next(i for i in range(len(whole)) if whole[i : i + len(inner)] == inner)
+        return whole[:start], whole[start + len(inner) :]
+
     def encode_parts(self, text: str) -> list[tuple[int, int]]:
         """`(id, byte length)` per token of `text` (no post-processor): the lengths add up to the
         UTF-8 length of the normalized text, so they give each token's byte offsets."""

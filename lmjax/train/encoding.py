@@ -41,10 +41,19 @@ def chunks(text: str, size: int = CHUNK) -> Iterator[str]:
     yield text[start:]
 
 
-def encode_text(tok, text: str, dtype) -> np.ndarray:
-    """`tok.encode(text)` as a `[L]` array of `dtype`, encoded chunk by chunk."""
-    parts = [np.asarray(tok.encode(piece), dtype=dtype) for piece in chunks(text)]
-    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+def encode_text(tok, text: str, dtype, size: int = CHUNK) -> np.ndarray:
+    """`tok.encode(text)` as a `[L]` array of `dtype`, encoded chunk by chunk (`size`
+    characters). A Hugging Face tokenizer's post-processor ids (Llama 3's
+    `<|begin_of_text|>`) go around the whole text once, not around every chunk."""
+    pieces = list(chunks(text, size))
+    if len(pieces) == 1:
+        return np.asarray(tok.encode(text), dtype=dtype)
+    before, after = tok.specials_around() if hasattr(tok, "specials_around") else ([], [])
+    if before or after:
+        parts = [np.asarray(tok.encode(p, add_special_tokens=False), dtype) for p in pieces]
+    else:
+        parts = [np.asarray(tok.encode(p), dtype) for p in pieces]
+    return np.concatenate([np.asarray(before, dtype), *parts, np.asarray(after, dtype)])
 
 
 _WORKER: dict = {}  # this process's tokenizer and dtype (set by encode_batches / _start_worker)
