@@ -25,6 +25,8 @@ from pathlib import Path
 
 from lmjax.checks import is_int
 from lmjax.errors import FileFormatError
+from lmjax.train.finetuned import read_spec
+from lmjax.train.rundir import MERGED_DIR, RunDir
 
 GENERATION_CONFIG = "generation_config.json"
 _MAX_BASES = 8  # fine-tunes of fine-tunes followed before giving up (a cycle cannot loop)
@@ -51,9 +53,6 @@ def generation_config_dir(run_dir: Path) -> Path | None:
     """The directory holding the generation_config.json of a run: its tokenizer/, or for a
     fine-tuned run without one, its base's (followed through finetune.yaml; a fine-tune's
     merged/ run follows the fine-tune); None if none."""
-    from lmjax.train.finetuned import read_spec
-    from lmjax.train.rundir import MERGED_DIR, RunDir
-
     run = RunDir(Path(run_dir))
     for _ in range(_MAX_BASES):
         if (run.tokenizer_dir / GENERATION_CONFIG).is_file():

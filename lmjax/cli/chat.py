@@ -59,10 +59,10 @@ def add_chat(sub) -> None:
 def run_chat(args: argparse.Namespace) -> int:
     from lmjax import chat, generate
     from lmjax.checks import require
-    from lmjax.cli.runs import _quantization, print_ids, stream_text
+    from lmjax.cli.runs import print_ids, quantization, stream_text
 
     generate.Sampling(args.temperature, args.top_k, args.top_p)  # a typo fails before loading
-    run = load_run(args.run_path, args.step, _quantization(args.quantize, args.run_path))
+    run = load_run(args.run_path, args.step, quantization(args.quantize, args.run_path))
     require(
         run.tokenizer is not None,
         "run",

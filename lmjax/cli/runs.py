@@ -164,7 +164,7 @@ def run_generate(args: argparse.Namespace) -> int:
     # The sampling flags first: a typo fails before the weights are read.
     generate.Sampling(args.temperature, args.top_k, args.top_p)
     path = args.run_dir or args.checkpoint
-    run = load_run(path, args.step, _quantization(args.quantize, path))
+    run = load_run(path, args.step, quantization(args.quantize, path))
     require(
         run.tokenizer is not None,
         "run",
@@ -235,7 +235,7 @@ def print_ids(prompt: list[int], new: list[int]) -> None:
     print(f"new ids: {list(map(int, new))}")
 
 
-def _quantization(flag: str | None, path) -> str | None:
+def quantization(flag: str | None, path) -> str | None:
     """`--quantize` as `train.load_run`'s `quantize`: unset follows the run (a QLoRA run decodes
     its NF4 base, as it trained), "none" is float weights."""
     from lmjax.train.runs import is_qlora

@@ -22,6 +22,9 @@ import os
 import re
 from pathlib import Path
 
+import huggingface_hub
+from huggingface_hub import constants, errors
+
 from lmjax.errors import CheckpointError
 
 # What import-hf reads of a repository (weights, configs, tokenizer files, a chat template).
@@ -39,9 +42,6 @@ def resolve(source: str | os.PathLike, download: bool = False, revision: str | N
     path = Path(source)
     if path.exists() or not is_repo_id(str(source)):
         return path  # the loaders say what is wrong with a path that does not exist
-    import huggingface_hub
-    from huggingface_hub import constants, errors
-
     repo = str(source)
     try:
         found = huggingface_hub.snapshot_download(

@@ -247,10 +247,17 @@ def _dtype(tok) -> str:
     return "uint16" if tok.vocab_size <= 1 << 16 else "uint32"
 
 
+# Kept in a run's tokenizer/ by import-hf (the model's stop ids, for lmjax chat) but not part of
+# how text becomes ids: a fine-tune's merged/ run lacks it and still encodes the same.
+_NOT_ENCODING = frozenset({"generation_config.json"})
+
+
 def files_sha256(directory: Path) -> str:
-    """sha256 over a directory's file names and bytes (a saved tokenizer's identity)."""
+    """sha256 over a directory's file names and bytes (a saved tokenizer's identity), leaving
+    out the files that do not change the encoding (`_NOT_ENCODING`)."""
     digest = hashlib.sha256()
-    for file in sorted(p for p in directory.rglob("*") if p.is_file()):
+    files = (p for p in directory.rglob("*") if p.is_file() and p.name not in _NOT_ENCODING)
+    for file in sorted(files):
         digest.update(f"{file.relative_to(directory)}\0".encode() + file.read_bytes())
     return digest.hexdigest()
 
