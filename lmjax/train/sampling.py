@@ -57,9 +57,10 @@ class Sampler:
         g = self.logging
         if g.sample_tokens == 0:
             return None
-        if self.gather:  # sample from a host copy: decoding runs on one device
-            params = multihost_utils.process_allgather(params, tiled=True)
         params = self.model_params(params)
+        if self.gather:  # sample from a host copy: decoding runs on one device
+            # The model's tree, not the trained one: a fine-tune's frozen base is sharded too.
+            params = multihost_utils.process_allgather(params, tiled=True)
         prompt, n, temperature = g.sample_prompt, g.sample_tokens, g.sample_temperature
         text = sample_text(params, self.model, self.tokenizer, prompt, n, temperature, seed=step)
         if parallel.is_main():
