@@ -32,6 +32,12 @@ and their optimizer state only; `--resume` continues), plus
 
 `lmjax.train.load_run(RUN)` on a fine-tune run returns the merged parameters, so `lmjax
 generate --run RUN`, `lmjax eval RUN` and `lmjax export-hf RUN` work on it directly too.
+
+On a mesh (`parallel.mesh`, or several processes: `lmjax train`'s `parallel.run_mesh_shape`)
+the frozen base, float or NF4, is laid out by the sharding rules (`sharded_parts`), the
+adapters and their optimizer state are replicated, a full fine-tune's trained leaves are
+sharded like a trained model's; the adapters and the merged model are gathered to the host and
+written by process 0.
 """
 
 from __future__ import annotations

@@ -459,7 +459,8 @@ def finetuned(corpus, straight):
 
     text = FINETUNE.format(base=straight["1x4"].dir, corpus=corpus / "corpus.txt", batch=BATCH)
     (corpus / "ft.yaml").write_text(text)
-    cfg, _, base_run = finetune.load_config(corpus / "ft.yaml")
+    # (this process has one device: the data section alone decides the cache entry)
+    cfg, _, base_run = finetune.load_config(corpus / "ft.yaml", ["parallel.mesh=null"])
     finetune.prepare_base_data(cfg, base_run)
     args = [str(corpus / "ft.yaml")]
     runs = {
