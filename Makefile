@@ -80,7 +80,7 @@ PORTABLE_TESTS := $(addprefix tests/,test_parallel_mesh.py test_parallel.py \
 	test_nf4_matmul.py test_nf4_tiled.py test_ops_gradients.py test_train_step.py \
 	test_torch_parity.py test_models_torch_parity.py test_hf_gpt2.py test_hf_families.py \
 	test_models.py test_models_families.py test_attention_gqa.py test_lora.py \
-	test_lora_llama.py test_qlora.py)
+	test_lora_llama.py test_qlora.py test_finetune_mesh.py)
 test-portable: $(STAMP)
 	XLA_FLAGS="$$XLA_FLAGS --xla_cpu_max_isa=$(ISA)" $(PY) -m pytest -q $(XDIST) $(PORTABLE_TESTS)
 

@@ -33,6 +33,12 @@ and their optimizer state only; `--resume` continues), plus
 
 `lmjax.train.load_run(RUN)` on a fine-tune run returns the merged parameters, so `lmjax
 generate --run RUN`, `lmjax eval RUN` and `lmjax export-hf RUN` work on it directly too.
+
+On a mesh (`parallel.mesh`, or several processes: `lmjax train`'s `parallel.run_mesh_shape`)
+the frozen base, float or NF4, is laid out by the sharding rules (`sharded_parts`), the
+adapters and their optimizer state are replicated, a full fine-tune's trained leaves are
+sharded like a trained model's; the adapters and the merged model are gathered to the host and
+written by process 0.
 """
 
 from __future__ import annotations
@@ -47,7 +53,7 @@ from typing import Any
 
 import jax
 
-from lmjax import lora
+from lmjax import lora, parallel
 from lmjax.checks import require
 from lmjax.config import RunConfig, parse_run_overrides, read_yaml
 from lmjax.errors import ConfigError, TokenError
@@ -122,13 +128,8 @@ def load_config(
     data["model"] = model
     data["data"] = _data_section(data.get("data") or {}, run_overrides, base_run)
     cfg = RunConfig.from_dict(data, run_overrides)
-    if cfg.parallel.mesh is not None:
-        raise ConfigError.describe(
-            "parallel.mesh",
-            cfg.parallel.mesh,
-            "null for a fine-tune (single device for now)",
-            "remove the parallel section",
-        )
+    if weights and cfg.parallel.mesh is not None:  # before the data is prepared (and cached)
+        parallel.check_mesh_shape(cfg.parallel.mesh, jax.device_count())
     resolved = str(Path(base).resolve())
     sha = fingerprint(base_run.params) if weights else None
     spec = FinetuneSpec(base, resolved, use_qlora, lcfg, base_run.step, sha, use_full, globs)
@@ -341,14 +342,50 @@ def finetune(
     else:  # the loop checks too, but after the data is prepared (and cached)
         run.check_writable(resume)
     # Before the data is prepared (and cached): a base NF4 can't hold fails with nothing written.
-    init, frozen = parts(spec, base_run.params)
+    init, frozen = sharded_parts(cfg, spec, base_run.params)
     cfg = prepare_base_data(cfg, base_run, sft_data=data, out=out)
     what = full_trainable(cfg, spec, init, frozen) if spec.full else trainable(cfg, spec, frozen)
     result = loop.train(cfg, config_path=str(path), resume=resume, out=out, trainable=what)
-    if not spec.full:
-        lora.save_adapters(run.adapters_file, result.params, spec.lora)
-    _write_merged(run_dir, model_params(spec, frozen, result.params), base_run)
+    # Host copies (over several processes a collective, so every process takes part); one
+    # process writes them.
+    trained = parallel.host_copy(result.params)
+    merged = parallel.host_copy(_in_base_dtype(model_params(spec, frozen, result.params), base_run))
+    if parallel.is_main():
+        if not spec.full:
+            lora.save_adapters(run.adapters_file, trained, spec.lora)
+        _write_merged(run_dir, merged, base_run)
+    parallel.barrier("lmjax finetune: adapters and merged model written")
     return result
+
+
+def sharded_parts(cfg: RunConfig, spec: FinetuneSpec, base_params: dict):
+    """`parts(spec, base)` (`(init, frozen)`) laid out on the run's mesh
+    (`parallel.run_mesh_shape`: `parallel.mesh`, or data over every device of several
+    processes); without one, `parts` itself.
+
+    The frozen base, float or NF4, is sharded by the parameter rules (`lmjax.parallel.rules`:
+    FSDP over d_model, tensor parallel over heads and MLP features; NF4 blocks over the same
+    axes), so a device holds 1/fsdp of it. A full fine-tune's trained leaves start as the base's
+    and are laid out the same way, with their optimizer state (the trainer's shardings). LoRA
+    adapters are left to the trainer, which replicates them and their optimizer state: they are
+    r (in + out) per layer, a fraction of a percent of the base, and a replicated A and B need no
+    gather in any projection; their gradient is reduced over data x fsdp like any other.
+    """
+    rows = cfg.train.batch_size // cfg.train.grad_accum
+    shape = parallel.run_mesh_shape(cfg.parallel.mesh, rows)
+    if shape is None:
+        return parts(spec, base_params)
+    mesh, model = parallel.make_mesh(shape), cfg.model_config()
+
+    def laid_out(tree):  # each device's block cut from this host's copy (every process's same)
+        specs = parallel.state_specs(tree, model, shape)
+        return parallel.place(tree, parallel.shardings(specs, mesh))
+
+    if spec.full:  # trained and frozen leaves alike: split after they are laid out
+        return parts(spec, laid_out(base_params))
+    _, frozen = parts(spec, base_params)  # NF4 quantized here, then laid out
+    frozen = laid_out(frozen)
+    return (lambda key: lora.init(key, frozen, spec.lora)), frozen
 
 
 def prepare_base_data(cfg: RunConfig, base_run, sft_data=None, out=None) -> RunConfig:
@@ -408,9 +445,12 @@ def _check_resume_data(run: RunDir, data, config_path) -> None:
     )
 
 
+def _in_base_dtype(params: dict, base_run) -> dict:
+    return jax.tree.map(lambda a: a.astype(base_run.model.params_dtype), params)
+
+
 def _write_merged(run_dir: Path, params: dict, base_run) -> None:
     target = RunDir(run_dir).merged_dir
-    params = jax.tree.map(lambda a: a.astype(base_run.model.params_dtype), params)
     tmp = run_dir / f".{MERGED_DIR}.new"
     shutil.rmtree(tmp, ignore_errors=True)
     kind = base_run.cfg.data.tokenizer
@@ -489,6 +529,7 @@ __all__ = [
     "memory",
     "prepare_base_data",
     "records_file",
+    "sharded_parts",
     "trainable",
     "with_base_tokenized_data",
 ]

@@ -122,7 +122,8 @@ CASES = {
     "model.dropout=2": (["model.dropout=2"], "model.dropout = 2"),
     "model.dtype=int8": (["model.dtype=int8"], "model.dtype = 'int8'"),
     "model=3": (["model=3"], "override key = 'model'"),
-    "parallel.mesh": (["parallel.mesh=data=2"], "parallel.mesh = {'data': 2}"),
+    # a mesh is checked against the devices before anything is written (one here)
+    "parallel.mesh": (["parallel.mesh=data=2"], "parallel.mesh = 'data=2,fsdp=1,model=1'"),
     "train.steps=0": (["train.steps=0"], "train.steps = 0"),
     "optimizer.lr=1e999": (["optimizer.lr=1e999"], "optimizer.lr = inf"),
     "corpus outside the base's chars": (["data.corpus=other.txt"], "data.corpus = 'other.txt'"),

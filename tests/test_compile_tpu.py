@@ -228,3 +228,40 @@ def test_tpu_script_says_to_check_a_config_with_compile_first():
     assert done.returncode == 2
     assert "lmjax compile CONFIG --topology" in done.stderr
     assert "lmjax compile configs/tpu-gpt2-124m.yaml --topology" in script.read_text()
+
+
+# A fine-tune config over a base given by its config.yaml alone (`lmjax compile` reads no
+# weights): a tiny Llama.
+TINY_BASE = {"preset": "llama", "vocab_size": 256, "context_length": 64, "d_model": 128,
+             "n_heads": 4, "n_kv_heads": 2, "n_layers": 1}  # fmt: skip
+FINETUNE = """
+finetune: {{base: {base}, {kind}}}
+data: {{tokenizer: gpt2}}
+train: {{batch_size: 4, seq_len: 64}}
+"""
+LORA = "lora: {r: 8, alpha: 16, targets: [all-linear], dropout: 0.0}\n"
+
+
+def _finetune_config(root: Path, model: dict, kind: str) -> str:
+    from lmjax.config import RunConfig
+    from lmjax.train.rundir import RunDir
+
+    base = root / f"base-{model['d_model']}"
+    base.mkdir(exist_ok=True)
+    RunDir(base).write_config(RunConfig.from_dict({"model": model, "data": {"tokenizer": "gpt2"}}))
+    path = root / f"{kind.split(':')[0]}-{model['d_model']}.yaml"
+    text = FINETUNE.format(base=base, kind=kind)
+    path.write_text(text + (LORA if "qlora" in kind else ""))
+    return str(path)
+
+
+def test_a_qlora_fine_tune_config_compiles_and_fits(tmp_path, capsys):
+    """`lmjax compile` of a fine-tune config on v5e:2x2: the QLoRA step (NF4 base sharded over
+    fsdp=4, adapters replicated, the NF4 projections on XLA's tiled path) compiles and fits."""
+    config = _finetune_config(tmp_path, TINY_BASE, "qlora: true")
+    code = _compile([config, "--topology", TOPOLOGY])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert "compiled a QLoRA fine-tune's train step, for v5e:2x2" in captured.out, captured.out
+    assert "mesh data=1,fsdp=4,model=1" in captured.out and "\nfits: " in captured.out
+    assert "arguments (state, batch, frozen base)" in captured.out

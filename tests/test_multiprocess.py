@@ -12,6 +12,8 @@ The runs (one corpus prepared once; each a fresh `lmjax train` subprocess):
     resume  2x2's checkpoint 2 resumed by two new processes, then process 1 SIGKILLed
     1x8     2x2's checkpoint 2 resumed by one process on 8 devices, data=2,fsdp=4
     2x4     the same resumed by two processes x 4 devices, data=2,fsdp=4
+    ft-1x4  `lmjax finetune` (QLoRA, all linear layers) of 1x4's model, data=2,fsdp=2
+    ft-2x2  the same over two processes x 2 devices: the NF4 base sharded across them
 
 Every process runs WORKER: `lmjax train` with the batch rows it read (`train_batch`'s `rows`)
 and every file it wrote (a `sys.addaudithook` on open/rename/mkdir) recorded.
@@ -27,7 +29,8 @@ P partials that alone are ordered differently. Resuming on the same processes an
 every operation in order, so it is checked bit for bit.
 
 Cost: about 90 s on 2 cores (measured 84-87 s with other work on the machine: 4 two-process
-and 2 one-process starts, each importing jax and compiling a 1-layer model); every process
+and 2 one-process starts, each importing jax and compiling a 1-layer model), plus the two
+fine-tunes started together (one two-process and one one-process start); every process
 started here is killed at the end, also on failure.
 """
 
@@ -128,9 +131,12 @@ def free_port() -> int:
 
 
 class Run:
-    """One `lmjax train` over `processes` processes of `devices` CPU devices each."""
+    """One `lmjax train` (or `verb`: finetune) over `processes` processes of `devices` CPU
+    devices each."""
 
-    def __init__(self, root: Path, name: str, processes: int, devices: int, args, env=None):
+    def __init__(
+        self, root: Path, name: str, processes: int, devices: int, args, env=None, verb="train"
+    ):
         self.dir, self.logs = root / name, root / f"{name}.logs"
         self.logs.mkdir(parents=True, exist_ok=True)
         port = free_port()
@@ -149,7 +155,7 @@ class Run:
             with open(self.logs / f"{i}.err", "w") as err:
                 command = [sys.executable, "-c", WORKER, str(self.dir), str(self.record_path(i))]
                 proc = subprocess.Popen(
-                    [*command, "train", *args, f"run.dir={self.dir}"],
+                    [*command, verb, *args, f"run.dir={self.dir}"],
                     cwd=ROOT, env=full_env, stdout=subprocess.DEVNULL, stderr=err,
                 )  # fmt: skip
             PROCESSES.append(proc)
@@ -430,3 +436,55 @@ def test_the_mesh_of_a_run_without_one(monkeypatch):
     assert mesh.run_mesh_shape(None, 8) == {"data": 4, "fsdp": 1, "model": 1}
     with pytest.raises(ConfigError, match=r"parallel.mesh null over 2 processes.*multiple of"):
         mesh.run_mesh_shape(None, 6)
+
+
+FINETUNE = """
+finetune: {{base: {base}, qlora: true}}
+lora: {{r: 4, alpha: 8, targets: [all-linear], dropout: 0.0}}
+data: {{corpus: {corpus}, tokenizer: char}}
+schedule: {{warmup_steps: 1}}
+train: {{steps: 2, batch_size: {batch}, seq_len: 8, eval_every: 2, eval_batches: 1}}
+checkpoint: {{every: 1}}
+logging: {{every: 1, progress: false, sample_tokens: 2, sample_prompt: T, peak_flops: 1.0e+12}}
+parallel: {{mesh: "data=2,fsdp=2"}}
+"""
+
+
+@pytest.fixture(scope="module")
+def finetuned(corpus, straight):
+    """QLoRA of the 1x4 run's model, in one process of 4 devices and in two of 2 (the same
+    global mesh). The corpus is encoded with the base's tokenizer and cached here first, so
+    the processes read one cache entry instead of racing to write it."""
+    from lmjax import finetune
+
+    text = FINETUNE.format(base=straight["1x4"].dir, corpus=corpus / "corpus.txt", batch=BATCH)
+    (corpus / "ft.yaml").write_text(text)
+    # (this process has one device: the data section alone decides the cache entry)
+    cfg, _, base_run = finetune.load_config(corpus / "ft.yaml", ["parallel.mesh=null"])
+    finetune.prepare_base_data(cfg, base_run)
+    args = [str(corpus / "ft.yaml")]
+    runs = {
+        "ft-1x4": Run(corpus, "ft-1x4", 1, 4, args, verb="finetune"),
+        "ft-2x2": Run(corpus, "ft-2x2", 2, 2, args, verb="finetune"),
+    }
+    return {name: run.finish() for name, run in runs.items()}
+
+
+def test_two_processes_fine_tune_as_one_over_the_same_mesh(finetuned):
+    """QLoRA over two processes: the losses, gradient norms and merged parameters of one
+    process on the same mesh (module docstring's tolerance), each process reading its half of
+    the rows; only process 0 writes the adapters, the merged model and the logs."""
+    got, want = finetuned["ft-2x2"], finetuned["ft-1x4"]
+    assert_same_training(got, want, [1, 2])
+    half = BATCH // 2
+    for i in range(2):
+        rows = got.record(i)["rows"]
+        assert rows and all(r == list(range(i * half, (i + 1) * half)) for _, r in rows), rows
+    outside = {w for w in got.record(1)["writes"] if not w.startswith("checkpoints")}
+    assert outside == set(), outside
+    written = {w.split(os.sep)[0] for w in got.record(0)["writes"]}
+    assert {"adapters.safetensors", "merged", "finetune.yaml", "samples.txt"} <= written, written
+    # merged/ (merged on the mesh) is the checkpoint's model (merged here, on one device).
+    merged = load_run(got.dir / "merged").params
+    for a, b in zip(jax.tree.leaves(merged), jax.tree.leaves(got.params(2)), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)

@@ -367,19 +367,22 @@ def _param_paths(step: dict) -> list[str]:
     return sorted(k[len(".params") :] for k in step if k.startswith(".params"))
 
 
-def step_excess(ref: dict, got: dict, row_scale: float, optimizer: str) -> dict[str, float]:
+def step_excess(
+    ref: dict, got: dict, row_scale: float, optimizer: str, tau: float = TAU
+) -> dict[str, float]:
     """measured difference / derived bound of each quantity of one step against the
-    single-device step (module docstring); above 1 is a violation. `row_scale`: M."""
+    single-device step (module docstring); above 1 is a violation. `row_scale`: M; `tau`: TAU
+    of another model's contraction path (tests/test_finetune_mesh.py)."""
     norm = float(ref["metric.grad_norm"])
     n_params = sum(ref[".params" + k].size for k in _param_paths(ref))
     # |‖g'‖ - ‖g‖| <= ‖g' - g‖_2 + rounding of the sum of squares (P non-negative terms).
-    norm_bound = np.sqrt(n_params) * TAU * row_scale + _gamma(n_params) * norm
+    norm_bound = np.sqrt(n_params) * tau * row_scale + _gamma(n_params) * norm
     scale = CLIP / norm  # the clipping factor; norm > CLIP here
     g_ref, g_got = clipped_gradient(ref, optimizer), clipped_gradient(got, optimizer)
     out = {"grad_norm": abs(float(got["metric.grad_norm"]) - norm) / norm_bound}
     # ĝ = g / ‖g‖: |Δĝ| <= |Δg| / ‖g‖ + |ĝ| |Δ‖g‖| / ‖g‖, plus 3 roundings (scale, (1-b1), /).
     g_bound = {
-        k: scale * TAU * row_scale + np.abs(g) * (norm_bound / norm + 3 * U)
+        k: scale * tau * row_scale + np.abs(g) * (norm_bound / norm + 3 * U)
         for k, g in g_ref.items()
     }
     out["gradient"] = max(
@@ -388,7 +391,7 @@ def step_excess(ref: dict, got: dict, row_scale: float, optimizer: str) -> dict[
     if optimizer == "adam":
         # The losses: means of TOKENS positive terms, each from the same contractions.
         loss = float(ref["metric.loss"])
-        out["loss"] = abs(float(got["metric.loss"]) - loss) / (TAU * loss)
+        out["loss"] = abs(float(got["metric.loss"]) - loss) / (tau * loss)
         nu_ref, nu_got = _moments(ref, "nu"), _moments(got, "nu")
         out["adam_nu"] = max(
             float(np.max(np.abs(nu_got[k] - v) / (

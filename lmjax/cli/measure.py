@@ -125,18 +125,37 @@ def run_bench(args: argparse.Namespace) -> int:
 # ---- lmjax compile -------------------------------------------------------------------------------
 
 
+def _compile_config(path, overrides):
+    """`(run config, FinetuneSpec or None)`: a fine-tune config (one with a `finetune` section)
+    is read as `lmjax finetune` reads it, its model the base's (only the base's config.yaml is
+    read, no weights); any other as `lmjax train`'s."""
+    from lmjax.config import load_run_config, read_yaml
+
+    data = read_yaml(path)
+    if isinstance(data, dict) and "finetune" in data:
+        from lmjax import finetune
+
+        cfg, spec, _ = finetune.load_config(path, overrides, weights=False)
+        return cfg, spec
+    return load_run_config(path, overrides), None
+
+
 def add_compile(sub) -> None:
     comp = add_config_command(
         sub,
         "compile",
-        help="compile a run config's sharded train step for a TPU topology (no TPU needed)",
+        help="compile a run or fine-tune config's sharded train step for a TPU topology "
+        "(no TPU needed)",
         description="Build CONFIG's train step (with section.field=value overrides) sharded "
         "over a mesh of TOPOLOGY's devices, and compile it with the real TPU compiler (libtpu: "
         "pip install 'lmjax[tpu]'); nothing is allocated or run, so any machine will do. Prints "
         "the compiled step's per-device memory (arguments, outputs, temporaries, generated "
         "code) against the HBM a device may use, its FLOPs and the compile time. Exits 0 only "
-        "if the step compiled and fits: check a config this way before creating a TPU VM.",
-        config_help="a YAML run config, e.g. configs/tpu-gpt2-124m.yaml",
+        "if the step compiled and fits: check a config this way before creating a TPU VM. "
+        "A fine-tune config (configs/finetune-*.yaml) compiles lmjax finetune's step: the "
+        "base's model (its config.yaml alone is read), LoRA adapters or the unfrozen leaves "
+        "trained, the frozen base (NF4 with finetune.qlora=true) sharded too.",
+        config_help="a YAML run or fine-tune config, e.g. configs/tpu-gpt2-124m.yaml",
     )
     comp.add_argument(
         "--topology",
@@ -161,7 +180,6 @@ def run_compile(args: argparse.Namespace) -> int:
 
     import jax
 
-    from lmjax.config import load_run_config
     from lmjax.parallel.mesh import parse_mesh_text
     from lmjax.train import tpu_compile
 
@@ -173,8 +191,8 @@ def run_compile(args: argparse.Namespace) -> int:
     mesh = parse_mesh_text(args.mesh) if args.mesh else None
     if args.output:
         check_output_file(args.output)
-    run = load_run_config(args.config, args.overrides)
-    report = tpu_compile.compile_train_step(run, args.topology, mesh)
+    run, spec = _compile_config(args.config, args.overrides)
+    report = tpu_compile.compile_train_step(run, args.topology, mesh, finetune=spec)
     print(f"{args.config}: " + tpu_compile.format_report(report))
     if args.output:
         write_json(args.output, report.to_dict())

@@ -212,8 +212,11 @@ def add_finetune(sub) -> None:
 
 def run_finetune(args: argparse.Namespace) -> int:
     from lmjax import finetune
+    from lmjax.parallel import initialize_from_env
     from lmjax.train.rundir import RunDir
 
+    # Multi-host runs only; before the base is read onto a device (and the mesh checked).
+    initialize_from_env()
     result = finetune.finetune(
         args.config,
         [*args.overrides, *(["data.skip_bad=true"] if args.skip_bad else [])],

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from lmjax import ops
 from lmjax.errors import ShapeError
+from lmjax.models.sharding import context_mesh_shape
 from lmjax.quant.nf4 import QuantizedWeight
 from pallas_kernels import nf4_matmul as nf4mm
 
@@ -28,8 +29,8 @@ def project(params: Params, x: jax.Array, *, reference: bool = False) -> jax.Arr
     A `"lora"` entry (an `lmjax.lora.Adapter`) adds its low-rank term to the base projection; it
     is called on x and never combined with W, so a quantized W is never dequantized for it. A
     `QuantizedWeight` runs `pallas_kernels.nf4_matmul.quantized_linear` (the Pallas kernel on
-    GPU/TPU, the tiled plain-jnp path elsewhere; dx and db only, the frozen weight gets no
-    gradient). `reference=True` takes the plain-jnp references, for `jax.grad` comparisons.
+    GPU/TPU, the tiled plain-jnp path elsewhere and on a mesh; dx and db only, the frozen weight
+    gets no gradient). `reference=True` takes the plain-jnp references, for `jax.grad` comparisons.
     """
     if "lora" in params:
         base = {k: v for k, v in params.items() if k != "lora"}
@@ -45,5 +46,13 @@ def _quantized(params: Params, x: jax.Array, *, reference: bool) -> jax.Array:
     if set(params) - {"weight", "bias"}:
         keys = "{'weight'} or {'weight', 'bias'}"
         raise ShapeError.describe("linear params keys", sorted(params), keys, "drop the rest")
-    run = nf4mm.nf4_matmul_reference if reference else nf4mm.quantized_linear
+    if reference:
+        run = nf4mm.nf4_matmul_reference
+    elif context_mesh_shape() is not None:
+        # Traced on a mesh (a sharded QLoRA step): the plain-jnp tiled path, which XLA's
+        # partitioner splits like any op. The Pallas kernel is a Mosaic / Triton call it cannot
+        # split ("Mosaic kernels cannot be automatically partitioned"), and is not shard-mapped.
+        run = nf4mm.nf4_matmul_tiled
+    else:
+        run = nf4mm.quantized_linear
     return run(x, params["weight"], params.get("bias"))

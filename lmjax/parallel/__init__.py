@@ -22,7 +22,14 @@ from lmjax.parallel.mesh import (
     replicated,
     run_mesh_shape,
 )
-from lmjax.parallel.multihost import barrier, host_batch, initialize_from_env, is_main
+from lmjax.parallel.multihost import (
+    barrier,
+    host_batch,
+    host_copy,
+    initialize_from_env,
+    is_main,
+    place,
+)
 from lmjax.parallel.rules import (
     LOGICAL_TO_MESH,
     describe,
@@ -45,6 +52,7 @@ __all__ = [
     "check_mesh_shape",
     "describe",
     "host_batch",
+    "host_copy",
     "initialize_from_env",
     "is_main",
     "make_mesh",
@@ -52,6 +60,7 @@ __all__ = [
     "param_specs",
     "parse_mesh_arg",
     "per_device_bytes",
+    "place",
     "replicated",
     "run_mesh_shape",
     "shard_shape",

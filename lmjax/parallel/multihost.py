@@ -186,6 +186,27 @@ def host_batch(read_rows, shape: tuple[int, ...], sharding):
     return jax.tree.map(assemble, read_rows(rows))
 
 
+def place(tree, shardings):
+    """`tree` (the same values on every process, e.g. a base model each one loaded) laid out by
+    `shardings`, a tree of `NamedSharding`s of the same structure: each device's block is cut
+    from a host copy, so this works across processes, where `jax.device_put` of a
+    process-local array onto devices of other processes would not."""
+
+    def one(leaf, sharding):
+        host = np.asarray(jax.device_get(leaf))
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+    return jax.tree.map(one, tree, shardings)
+
+
+def host_copy(tree):
+    """`tree` as host (numpy) arrays, whole: gathered from every process when there are several
+    (a collective: every process must call it), else fetched from its devices."""
+    if jax.process_count() == 1:
+        return jax.device_get(tree)
+    return multihost_utils.process_allgather(tree, tiled=True)
+
+
 def silent_processes(last_heard: dict[int, float], now: float, timeout_s: float) -> list[int]:
     """The processes not heard from for more than `timeout_s` (times on one local clock)."""
     return sorted(p for p, heard in last_heard.items() if now - heard > timeout_s)

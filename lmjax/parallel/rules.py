@@ -21,10 +21,21 @@ instead of padded: the tensor stays correct and only that dimension loses the me
 state (AdamW's mu and nu mirror the parameter tree) gets its parameter's spec by path; other
 leaves (step counters) are replicated, as are parameters the declaration does not know (e.g.
 adapters added on top).
+
+An NF4 weight (a QLoRA base's `QuantizedWeight`: its codes flattened row-major, two a byte, and
+one 8-bit scale per block of 64) is split along its flat axis instead, over every axis of its
+float weight's spec (`fsdp` and `model`), when that divides the blocks evenly:
+
+    packed [ceil(N/2)] -> P(axes)   qabsmax [ceil(N/64)] -> P(axes)   absmax2, offset -> P()
+
+so each device holds whole blocks and their scales (N/n weights at 4.127 bits); the few
+double-quantization scales are replicated. Dequantization is elementwise per block, so XLA
+gathers the float weight where it is used, as it gathers an FSDP float weight.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 
@@ -32,6 +43,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from lmjax.models import ModelConfig, declare
+from lmjax.quant.nf4 import BLOCK, QuantizedWeight
 
 LOGICAL_TO_MESH: dict[str, str | None] = {
     "vocab": None,
@@ -75,27 +87,57 @@ def _param_name(path) -> str:
     return ".".join(reversed(keys))
 
 
-def tree_specs(tree, named: Mapping[str, PartitionSpec], shapes: Mapping[str, tuple]):
+def tree_specs(
+    tree,
+    named: Mapping[str, PartitionSpec],
+    shapes: Mapping[str, tuple],
+    mesh_shape: Mapping[str, int] | None = None,
+):
     """Specs for any tree holding parameter-shaped leaves (params, AdamW moments, gradients).
 
     A leaf whose path ends in a parameter's name and has that parameter's shape gets its spec;
-    every other leaf is replicated.
+    every other leaf is replicated. An NF4 `QuantizedWeight` gets `nf4_specs` (`mesh_shape`
+    needed to split it; None: replicated).
     """
 
     def leaf_spec(path, leaf):
         name = _param_name(path)
         if name in named and tuple(leaf.shape) == tuple(shapes[name]):
+            if isinstance(leaf, QuantizedWeight):
+                return nf4_specs(leaf, named[name], mesh_shape)
             return named[name]
+        if isinstance(leaf, QuantizedWeight):  # not a parameter of the declaration: replicated
+            return nf4_specs(leaf, PartitionSpec(), mesh_shape)
         return PartitionSpec()
 
-    return jax.tree_util.tree_map_with_path(leaf_spec, tree)
+    is_nf4 = lambda x: isinstance(x, QuantizedWeight)  # noqa: E731  (one leaf, four arrays)
+    return jax.tree_util.tree_map_with_path(leaf_spec, tree, is_leaf=is_nf4)
+
+
+def nf4_specs(qw, float_spec: PartitionSpec, mesh_shape: Mapping[str, int] | None):
+    """The specs of an NF4 weight's four arrays (module docstring): its flat codes and block
+    scales split over the mesh axes of `float_spec` (its float weight's spec) when n = their
+    product divides the blocks (ceil(N/64) % n == 0 and N % 64 == 0, so no block straddles two
+    devices), else replicated; absmax2 and offset replicated."""
+    axes = tuple(a for entry in float_spec if entry for a in _names(entry))
+    n = math.prod((mesh_shape or {}).get(a, 1) for a in axes)
+    blocks = -(-qw.size // BLOCK)
+    split = n > 1 and qw.size % BLOCK == 0 and blocks % n == 0
+    flat = PartitionSpec(axes if len(axes) > 1 else axes[0]) if split else PartitionSpec()
+    return dataclasses.replace(
+        qw, packed=flat, qabsmax=flat, absmax2=PartitionSpec(), offset=PartitionSpec()
+    )
+
+
+def _names(entry) -> tuple[str, ...]:
+    return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def state_specs(state, cfg: ModelConfig, mesh_shape: Mapping[str, int]):
     """A `TrainState`'s (or any tree's) specs: parameters and optimizer state by the rules."""
     named = param_specs(cfg, mesh_shape)
     shapes = {name: spec.shape for name, spec in declare(cfg).items()}
-    return tree_specs(state, named, shapes)
+    return tree_specs(state, named, shapes, mesh_shape)
 
 
 def shardings(specs, mesh: Mesh):

@@ -98,7 +98,7 @@ def build_trainer(plan: Plan, trainable: Trainable, out) -> Trainer:
     """The jitted step (on the plan's mesh, if any) and the pieces the trainer calls."""
     cfg, model = plan.cfg, plan.model
     tx, lr = optim.from_config(cfg)
-    mesh, shardings = _mesh_and_shardings(plan.mesh_shape, model, tx)
+    mesh, shardings = _mesh_and_shardings(plan.mesh_shape, model, tx, trainable.init_params)
     step = make_train_step(model, tx, lr, shardings, loss=trainable.loss)
     # On a mesh the eval batch is split like a training batch: left as host arrays it was
     # replicated, every device running the whole micro-batch.
@@ -126,13 +126,16 @@ def build_trainer(plan: Plan, trainable: Trainable, out) -> Trainer:
     return Trainer(plan, trainable, Step(step, tx, mesh, shardings), pieces, out)
 
 
-def _mesh_and_shardings(shape: dict[str, int] | None, model, tx):
+def _mesh_and_shardings(shape: dict[str, int] | None, model, tx, init_params=None):
     """`(mesh, TrainState of NamedShardings)` on the plan's mesh shape (`parallel.run_mesh_shape`:
-    a multi-process run without `parallel.mesh` gets one too), else `(None, None)`."""
+    a multi-process run without `parallel.mesh` gets one too), else `(None, None)`. The state is
+    the trainable's (`init_params`: a fine-tune's adapters, replicated as leaves the model's
+    declaration does not know, or a full fine-tune's unfrozen leaves, sharded by the rules)."""
     if shape is None:
         return None, None
     mesh = parallel.make_mesh(shape)
-    abstract = jax.eval_shape(lambda: init_state(jax.random.PRNGKey(0), model, tx))
+    key = jax.random.PRNGKey(0)
+    abstract = jax.eval_shape(lambda: init_state(key, model, tx, init_params))
     specs = parallel.state_specs(abstract, model, parallel.mesh_shape(mesh))
     return mesh, parallel.shardings(specs, mesh)
 

@@ -17,8 +17,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import jax
-
 from lmjax import parallel
 from lmjax.checks import require
 from lmjax.config import RunConfig
@@ -79,13 +77,9 @@ def make_plan(
     cfg = resumed_config(run, cfg) if resume else pin_schedule(cfg)
     model = cfg.model_config()
     preflight(cfg, model, prepared)
-    mesh = cfg.parallel.mesh
-    fix = "remove the parallel section: fine-tunes run in one process, on one device"
-    no_mesh = "no mesh for a fine-tune (not supported yet)"
-    one_device = mesh is None and jax.process_count() == 1
-    require(one_device or not finetune, "parallel.mesh", mesh, no_mesh, fix)
     # The mesh against the device count and the batch, before anything is written.
-    mesh_shape = parallel.run_mesh_shape(mesh, cfg.train.batch_size // cfg.train.grad_accum)
+    rows = cfg.train.batch_size // cfg.train.grad_accum
+    mesh_shape = parallel.run_mesh_shape(cfg.parallel.mesh, rows)
     return Plan(cfg, model, run, prepared, resume, mesh_shape)
 
 

@@ -80,9 +80,10 @@ class Sampler:
         g = self.logging
         if g.sample_tokens == 0:
             return None
-        if self.gather:  # sample from a host copy: decoding runs on one device
-            params = multihost_utils.process_allgather(params, tiled=True)
         params = self.model_params(params)
+        if self.gather:  # sample from a host copy: decoding runs on one device
+            # The model's tree, not the trained one: a fine-tune's frozen base is sharded too.
+            params = multihost_utils.process_allgather(params, tiled=True)
         prompt, temperature = prompt_ids(self.tokenizer, g), g.sample_temperature
         text = sample_text(
             params, self.model, self.tokenizer, prompt, g.sample_tokens, temperature, step

@@ -41,6 +41,7 @@ from jax.experimental import topologies
 from lmjax import parallel
 from lmjax.config import RunConfig
 from lmjax.errors import ConfigError, LMJaxError
+from lmjax.models import abstract_params
 from lmjax.models.summary import human_bytes
 from lmjax.train import optim
 from lmjax.train.bench import run_config_model
@@ -111,6 +112,7 @@ class CompileReport:
     flops_per_micro_batch: float  # one device, XLA's cost analysis (loop bodies once)
     model_flops_per_step: float  # one device's share of flops_per_token x the step's tokens
     compile_s: float  # lowering + compilation, wall seconds
+    finetune: str | None = None  # "LoRA", "QLoRA" or "full" for a fine-tune config's step
 
     @property
     def fits(self) -> bool:
@@ -209,7 +211,10 @@ def check_mesh(shape: Mapping[str, int], n_devices: int, topology: str) -> dict[
 
 
 def compile_train_step(
-    run: RunConfig, topology: str, mesh_shape: Mapping[str, int] | None = None
+    run: RunConfig,
+    topology: str,
+    mesh_shape: Mapping[str, int] | None = None,
+    finetune=None,
 ) -> CompileReport:
     """Compile `run`'s sharded train step for `topology` (e.g. "v5e:2x2") with libtpu.
 
@@ -217,6 +222,11 @@ def compile_train_step(
     mesh of the wrong size, a batch the mesh cannot split, or a step the compiler refuses as out
     of HBM; `LMJaxError` when libtpu is missing. A step that compiles but exceeds the usable
     HBM is returned with `fits` False (`check_fits` raises for it).
+
+    `finetune`: a fine-tune config's `FinetuneSpec` (`lmjax.finetune.load_config`; `run` is
+    then its run config, the base's model): the step is `lmjax finetune`'s on a mesh, its
+    trained state (adapters replicated, or a full fine-tune's unfrozen leaves by the rules)
+    donated and its frozen base (float, or NF4 for QLoRA) an argument sharded by the rules.
     """
     chip = parse_topology(topology)
     devices = topology_devices(topology)
@@ -227,9 +237,13 @@ def compile_train_step(
     model = run_config_model(run)
     tx, lr = optim.from_config(run)
     mesh = parallel.make_mesh(shape, devices)
-    abstract = jax.eval_shape(lambda: init_state(jax.random.PRNGKey(0), model, tx))
+    init, loss, frozen, count = _finetune_parts(finetune, model) if finetune else (None,) * 4
+    abstract = jax.eval_shape(lambda: init_state(jax.random.PRNGKey(0), model, tx, init))
     state_shardings = parallel.shardings(parallel.state_specs(abstract, model, shape), mesh)
     state = jax.tree.map(_sharded, abstract, state_shardings)
+    if frozen is not None:
+        frozen_shardings = parallel.shardings(parallel.state_specs(frozen, model, shape), mesh)
+        frozen = jax.tree.map(_sharded, frozen, frozen_shardings)
     batch_sharding = parallel.batch_sharding(mesh, 3, batch_dim=1)
     tokens = jax.ShapeDtypeStruct((t.grad_accum, micro, run.seq_len), jnp.int32)
     batch = {
@@ -237,18 +251,19 @@ def compile_train_step(
         "targets": _sharded(tokens, batch_sharding),
         "step": _sharded(jax.ShapeDtypeStruct((), jnp.int32), parallel.replicated(mesh)),
     }
-    step = make_train_step(model, tx, lr, state_shardings)
+    step = make_train_step(model, tx, lr, state_shardings, loss=loss)
     start = time.perf_counter()
     # The default device picks the kernels' platform (pallas_kernels._backend): Mosaic's. The
     # step traces on its state's mesh, which lmjax.models.attention shard-maps the flash kernel
     # over (XLA's partitioner cannot split a Mosaic call itself).
     with jax.default_device(devices[0]):
         try:
-            compiled = step.lower(state, batch).compile()
+            compiled = step.lower(state, batch, frozen).compile()
         except jax.errors.JaxRuntimeError as err:
             raise _out_of_hbm(err, topology, chip) from err
     compile_s = time.perf_counter() - start
-    model_flops = flops_per_token(model, run.seq_len) * t.batch_size * run.seq_len / len(devices)
+    per_token = (count or flops_per_token)(model, run.seq_len)
+    model_flops = per_token * t.batch_size * run.seq_len / len(devices)
     return CompileReport(
         topology,
         chip,
@@ -260,7 +275,35 @@ def compile_train_step(
         _flops(compiled),
         model_flops,
         compile_s,
+        _kind(finetune),
     )
+
+
+def _kind(spec) -> str | None:
+    if spec is None:
+        return None
+    return "full" if spec.full else "QLoRA" if spec.qlora else "LoRA"
+
+
+def _finetune_parts(spec, model):
+    """`(init, loss, frozen, flops per token)` of a fine-tune's step, abstract: the base is
+    `abstract_params(model)` (shapes only; nothing is read or allocated), split as
+    `lmjax.train.finetuned.parts` splits real weights."""
+    from lmjax import lora
+    from lmjax.full_finetune import full_objective
+    from lmjax.train.finetuned import frozen_params, partition
+    from lmjax.train.metrics import lora_flops_per_token
+
+    base = abstract_params(model)
+    if spec.full:
+        trained, frozen = partition(base, spec.freeze)
+        init = lambda key: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), trained)  # noqa: E731
+        return init, full_objective(model), frozen, None
+    frozen = jax.eval_shape(lambda b: frozen_params(b, spec.qlora), base)
+    init = lambda key: lora.init(key, frozen, spec.lora)  # noqa: E731
+    shapes = lora.adapter_shapes(jax.eval_shape(init, jax.random.PRNGKey(0)))
+    count = lambda cfg, seq_len: lora_flops_per_token(cfg, seq_len, shapes)  # noqa: E731
+    return init, lora.objective(model, spec.lora), frozen, count
 
 
 def _sharded(leaf, sharding) -> jax.ShapeDtypeStruct:
@@ -322,7 +365,7 @@ def format_report(report: CompileReport) -> str:
     n = math.prod(report.mesh.values())
     mesh = ",".join(f"{k}={v}" for k, v in report.mesh.items())
     rows = [
-        ("arguments (state, batch)", m.arguments),
+        ("arguments (state, batch" + (", frozen base)" if report.finetune else ")"), m.arguments),
         ("outputs (new state, metrics)", m.outputs),
         ("  aliased (donated state, counted once)", -m.aliased),
         ("temporaries (activations, gradients, gathers)", m.temporaries),
@@ -331,8 +374,10 @@ def format_report(report: CompileReport) -> str:
         (f"usable HBM ({human_bytes(chip.hbm_bytes)} per chip)", chip.usable_bytes),
     ]
     width = max(len(text) for text, _ in rows)
+    what = f"a {report.finetune} fine-tune's train step, " if report.finetune else ""
     lines = [
-        f"compiled for {report.topology} ({n} x {chip.device_kind}), mesh {mesh}, micro-batches "
+        f"compiled {what}for {report.topology} ({n} x {chip.device_kind}), mesh {mesh}, "
+        "micro-batches "
         f"of {report.batch} x {report.seq_len} tokens x {report.grad_accum} accumulated, in "
         f"{report.compile_s:.1f} s",
         "per device:",

@@ -126,8 +126,10 @@ class Trainer:
             device = next(iter(jax.tree.leaves(state)[0].devices()))
             return jax.device_put(state, device)
         # Initialized directly into its shards: no device ever holds the whole state.
-        sharded = jax.jit(init_state, static_argnums=(1, 2), out_shardings=self.step.shardings)
-        return sharded(key, model, tx)
+        if init is None:
+            sharded = jax.jit(init_state, static_argnums=(1, 2), out_shardings=self.step.shardings)
+            return sharded(key, model, tx)
+        return _init_sharded(lambda k: init_state(k, model, tx, init), key, self.step.shardings)
 
     def _restore(self, abstract) -> TrainState:
         if self.step.shardings is not None:
@@ -278,6 +280,20 @@ class Trainer:
             "data_position": {"seed": cfg.train.seed, "step": step},
             **self.trainable.meta,
         }
+
+
+def _init_sharded(init, key, shardings):
+    """`init(key)` jitted into `shardings`, with the arrays `init` closes over (a full
+    fine-tune's base leaves, already laid out on the mesh) passed as arguments: jit would
+    otherwise bake them into the program as constants, a copy of the model in the executable
+    (and, over several processes, a constant no process holds whole)."""
+    closed, shape = jax.make_jaxpr(init, return_shape=True)(key)
+    tree = jax.tree.structure(shape)
+
+    def run(k, consts):
+        return jax.tree.unflatten(tree, jax.core.eval_jaxpr(closed.jaxpr, consts, k))
+
+    return jax.jit(run, out_shardings=shardings)(key, closed.consts)
 
 
 def _due(done: int, cfg) -> bool:
