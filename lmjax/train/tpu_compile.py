@@ -38,14 +38,16 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import topologies
 
-from lmjax import parallel
+from lmjax import lora, parallel
 from lmjax.config import RunConfig
 from lmjax.errors import ConfigError, LMJaxError
+from lmjax.full_finetune import full_objective
 from lmjax.models import abstract_params
 from lmjax.models.summary import human_bytes
 from lmjax.train import optim
 from lmjax.train.bench import run_config_model
-from lmjax.train.metrics import flops_per_token
+from lmjax.train.finetuned import frozen_params, partition
+from lmjax.train.metrics import flops_per_token, lora_flops_per_token
 from lmjax.train.step import init_state, make_train_step
 
 GIB = 2**30
@@ -289,10 +291,6 @@ def _finetune_parts(spec, model):
     """`(init, loss, frozen, flops per token)` of a fine-tune's step, abstract: the base is
     `abstract_params(model)` (shapes only; nothing is read or allocated), split as
     `lmjax.train.finetuned.parts` splits real weights."""
-    from lmjax import lora
-    from lmjax.full_finetune import full_objective
-    from lmjax.train.finetuned import frozen_params, partition
-    from lmjax.train.metrics import lora_flops_per_token
 
     base = abstract_params(model)
     if spec.full:
