@@ -34,10 +34,8 @@ os.environ.setdefault("RAYON_NUM_THREADS", "1")  # before tokenizers starts its 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import argparse  # noqa: E402
-import glob  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
-import pydoc_data.topics  # noqa: E402
 import random  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -57,6 +55,8 @@ from tokenizers import (  # noqa: E402
     trainers,
 )
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
+from benchmarks._text import corpus  # noqa: E402
 from lmjax.tokenizers import load_hf_tokenizer  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "hf_tokenizer.json"
@@ -65,28 +65,7 @@ LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-MULTILINGUAL = (
-    "Le vif renard brun saute par-dessus le chien paresseux. Der schnelle braune Fuchs springt. "
-    "Быстрая бурая лиса прыгает через ленивую собаку. 素早い茶色の狐がのろまな犬を飛び越える。"
-    "敏捷的棕色狐狸跳过了懒狗。 빠른 갈색 여우가 게으른 개를 뛰어넘는다. "
-    "الثعلب البني السريع يقفز فوق الكلب الكسول. 🦊🐕 naïve café résumé coöperate x\u0301\n"
-)
 SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"]
-
-
-def corpus(megabytes: float) -> list[str]:
-    """Documents of varied text, about `megabytes` of UTF-8 in all, the same on every run."""
-    docs = [pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics)]
-    docs += [MULTILINGUAL * 40] * 20
-    for path in sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "*.py"))):
-        docs.append(Path(path).read_text("utf-8", errors="replace"))
-    out, size = [], 0
-    for doc in docs:
-        out.append(doc)
-        size += len(doc.encode("utf-8"))
-        if size >= megabytes * 1e6:
-            break
-    return out
 
 
 def unique_words(nbytes: int, seed: int = 0) -> list[str]:

@@ -20,10 +20,9 @@ os.environ.setdefault("RAYON_NUM_THREADS", "1")  # before tokenizers/tiktoken st
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import argparse  # noqa: E402
-import glob  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
-import pydoc_data.topics  # noqa: E402
+import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -32,33 +31,14 @@ from tiktoken.load import data_gym_to_mergeable_bpe_ranks  # noqa: E402
 from tiktoken_ext import openai_public  # noqa: E402
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
+from benchmarks._text import corpus  # noqa: E402
 from lmjax.tokenizers import BPETokenizer  # noqa: E402
 from lmjax.tokenizers.bpe import BYTE_TO_CHAR  # noqa: E402
 from lmjax.tokenizers.gpt2 import fetch_gpt2_files, load_gpt2  # noqa: E402
 
 CACHE = Path(os.environ.get("LMJAX_TEST_ASSETS", Path.home() / ".cache/lmjax/test-assets"))
 RESULTS = Path(__file__).parent / "results" / "tokenizer.json"
-MULTILINGUAL = (
-    "Le vif renard brun saute par-dessus le chien paresseux. Der schnelle braune Fuchs springt. "
-    "Быстрая бурая лиса прыгает через ленивую собаку. 素早い茶色の狐がのろまな犬を飛び越える。"
-    "敏捷的棕色狐狸跳过了懒狗。 빠른 갈색 여우가 게으른 개를 뛰어넘는다. "
-    "الثعلب البني السريع يقفز فوق الكلب الكسول. 🦊🐕 naïve café résumé coöperate x\u0301\n"
-)
-
-
-def corpus(megabytes: float) -> list[str]:
-    """Documents of varied text, about `megabytes` of UTF-8 in all, the same on every run."""
-    docs = [pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics)]
-    docs += [MULTILINGUAL * 40] * 20
-    for path in sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "*.py"))):
-        docs.append(Path(path).read_text("utf-8", errors="replace"))
-    out, size = [], 0
-    for doc in docs:
-        out.append(doc)
-        size += len(doc.encode("utf-8"))
-        if size >= megabytes * 1e6:
-            break
-    return out
 
 
 def best_of(fn, docs, repeats=3) -> tuple[float, list]:

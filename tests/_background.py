@@ -10,12 +10,18 @@ killed and its directory removed at exit, also when the session is interrupted.
 from __future__ import annotations
 
 import atexit
+import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from _xla_flags import host_devices
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclass
@@ -57,3 +63,20 @@ class Worker:
         self.out.close()
         self.err.close()
         shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def on_host_devices(script: str, n: int = 8) -> Callable[[Path], tuple[list[str], dict]]:
+    """A `Worker` command running `python script WORKDIR` on `n` simulated CPU devices (the
+    caller's XLA_FLAGS kept), with this checkout on the path and a cache of its own."""
+
+    def command(workdir: Path) -> tuple[list[str], dict]:
+        env = dict(
+            os.environ,
+            XLA_FLAGS=host_devices(n),
+            PYTHONPATH=str(ROOT),
+            XDG_CACHE_HOME=str(workdir / "cache"),
+            JAX_PLATFORMS="cpu",
+        )
+        return [sys.executable, script, str(workdir)], env
+
+    return command

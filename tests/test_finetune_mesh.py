@@ -23,7 +23,6 @@ frozen and trained halves of a full fine-tune are the plain model's.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -31,8 +30,7 @@ import jax
 import numpy as np
 import pytest
 import yaml
-from _background import Worker
-from _xla_flags import host_devices
+from _background import Worker, on_host_devices
 from test_parallel_mesh import (
     EPS,
     LR,
@@ -50,7 +48,6 @@ from test_parallel_mesh import (
 # measured 2 min 21 s of user time): `make test`, not test-fast.
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).parent.parent
 MESH = "data=2,fsdp=4"
 D, T, F, LAYERS, R = 32, 16, 64, 2, 4
 TARGETS = ["*.attention.query", "*.attention.value"]
@@ -214,18 +211,7 @@ def _specs(tree) -> dict[str, list]:
     return out
 
 
-def _worker_command(workdir: Path) -> tuple[list[str], dict]:
-    env = dict(
-        os.environ,
-        XLA_FLAGS=host_devices(8),
-        PYTHONPATH=str(ROOT),
-        XDG_CACHE_HOME=str(workdir / "cache"),
-        JAX_PLATFORMS="cpu",
-    )
-    return [sys.executable, __file__, str(workdir)], env
-
-
-WORKER = Worker("finetune-mesh", _worker_command)
+WORKER = Worker("finetune-mesh", on_host_devices(__file__))
 
 
 def start_in_background(names: set[str]) -> None:

@@ -43,20 +43,17 @@ as a CPU without AVX-512 would.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
-from _background import Worker
-from _xla_flags import host_devices
+from _background import Worker, on_host_devices
 
 # ~75 s of CPU in one subprocess (start-up, 4 meshes, 3 short runs): `make test`, not test-fast.
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).parent.parent
 MESHES = [(8, 1, 1), (2, 4, 1), (1, 4, 2), (1, 1, 8)]
 LR, EPS = 1e-2, 1e-4
 # d_ff 36: model=8 does not divide it (the rule replicates that dim); gpt: biases and learned
@@ -293,18 +290,7 @@ def _shard_bytes(tree, shardings) -> int:
     )
 
 
-def _worker_command(workdir: Path) -> tuple[list[str], dict]:
-    env = dict(
-        os.environ,
-        XLA_FLAGS=host_devices(8),
-        PYTHONPATH=str(ROOT),
-        XDG_CACHE_HOME=str(workdir / "cache"),
-        JAX_PLATFORMS="cpu",
-    )
-    return [sys.executable, __file__, str(workdir)], env
-
-
-WORKER = Worker("mesh", _worker_command)
+WORKER = Worker("mesh", on_host_devices(__file__))
 
 
 def start_in_background(names: set[str]) -> None:
