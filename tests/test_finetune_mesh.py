@@ -36,12 +36,12 @@ from test_parallel_mesh import (
     LR,
     TOKENS,
     U,
-    _float64,
     _gamma,
     _save,
     clipped_gradient,
     param_bounds,
     step_excess,
+    worker_report,
 )
 
 # ~2.5 min of CPU in one subprocess (start-up, 3 x 2 one-step compiles, 6 short fine-tunes;
@@ -221,11 +221,7 @@ def start_in_background(names: set[str]) -> None:
 
 @pytest.fixture(scope="module")
 def report():
-    done = WORKER.result()
-    assert done.returncode == 0, done.stderr[-4000:]
-    out = json.loads(done.stdout.strip().splitlines()[-1])
-    out["steps"] = {p.stem: _float64(np.load(p)) for p in done.workdir.glob("*.npz")}
-    return out
+    return worker_report(WORKER)
 
 
 def tau(vocab: int, kind: str) -> float:

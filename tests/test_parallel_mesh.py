@@ -299,14 +299,19 @@ def start_in_background(names: set[str]) -> None:
     WORKER.start()
 
 
-@pytest.fixture(scope="module")
-def report():
-    done = WORKER.result()
+def worker_report(worker: Worker) -> dict:
+    """A mesh worker's last stdout line (JSON) with its saved steps as `steps[name]`."""
+    done = worker.result()
     assert done.returncode == 0, done.stderr[-4000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
     # float64 (exact) copies, so that computing a bound rounds far below the bound itself.
     out["steps"] = {p.stem: _float64(np.load(p)) for p in done.workdir.glob("*.npz")}
     return out
+
+
+@pytest.fixture(scope="module")
+def report():
+    return worker_report(WORKER)
 
 
 def _float64(arrays) -> dict[str, np.ndarray]:
