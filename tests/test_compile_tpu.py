@@ -265,3 +265,16 @@ def test_a_qlora_fine_tune_config_compiles_and_fits(tmp_path, capsys):
     assert "compiled a QLoRA fine-tune's train step, for v5e:2x2" in captured.out, captured.out
     assert "mesh data=1,fsdp=4,model=1" in captured.out and "\nfits: " in captured.out
     assert "arguments (state, batch, frozen base)" in captured.out
+
+
+def test_a_qlora_fine_tune_config_over_the_hbm_is_refused(tmp_path, capsys):
+    """The other answer for a fine-tune config: the same tiny QLoRA step with 262,144 rows of 64
+    tokens a step (16.8 M tokens over fsdp=4: the saved activations alone are several GiB a
+    device) does not fit a v5e chip's 16 GiB, in one line with needed vs available."""
+    config = _finetune_config(tmp_path, TINY_BASE, "qlora: true")
+    err = _one_error_line(
+        capsys, _compile([config, "--topology", TOPOLOGY, "train.batch_size=262144"])
+    )
+    needed, available = (float(x) for x in _gib_figures(err))
+    assert needed > available > 15, err
+    assert "train.batch_size down" in err
