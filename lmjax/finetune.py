@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from lmjax import lora, parallel
 from lmjax.checks import require
@@ -60,6 +61,7 @@ from lmjax.errors import ConfigError, TokenError
 from lmjax.finetune_memory import format_memory, memory
 from lmjax.full_finetune import check_freeze, check_full, full_fields, full_trainable
 from lmjax.lora import LoraConfig
+from lmjax.models import abstract_params
 from lmjax.train import data as D
 from lmjax.train import loop, sft
 from lmjax.train.finetuned import (
@@ -67,6 +69,7 @@ from lmjax.train.finetuned import (
     fingerprint,
     frozen_params,
     model_params,
+    partition,
     parts,
     read_spec,
 )
@@ -386,6 +389,19 @@ def sharded_parts(cfg: RunConfig, spec: FinetuneSpec, base_params: dict):
     return (lambda key: lora.init(key, frozen, spec.lora)), frozen
 
 
+def abstract_trainable(cfg: RunConfig, spec: FinetuneSpec) -> loop.Trainable:
+    """The fine-tune's `Trainable` over the base's shapes alone (nothing read or allocated), as
+    `finetune` builds it from real weights: what `lmjax compile` lowers a fine-tune's step from.
+    A full fine-tune's trained leaves start as zeros of the base's shapes (`parts` copies real
+    ones)."""
+    base = abstract_params(cfg.model_config())
+    if spec.full:
+        trained, frozen = partition(base, spec.freeze)
+        init = lambda key: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), trained)  # noqa: E731
+        return full_trainable(cfg, spec, init, frozen)
+    return trainable(cfg, spec, jax.eval_shape(lambda b: frozen_params(b, spec.qlora), base))
+
+
 def prepare_base_data(cfg: RunConfig, base_run, sft_data=None, out=None) -> RunConfig:
     """`cfg` with its corpus prepared by the base's tokenizer (cached), checked to be the
     base's. The one place a fine-tune's data is made. `sft_data`: a .jsonl of prompt/completion
@@ -464,6 +480,7 @@ __all__ = [
     "MODEL_FIELDS",
     "SPEC_FILE",
     "FinetuneSpec",
+    "abstract_trainable",
     "check_tokenizer",
     "fingerprint",
     "finetune",

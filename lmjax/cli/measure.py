@@ -125,10 +125,10 @@ def run_bench(args: argparse.Namespace) -> int:
 # ---- lmjax compile -------------------------------------------------------------------------------
 
 
-def _compile_config(path, overrides):
-    """`(run config, FinetuneSpec or None)`: a fine-tune config (one with a `finetune` section)
-    is read as `lmjax finetune` reads it, its model the base's (only the base's config.yaml is
-    read, no weights); any other as `lmjax train`'s."""
+def _compile_config(path, overrides) -> tuple:
+    """`(run config, fine-tune Trainable or None, its kind or None)`: a fine-tune config (one
+    with a `finetune` section) is read as `lmjax finetune` reads it, its model the base's (only
+    the base's config.yaml is read, no weights); any other as `lmjax train`'s."""
     from lmjax.config import load_run_config, read_yaml
 
     data = read_yaml(path)
@@ -136,8 +136,8 @@ def _compile_config(path, overrides):
         from lmjax import finetune
 
         cfg, spec, _ = finetune.load_config(path, overrides, weights=False)
-        return cfg, spec
-    return load_run_config(path, overrides), None
+        return cfg, finetune.abstract_trainable(cfg, spec), spec.kind
+    return load_run_config(path, overrides), None, None
 
 
 def add_compile(sub) -> None:
@@ -191,8 +191,8 @@ def run_compile(args: argparse.Namespace) -> int:
     mesh = parse_mesh_text(args.mesh) if args.mesh else None
     if args.output:
         check_output_file(args.output)
-    run, spec = _compile_config(args.config, args.overrides)
-    report = tpu_compile.compile_train_step(run, args.topology, mesh, finetune=spec)
+    run, trainable, kind = _compile_config(args.config, args.overrides)
+    report = tpu_compile.compile_train_step(run, args.topology, mesh, trainable, kind)
     print(f"{args.config}: " + tpu_compile.format_report(report))
     if args.output:
         write_json(args.output, report.to_dict())

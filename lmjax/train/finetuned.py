@@ -48,6 +48,11 @@ class FinetuneSpec:
     full: bool = False  # train the base's own parameters (lora is None), not adapters
     freeze: tuple[str, ...] = ()  # full: globs over parameter names kept frozen
 
+    @property
+    def kind(self) -> str:
+        """How messages name it: "LoRA", "QLoRA" or "full"."""
+        return "full" if self.full else "QLoRA" if self.qlora else "LoRA"
+
     def to_dict(self) -> dict[str, Any]:
         section = {"base": self.base, "base_path": self.base_path, "qlora": self.qlora}
         section |= {"base_step": self.base_step, "base_sha256": self.base_sha256}

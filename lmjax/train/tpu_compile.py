@@ -38,16 +38,13 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import topologies
 
-from lmjax import lora, parallel
+from lmjax import parallel
 from lmjax.config import RunConfig
 from lmjax.errors import ConfigError, LMJaxError
-from lmjax.full_finetune import full_objective
-from lmjax.models import abstract_params
 from lmjax.models.summary import human_bytes
 from lmjax.train import optim
 from lmjax.train.bench import run_config_model
-from lmjax.train.finetuned import frozen_params, partition
-from lmjax.train.metrics import flops_per_token, lora_flops_per_token
+from lmjax.train.metrics import flops_per_token
 from lmjax.train.step import init_state, make_train_step
 
 GIB = 2**30
@@ -216,7 +213,8 @@ def compile_train_step(
     run: RunConfig,
     topology: str,
     mesh_shape: Mapping[str, int] | None = None,
-    finetune=None,
+    trainable=None,
+    finetune: str | None = None,
 ) -> CompileReport:
     """Compile `run`'s sharded train step for `topology` (e.g. "v5e:2x2") with libtpu.
 
@@ -225,10 +223,12 @@ def compile_train_step(
     of HBM; `LMJaxError` when libtpu is missing. A step that compiles but exceeds the usable
     HBM is returned with `fits` False (`check_fits` raises for it).
 
-    `finetune`: a fine-tune config's `FinetuneSpec` (`lmjax.finetune.load_config`; `run` is
-    then its run config, the base's model): the step is `lmjax finetune`'s on a mesh, its
-    trained state (adapters replicated, or a full fine-tune's unfrozen leaves by the rules)
-    donated and its frozen base (float, or NF4 for QLoRA) an argument sharded by the rules.
+    `trainable`: a fine-tune's `Trainable` over the base's shapes
+    (`lmjax.finetune.abstract_trainable`; `run` is then its run config, the base's model), and
+    `finetune` its kind for the report ("LoRA", "QLoRA", "full"): the step is `lmjax finetune`'s
+    on a mesh, its trained state (adapters replicated, or a full fine-tune's unfrozen leaves by
+    the rules) donated and its frozen base (float, or NF4 for QLoRA) an argument sharded by the
+    rules.
     """
     chip = parse_topology(topology)
     devices = topology_devices(topology)
@@ -239,7 +239,10 @@ def compile_train_step(
     model = run_config_model(run)
     tx, lr = optim.from_config(run)
     mesh = parallel.make_mesh(shape, devices)
-    init, loss, frozen, count = _finetune_parts(finetune, model) if finetune else (None,) * 4
+    init, loss, frozen, count = (None,) * 4
+    if trainable is not None:
+        init, loss, frozen = trainable.init_params, trainable.loss, trainable.frozen
+        count = trainable.flops_per_token
     abstract = jax.eval_shape(lambda: init_state(jax.random.PRNGKey(0), model, tx, init))
     state_shardings = parallel.shardings(parallel.state_specs(abstract, model, shape), mesh)
     state = jax.tree.map(_sharded, abstract, state_shardings)
@@ -277,31 +280,8 @@ def compile_train_step(
         _flops(compiled),
         model_flops,
         compile_s,
-        _kind(finetune),
+        finetune,
     )
-
-
-def _kind(spec) -> str | None:
-    if spec is None:
-        return None
-    return "full" if spec.full else "QLoRA" if spec.qlora else "LoRA"
-
-
-def _finetune_parts(spec, model):
-    """`(init, loss, frozen, flops per token)` of a fine-tune's step, abstract: the base is
-    `abstract_params(model)` (shapes only; nothing is read or allocated), split as
-    `lmjax.train.finetuned.parts` splits real weights."""
-
-    base = abstract_params(model)
-    if spec.full:
-        trained, frozen = partition(base, spec.freeze)
-        init = lambda key: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), trained)  # noqa: E731
-        return init, full_objective(model), frozen, None
-    frozen = jax.eval_shape(lambda b: frozen_params(b, spec.qlora), base)
-    init = lambda key: lora.init(key, frozen, spec.lora)  # noqa: E731
-    shapes = lora.adapter_shapes(jax.eval_shape(init, jax.random.PRNGKey(0)))
-    count = lambda cfg, seq_len: lora_flops_per_token(cfg, seq_len, shapes)  # noqa: E731
-    return init, lora.objective(model, spec.lora), frozen, count
 
 
 def _sharded(leaf, sharding) -> jax.ShapeDtypeStruct:
