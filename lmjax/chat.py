@@ -94,10 +94,10 @@ def stop_ids(tokenizer, generation_config: dict, vocab_size: int) -> list[int]:
 
 def run_stop_ids(run) -> list[int]:
     """`stop_ids` of a loaded run (`lmjax.train.load_run`): its generation config (or its
-    base's) and its tokenizer's eos_token, below its model's vocab_size."""
+    base's) and its tokenizer's eos_token, below the ids its model emits (`vocab_ids`)."""
     where = generation_config_dir(run.directory)
     config = read_generation_config(where) if where is not None else {}
-    return stop_ids(run.tokenizer, config, run.model.vocab_size)
+    return stop_ids(run.tokenizer, config, run.model.vocab_ids)
 
 
 class Conversation:

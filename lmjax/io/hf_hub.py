@@ -48,7 +48,7 @@ def resolve(source: str | os.PathLike, download: bool = False, revision: str | N
             repo, revision=revision, allow_patterns=PATTERNS, local_files_only=not download
         )
     except (errors.LocalEntryNotFoundError, errors.IncompleteSnapshotError):
-        raise _not_cached(repo, revision, download, constants) from None
+        raise _not_cached(repo, revision, download) from None
     except (errors.RepositoryNotFoundError, errors.RevisionNotFoundError) as err:
         expected = f"a model on the Hugging Face Hub ({type(err).__name__})"
         fix = "check the id and --revision (a private model needs `hf auth login`)"
@@ -65,7 +65,7 @@ def resolve(source: str | os.PathLike, download: bool = False, revision: str | N
     return Path(found)
 
 
-def _not_cached(repo: str, revision: str | None, download: bool, constants) -> CheckpointError:
+def _not_cached(repo: str, revision: str | None, download: bool) -> CheckpointError:
     """The error for an id the cache does not hold (and that could not, or may not, be fetched)."""
     where = f"{constants.HF_HUB_CACHE}"
     at = f"@{revision}" if revision else ""
