@@ -51,7 +51,7 @@ import numpy as np
 import pytest
 from _xla_flags import host_devices
 
-from lmjax import cli
+from lmjax import cli, testing
 from lmjax.errors import ConfigError
 from lmjax.parallel import multihost
 from lmjax.train import data as D
@@ -484,7 +484,12 @@ def test_two_processes_fine_tune_as_one_over_the_same_mesh(finetuned):
     assert outside == set(), outside
     written = {w.split(os.sep)[0] for w in got.record(0)["writes"]}
     assert {"adapters.safetensors", "merged", "finetune.yaml", "samples.txt"} <= written, written
-    # merged/ (merged on the mesh) is the checkpoint's model (merged here, on one device).
+    # merged/ (merged on the mesh) is the checkpoint's model (merged here, on one device): the
+    # same dequantize (3 roundings) + s B A (a dot of r = 4 terms, then the scale) + add per
+    # element, evaluated in two programs, so within f32_rtol of that chain of max |W'|.
     merged = load_run(got.dir / "merged").params
+    chain = 3 + 4 + 2
     for a, b in zip(jax.tree.leaves(merged), jax.tree.leaves(got.params(2)), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)
+        b = np.asarray(b)
+        atol = testing.f32_rtol(chain) * float(np.abs(b).max())
+        np.testing.assert_allclose(np.asarray(a), b, rtol=0, atol=atol)
