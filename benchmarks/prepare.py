@@ -8,7 +8,7 @@ Both sides tokenize it with GPT-2's vocabulary (lmjax's `gpt2` tokenizer; `token
 ByteLevel BPE from the same encoder.json / vocab.bpe files) and end every document with
 `<|endoftext|>` (50256):
 
-    lmjax     lmjax.train.data.prepare(corpus, tokenizer="gpt2", workers=N): token shards +
+    lmjax     lmjax.data.prepare(corpus, tokenizer="gpt2", workers=N): token shards +
               document index on disk
     datasets  Dataset.from_json(corpus).map(encode_batch, batched=True, num_proc=N): the arrow
               cache on disk (the ids column)
@@ -40,7 +40,7 @@ EOT = 50256
 
 def write_corpus(path: Path, megabytes: float) -> dict:
     """The synthetic corpus at `path`: documents of the bundled text's paragraphs, cycled."""
-    from lmjax.train.corpus import shakespeare_path
+    from lmjax.data.corpus import shakespeare_path
 
     paragraphs = [p for p in shakespeare_path().read_text().split("\n\n") if p.strip()]
     target, size, n, i = int(megabytes * 1e6), 0, 0, 0
@@ -58,7 +58,7 @@ def write_corpus(path: Path, megabytes: float) -> dict:
 
 
 def run_lmjax(corpus: Path, out: Path, workers: int) -> dict:
-    from lmjax.train import data
+    from lmjax import data
 
     start = time.perf_counter()
     directory = data.prepare(str(corpus), out, tokenizer="gpt2", progress=False, workers=workers)
@@ -71,8 +71,8 @@ def run_datasets(corpus: Path, out: Path, workers: int) -> dict:
     from datasets import Dataset, disable_progress_bars
     from tokenizers import Tokenizer, models, pre_tokenizers
 
+    from lmjax.data.corpus import cache_dir
     from lmjax.tokenizers.gpt2 import fetch_gpt2_files
-    from lmjax.train.corpus import cache_dir
 
     disable_progress_bars()
     encoder, vocab_bpe = fetch_gpt2_files(cache_dir() / "gpt2")

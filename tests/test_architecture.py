@@ -19,6 +19,9 @@ The rules (DESIGN.md, "Layers, and which way imports point"; issue 21):
   module: neither `from m import _x` nor `m._x` on an imported module `m`, from anywhere else,
   the module's own package `__init__` included.
 - sys-modules: no module is looked up in `sys.modules`; import it.
+- layers: every package sits in one tier of `LAYERS` (DESIGN.md's list, with `lmjax.data` below
+  `lmjax.train` and `lmjax.finetune` above it: issue 35), and an import points to its own tier or
+  a lower one; a module in no tier is a violation too, so a new package is placed on purpose.
 - ops-imports: lmjax/ops imports nothing of lmjax or pallas_kernels except `lmjax.errors`,
   `lmjax.checks` and `lmjax.ops` itself.
 - ops-mentions: no line of lmjax/ops matches `lora|Quantized` (the primitives know nothing of
@@ -59,6 +62,26 @@ LAZY_THIRD_PARTY = {
     "wandb": "train.wandb: true only, once per run (lmjax.train.wandb_log); `import wandb` is "
     "0.5-1.0 s (wandb 0.31, measured 2026-12-02)",
 }
+# Bottom to top. A package imports only from its own tier and the tiers below it: where a corpus
+# becomes tokens (data) sits under where a step runs (train), which sits under where adapters are
+# trained (finetune); the command line is on top. The root `lmjax/__init__.py` loads its four
+# public subpackages lazily by name and is in no tier.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("lmjax.errors",),
+    ("lmjax.checks", "lmjax.files", "lmjax.params", "lmjax.hostmem"),
+    ("lmjax.ops", "lmjax.testing"),
+    ("lmjax.quant",),
+    ("pallas_kernels",),
+    ("lmjax.models",),
+    ("lmjax.parallel",),
+    ("lmjax.config",),
+    ("lmjax.io", "lmjax.tokenizers", "lmjax.generate"),
+    ("lmjax.lora",),
+    ("lmjax.data",),
+    ("lmjax.train",),
+    ("lmjax.finetune", "lmjax.chat"),
+    ("lmjax.cli", "lmjax.__main__"),
+)
 OPS = "lmjax.ops"
 OPS_MAY_IMPORT = ("lmjax.errors", "lmjax.checks", OPS)
 OPS_MUST_NOT_MENTION = re.compile(r"lora|Quantized")
@@ -93,6 +116,7 @@ class Tree:
     asts: dict[str, ast.Module]  # dotted name -> its parsed source
     lines: dict[str, int]  # dotted name -> its number of lines
     imports: tuple[Import, ...]
+    layers: tuple[tuple[str, ...], ...] = ()  # LAYERS for the repository's tree
 
     def internal(self, target: str) -> bool:
         return target.split(".")[0] in self.packages
@@ -186,7 +210,7 @@ def _module_attributes(tree: ast.Module, bound: dict[str, str]):
 
 
 @functools.cache
-def read_tree(root: Path = ROOT, packages: tuple[str, ...] = PACKAGES) -> Tree:
+def read_tree(root: Path = ROOT, packages: tuple[str, ...] = PACKAGES, layers=LAYERS) -> Tree:
     files = sorted(p for pkg in packages for p in (root / pkg).rglob("*.py"))
     modules = {module_name(p, root): p for p in files}
     texts = {name: path.read_text(encoding="utf-8") for name, path in modules.items()}
@@ -198,7 +222,7 @@ def read_tree(root: Path = ROOT, packages: tuple[str, ...] = PACKAGES) -> Tree:
         collector.visit(asts[name])
         imports += collector.found
     lines = {name: len(text.splitlines()) for name, text in texts.items()}
-    return Tree(root, packages, modules, asts, lines, tuple(imports))
+    return Tree(root, packages, modules, asts, lines, tuple(imports), layers)
 
 
 # ---- the rules: each yields (rule, subject, detail) --------------------------------------------
@@ -308,6 +332,26 @@ def sys_modules_lookups(tree: Tree):
             yield "sys-modules", f"{imp.importer} -> {imp.target}", f"{imp.path}:{imp.line}"
 
 
+def tier_of(module: str, layers=LAYERS) -> int | None:
+    """The index in `layers` of the package holding `module`; None for one in no tier."""
+    for i, packages in enumerate(layers):
+        if any(module == p or module.startswith(p + ".") for p in packages):
+            return i
+    return None
+
+
+def package_layers(tree: Tree):
+    for module in tree.modules:
+        if module != "lmjax" and tier_of(module, tree.layers) is None:
+            yield "layers", module, f"{tree.rel(module)} is in no tier of LAYERS"
+    for imp in tree.imports:
+        if not tree.internal(imp.target) or imp.target == "lmjax" or imp.importer == "lmjax":
+            continue
+        low, high = tier_of(imp.importer, tree.layers), tier_of(imp.target, tree.layers)
+        if low is not None and high is not None and high > low:
+            yield "layers", f"{imp.importer} -> {imp.target}", f"{imp.path}:{imp.line}"
+
+
 def ops_layering(tree: Tree):
     for imp in tree.imports:
         in_ops = imp.importer == OPS or imp.importer.startswith(OPS + ".")
@@ -382,6 +426,7 @@ RULES = (
     cycles,
     private_uses,
     sys_modules_lookups,
+    package_layers,
     ops_layering,
     long_files,
     long_functions,
@@ -469,7 +514,16 @@ _BAD = {
     "lmjax/table.py": "def cases():\n    t = [\n" + "        1,\n" * 90 + "    ]\n    return t\n",
     "lmjax/big.py": "x = 1\n" * 501,
     "lmjax/plot.py": "def f():\n    import matplotlib.figure\n\n    import numpy\n",
+    "lmjax/low.py": "from lmjax import a\n",  # a tier below lmjax.a
+    "lmjax/stray.py": "",  # in no tier
 }
+_SMALL_LAYERS = (
+    ("lmjax.errors", "lmjax.checks", "lmjax.params"),
+    ("lmjax.ops",),
+    ("lmjax.low",),
+    ("lmjax.a", "lmjax.b", "lmjax.c", "lmjax.d", "lmjax.sub", "lmjax.long", "lmjax.table"),
+    ("lmjax.big", "lmjax.plot", "lmjax.cli"),
+)
 _MENDED = _BAD | {
     "lmjax/b.py": "",
     "lmjax/c.py": "import lmjax.a as m\n\nx = m\n",
@@ -479,14 +533,15 @@ _MENDED = _BAD | {
     + "    x = 1\n" * 79,  # 80 lines: the limit
     "lmjax/big.py": "x = 1\n" * 500,  # the limit
     "lmjax/plot.py": "def f():\n    import matplotlib.figure\n",  # LAZY_THIRD_PARTY
+    "lmjax/low.py": "from lmjax import errors\n",
 }
 
 
-def _write(root: Path, files: dict[str, str]) -> Tree:
+def _write(root: Path, files: dict[str, str], layers=_SMALL_LAYERS) -> Tree:
     for rel, text in files.items():
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         (root / rel).write_text(text)
-    return read_tree(root, ("lmjax",))
+    return read_tree(root, ("lmjax",), layers)
 
 
 def test_the_checker_catches_each_rule_on_a_small_tree(tmp_path):
@@ -503,11 +558,15 @@ def test_the_checker_catches_each_rule_on_a_small_tree(tmp_path):
         ("local-import", "lmjax/b.py::f -> lmjax.a"),
         ("local-import", "lmjax/plot.py::f -> numpy"),  # matplotlib may be lazy, numpy not
         ("alias-P", "lmjax/long.py -> lmjax.params"),
+        ("layers", "lmjax.low -> lmjax.a"),
+        ("layers", "lmjax.ops.x -> lmjax.a"),  # ops-imports names it too
+        ("layers", "lmjax.stray"),
     }, found
     assert "lmjax/c.py:1" in found["private-name", "lmjax.c -> lmjax.a._hidden"]
     assert "lmjax/c.py:4" in found["private-name", "lmjax.c -> lmjax.a._hidden"]  # m._hidden
     assert found["private-module", "lmjax.d -> lmjax.sub._impl"] == "lmjax/d.py:3; lmjax/d.py:4"
-    assert violations(_write(tmp_path / "mended", _MENDED)) == {}
+    mended = _write(tmp_path / "mended", _MENDED, (*_SMALL_LAYERS, ("lmjax.stray",)))
+    assert violations(mended) == {}
 
 
 def test_the_ratchet_fails_both_ways(tmp_path):

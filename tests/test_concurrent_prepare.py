@@ -75,7 +75,7 @@ WORKER = textwrap.dedent(
     """
     import os, sys, time
     from pathlib import Path
-    from lmjax.train import data
+    from lmjax.data import prepared as data
 
     corpus, out, go = sys.argv[1:4]
     encode = data._encode_to_file
@@ -124,7 +124,7 @@ def test_processes_preparing_one_cache_at_once_all_succeed_with_one_result(tmp_p
         assert stdout.strip() == str(out)
     assert _leftovers(out.parent) == []
     # The winner's directory is what one process alone prepares.
-    from lmjax.train import data
+    from lmjax.data import prepared as data
 
     alone = data.prepare(str(corpus), tmp_path / "alone", tokenizer="char", progress=False)
     assert _tree(out) == _tree(alone)

@@ -86,8 +86,8 @@ def _worker(root: Path) -> dict:
     from lmjax import cli, finetune, lora, models, parallel
     from lmjax import params as ptree
     from lmjax.config import RunConfig
-    from lmjax.full_finetune import full_objective
-    from lmjax.train import data as D_
+    from lmjax.data import prepared as D_
+    from lmjax.finetune.full import full_objective
     from lmjax.train import loop, optim
     from lmjax.train.finetuned import partition
     from lmjax.train.metrics import MetricsLog

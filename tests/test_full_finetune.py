@@ -1,6 +1,6 @@
 """Full fine-tuning with parameters frozen by name (`lmjax finetune --full --freeze GLOBS`).
 
-- The step (lmjax.full_finetune.full_objective over lmjax.train.finetuned.partition of a tiny
+- The step (lmjax.finetune.full.full_objective over lmjax.train.finetuned.partition of a tiny
   GQA Llama-shaped model): the optimizer state has no leaf for a frozen parameter; after two
   steps the frozen values are bit-identical and every trained leaf moved; each step's loss and
   new parameters equal a plain reference (jax.grad of a written-out cross-entropy of
@@ -27,7 +27,7 @@ from _llama_run import finetune_config, imported_run
 
 from lmjax import cli, models
 from lmjax import params as ptree
-from lmjax.full_finetune import full_objective
+from lmjax.finetune.full import full_objective
 from lmjax.io import safetensors
 from lmjax.train.finetuned import FinetuneSpec, join, parts
 from lmjax.train.runs import load_run

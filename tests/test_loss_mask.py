@@ -20,9 +20,9 @@ import torch.nn.functional as F
 from lmjax import lora, models, ops, testing
 from lmjax import params as ptree
 from lmjax.config import TrainConfig
+from lmjax.data import eval_batch
 from lmjax.errors import ShapeError
 from lmjax.testing import F32_RTOL, FD_RTOL, OpCase
-from lmjax.train.data import eval_batch
 from lmjax.train.evaluate import evaluate
 from lmjax.train.step import init_state, loss_fn, make_eval_step, make_train_step
 

@@ -52,9 +52,9 @@ import pytest
 from _xla_flags import host_devices
 
 from lmjax import cli, testing
+from lmjax.data import prepared as D
 from lmjax.errors import ConfigError
 from lmjax.parallel import multihost
-from lmjax.train import data as D
 from lmjax.train.checkpoint import CheckpointError, Checkpoints
 from lmjax.train.runs import load_run
 
@@ -97,7 +97,7 @@ def audit(event, details):
 sys.addaudithook(audit)
 from lmjax import cli
 from lmjax.errors import ConfigError
-from lmjax.train import data
+from lmjax.data import prepared as data
 
 real = data.train_batch
 def train_batch(tokens, seed, step, *rest):

@@ -30,7 +30,7 @@ import nbformat
 import pytest
 
 from lmjax import testing
-from lmjax.train import corpus
+from lmjax.data import corpus
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))

@@ -8,9 +8,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from lmjax.data import packing
+from lmjax.data import prepared as D
 from lmjax.errors import TokenError
-from lmjax.train import data as D
-from lmjax.train import packing
 
 T = 16
 LENGTHS = [5, 3, 40, 1, 17, 16, 9, 2, 2, 60, 4, 11, 7, 18, 3, 6] * 3  # some longer than T + 1

@@ -258,12 +258,13 @@ def test_inspect_a_batch_the_mesh_cannot_split_is_refused_before_any_output(
     """It used to print the whole summary first and fail at the per-device table, and a char
     config fetched and prepared the corpus (for its vocab) before saying so."""
     from lmjax import train
+    from lmjax.data import prepared
 
     def no_data(*_a, **_k):
         raise AssertionError("inspect prepared the data before checking the batch")
 
     monkeypatch.setattr(train, "prepare_data", no_data)
-    monkeypatch.setattr(train.data, "known_vocab_size", no_data)
+    monkeypatch.setattr(prepared, "known_vocab_size", no_data)
     config_dir = Path(__file__).parent.parent
     args = [str(config_dir / a) if a.endswith(".yaml") else a for a in args]
     assert cli.main(["inspect", *args]) == 2

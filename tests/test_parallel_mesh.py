@@ -79,7 +79,7 @@ def _worker(workdir: Path) -> dict:
 
     import jax.numpy as jnp
 
-    from lmjax import cli, parallel, train
+    from lmjax import cli, data, parallel, train
     from lmjax.config import load_run_config
     from lmjax.train import optim
     from lmjax.train.checkpoint import Checkpoints
@@ -91,7 +91,7 @@ def _worker(workdir: Path) -> dict:
     model = cfg.model_config()
     tx, lr = optim.from_config(cfg)
     state0 = init_state(jax.random.PRNGKey(0), model, tx)
-    batch = train.data.train_batch(
+    batch = data.train_batch(
         np.arange(4000) % 64, 0, 0, cfg.train.batch_size, 16, cfg.train.grad_accum
     )
     ref, ref_m = make_train_step(model, tx, lr)(jax.tree.map(jnp.copy, state0), batch)
@@ -202,9 +202,9 @@ def _worker(workdir: Path) -> dict:
         for n in (2, 4)
     }
     tokens = np.arange(5000) % 61
-    whole = train.data.train_batch(tokens, 3, 7, 16, 16, 2)
+    whole = data.train_batch(tokens, 3, 7, 16, 16, 2)
     assembled = parallel.host_batch(
-        lambda rows: train.data.train_batch(tokens, 3, 7, 16, 16, 2, rows), shape3, bsh
+        lambda rows: data.train_batch(tokens, 3, 7, 16, 16, 2, rows), shape3, bsh
     )
     out["host_batch_equal"] = all(
         np.array_equal(np.asarray(assembled[k]), whole[k]) for k in ("inputs", "targets")
@@ -531,7 +531,7 @@ def test_checkpoint_restores_onto_another_mesh(report):
 
 def test_hosts_rows_concatenate_to_the_global_batch(report):
     """Each simulated host's rows, read alone, tile the single-host batch exactly once."""
-    from lmjax.train import data
+    from lmjax.data import prepared as data
 
     tokens = np.arange(5000) % 61
     whole = data.train_batch(tokens, 3, 7, 16, 16, 2)

@@ -1,4 +1,4 @@
-"""`lmjax.train.prefetch.Prefetch`: the next batch is built while the step runs.
+"""`lmjax.data.prefetch.Prefetch`: the next batch is built while the step runs.
 
 Overlap is shown by events, not wall-clock thresholds: step k waits (bounded) for the producer
 to have started batch k + 1, which only a producer running ahead can do. No jax: ~1 s.
@@ -10,8 +10,8 @@ import threading
 
 import pytest
 
+from lmjax.data.prefetch import Prefetch
 from lmjax.errors import ConfigError
-from lmjax.train.prefetch import Prefetch
 
 WAIT_S = 10.0  # an upper bound for a thread to get going, never a measurement
 

@@ -20,8 +20,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from lmjax.data import prepared as D
 from lmjax.errors import ConfigError, FileFormatError
-from lmjax.train import data as D
 
 ROOT = Path(__file__).parent.parent
 
@@ -244,7 +244,8 @@ MEMORY = textwrap.dedent(
     """
     import json, resource, sys
     from pathlib import Path
-    from lmjax.train import data, prepare_docs, text_stream
+    from lmjax.data import prepare_docs, text_stream
+    from lmjax.data import prepared as data
     prepare_docs._BATCH_CHARS = data._CHUNK = text_stream.BLOCK = 1 << 16
     big, tiny, out = map(Path, sys.argv[1:4])
     data.prepare(str(tiny), out / "tiny", tokenizer="byte", progress=False, workers=1)

@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 from lmjax import cli
-from lmjax.train import corpus
+from lmjax.data import corpus
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 # The README and the detail pages it points to, checked the same way.

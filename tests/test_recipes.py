@@ -32,11 +32,11 @@ from transformers import PreTrainedTokenizerFast
 
 from lmjax import cli
 from lmjax.config import DataConfig
+from lmjax.data import sft, sft_records
 from lmjax.errors import FileFormatError
 from lmjax.io import safetensors
 from lmjax.params import flatten
 from lmjax.tokenizers import load_hf_tokenizer
-from lmjax.train import sft, sft_records
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 RECIPES = {

@@ -13,10 +13,10 @@ import pytest
 
 from lmjax import models
 from lmjax.config import DataConfig, RunConfig
+from lmjax.data import known_vocab_size
 from lmjax.errors import ConfigError, FileFormatError
 from lmjax.tokenizers import ByteTokenizer, CharTokenizer
 from lmjax.train import bench
-from lmjax.train.data import known_vocab_size
 from lmjax.train.rundir import FINETUNED, TRAINED, WEIGHTS, RunDir
 from lmjax.train.runs import eval_tokenizer_dir, load_run, write_weights_run
 

@@ -33,14 +33,14 @@ from transformers import PreTrainedTokenizerFast
 from lmjax import cli, ops
 from lmjax import models as lm
 from lmjax.config import DataConfig, RunConfig
+from lmjax.data import prepared as D
+from lmjax.data import sft, sft_records
+from lmjax.data.sft_rows import SFTSplit
 from lmjax.errors import FileFormatError
 from lmjax.models.loss import loss_fn
 from lmjax.tokenizers import ByteTokenizer, load_hf_tokenizer
-from lmjax.train import data as D
-from lmjax.train import sft, sft_records
 from lmjax.train.plan import preflight
 from lmjax.train.runs import write_weights_run
-from lmjax.train.sft_rows import SFTSplit
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<s>"]
 WORDS = "the quick brown fox jumps over a lazy dog what is two plus four answer".split()

@@ -20,10 +20,9 @@ import yaml
 from _llama_run import TEXT, imported_run
 from tokenizers import Tokenizer
 
-from lmjax import cli
+from lmjax import cli, data
 from lmjax.errors import ConfigError
 from lmjax.tokenizers.bpe_scheme import GPT2_PATTERN
-from lmjax.train import data
 from lmjax.train.runs import load_run
 
 

@@ -281,7 +281,7 @@ def test_split_and_digits_steps_leave_gaps_like_hf(llama_pair, tmp_path, individ
 def test_a_text_encoded_in_chunks_gets_the_post_processor_ids_once(pair):
     """`lmjax prepare` encodes long documents in chunks: the ids of the chunks must be the ids
     of the whole document by the tokenizers library (Llama 3's BOS once, at the start)."""
-    from lmjax.train import encoding
+    from lmjax.data import encoding
 
     hf, ours = pair
     text = "".join(f"The fox {i} jumps.\nIt sleeps {i}.\n" for i in range(40))

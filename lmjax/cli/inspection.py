@@ -184,7 +184,7 @@ def _inspect_config(args: argparse.Namespace) -> int:
         check_batch(batch, parse_mesh_arg(mesh), where="batch (sequences per micro-batch)")
     lcfg = _inspect_lora_config(args)
     if cfg.vocab_from_data:  # the tokenizer decides it; only a char vocabulary needs the data
-        from lmjax.train.data import known_vocab_size
+        from lmjax.data.prepared import known_vocab_size
 
         known = known_vocab_size(cfg.data)
         cfg = (

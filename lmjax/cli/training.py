@@ -57,7 +57,7 @@ def add_prepare(sub) -> None:
 
 def run_prepare(args: argparse.Namespace) -> int:
     from lmjax.config import DataConfig
-    from lmjax.train import data
+    from lmjax.data import prepared as data
 
     kind, vocab_size, tokenizer_dir = _prepare_tokenizer(args)
     section = DataConfig(args.corpus, args.out, kind, vocab_size, args.val_fraction)

@@ -1,4 +1,10 @@
-"""Training (SPEC section 5): optimizers, the jitted step, data, checkpoints and the run loop.
+"""Training (SPEC section 5): the state, the jitted step, optimizers, the run loop and trainer,
+checkpoints, metrics and loggers, evaluation, and opening a finished run (`load_run`).
+
+It imports `lmjax.data` (batches) and the layers below (models, lora, quant, parallel, io,
+tokenizers, generate); `lmjax.finetune` and `lmjax.cli` import it, never the other way.
+`finetuned` is the record a fine-tuned run keeps of its base, read here so that `load_run`
+rebuilds any run without importing `lmjax.finetune`.
 
 Notebook use:
 
@@ -10,7 +16,10 @@ Notebook use:
 Command line: `lmjax prepare`, `lmjax train CONFIG`, `lmjax eval RUN`.
 """
 
-from lmjax.train import data, optim
+import warnings
+
+import lmjax.data
+from lmjax.train import optim
 from lmjax.train.checkpoint import Checkpoints
 from lmjax.train.loop import RunResult, evaluate, prepare_data, sample_text, train
 from lmjax.train.rundir import RunDir
@@ -23,7 +32,6 @@ __all__ = [
     "RunDir",
     "RunResult",
     "TrainState",
-    "data",
     "evaluate",
     "init_state",
     "load_run",
@@ -35,3 +43,16 @@ __all__ = [
     "sample_text",
     "train",
 ]
+
+
+def __getattr__(name: str):
+    """`lmjax.train.data`, the data pipeline's old home: `lmjax.data` now, with a warning (kept
+    for one release; remove after 0.2)."""
+    if name == "data":
+        warnings.warn(
+            "lmjax.train.data moved to lmjax.data; lmjax.train.data goes in the next release",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return lmjax.data
+    raise AttributeError(f"module 'lmjax.train' has no attribute {name!r}")

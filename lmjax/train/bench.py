@@ -21,10 +21,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from lmjax.config import OptimizerConfig, RunConfig, ScheduleConfig
+from lmjax.data.prepared import known_vocab_size
 from lmjax.errors import ConfigError
 from lmjax.models import ModelConfig
 from lmjax.train import optim
-from lmjax.train.data import known_vocab_size
 from lmjax.train.metrics import flops_per_token, measured_peak_flops
 from lmjax.train.step import init_state, make_train_step
 

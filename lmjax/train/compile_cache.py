@@ -13,7 +13,7 @@ from pathlib import Path
 
 import jax
 
-from lmjax.train.corpus import cache_dir
+from lmjax.data.corpus import cache_dir
 
 
 def default_dir() -> Path:

@@ -4,7 +4,7 @@
     val_loss = Σ_i n_i loss_i / Σ_i n_i             with loss masks (n_i: batch i's counted tokens)
 
 each batch `[B, T]` with B = batch_size / grad_accum (one micro-batch) and T = seq_len, the same
-batches at every evaluation and in `lmjax eval` (`lmjax.train.data.eval_batch`): random crops,
+batches at every evaluation and in `lmjax eval` (`lmjax.data.prepared.eval_batch`): random crops,
 or with the split's document offsets (data.packing) packed rows with segment ids and a mask.
 """
 
@@ -16,8 +16,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from lmjax.data import prepared as D
 from lmjax.models.loss import counted_tokens
-from lmjax.train import data as D
 
 
 def evaluate(

@@ -31,9 +31,9 @@ import jax
 
 from lmjax import parallel
 from lmjax.config import RunConfig
+from lmjax.data.prepared import TOKENIZER_DIR
 from lmjax.files import atomic_write_text
 from lmjax.train import compile_cache, optim
-from lmjax.train.data import TOKENIZER_DIR
 from lmjax.train.evaluate import Evaluator, evaluate
 from lmjax.train.metrics import flops_per_token, measured_peak_flops
 from lmjax.train.plan import (

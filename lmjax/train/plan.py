@@ -20,13 +20,13 @@ from typing import Any
 from lmjax import parallel
 from lmjax.checks import require
 from lmjax.config import RunConfig
+from lmjax.data import prepared as D
+from lmjax.data.sft import is_sft_dir
+from lmjax.data.sft_rows import SFTSplit
 from lmjax.errors import ConfigError, LMJaxError
 from lmjax.models import ModelConfig
-from lmjax.train import data as D
 from lmjax.train.rundir import RunDir
 from lmjax.train.sampling import prompt_ids
-from lmjax.train.sft import is_sft_dir
-from lmjax.train.sft_rows import SFTSplit
 from lmjax.train.wandb_log import require_installed
 
 # Sections a resumed run may change: how long to train and how to log/checkpoint, never what.

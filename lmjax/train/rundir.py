@@ -25,10 +25,10 @@ import yaml
 
 from lmjax import tokenizers
 from lmjax.config import RunConfig
+from lmjax.data.prepared import TOKENIZER_DIR
 from lmjax.errors import ConfigError, FileFormatError
 from lmjax.files import atomic_write_text
 from lmjax.train.checkpoint import Checkpoints
-from lmjax.train.data import TOKENIZER_DIR
 
 CONFIG_FILE = "config.yaml"
 CHECKPOINTS_DIR = "checkpoints"

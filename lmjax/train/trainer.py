@@ -26,13 +26,13 @@ import jax
 import numpy as np
 
 from lmjax import parallel
+from lmjax.data import prepared as D
+from lmjax.data.prefetch import Prefetch
 from lmjax.errors import NonFiniteError
-from lmjax.train import data as D
 from lmjax.train.checkpoint import check_same_model
 from lmjax.train.evaluate import Evaluator
 from lmjax.train.metrics import MetricsLog, plot_losses
 from lmjax.train.plan import Plan
-from lmjax.train.prefetch import Prefetch
 from lmjax.train.progress import MetricsWindow, progress_bar
 from lmjax.train.sampling import Sampler, truncate_samples
 from lmjax.train.step import TrainState, init_state

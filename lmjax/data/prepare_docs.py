@@ -24,10 +24,10 @@ import numpy as np
 from tqdm import tqdm
 
 from lmjax.checks import require
+from lmjax.data import encoding
+from lmjax.data.corpus_files import BadRecords, Document, documents
+from lmjax.data.shards import SHARD_TOKENS, ShardWriter
 from lmjax.errors import ConfigError, FileFormatError
-from lmjax.train import encoding
-from lmjax.train.corpus_files import BadRecords, Document, documents
-from lmjax.train.shards import SHARD_TOKENS, ShardWriter
 
 ENDOFTEXT = "<|endoftext|>"
 TOKENIZER_DIR = "tokenizer"  # the saved tokenizer, in a data directory and in a run directory

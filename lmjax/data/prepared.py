@@ -43,17 +43,17 @@ from tqdm import tqdm
 from lmjax import tokenizers
 from lmjax.checks import require
 from lmjax.config import DataConfig, validate_data
+from lmjax.data import encoding, sft_rows, text_stream
+from lmjax.data import prepare_docs as docs
+from lmjax.data.batches import crops, eval_batch, packed, packing_efficiency, train_batch
+from lmjax.data.corpus import cache_dir, shakespeare_path
+from lmjax.data.corpus_files import corpus_digest, corpus_files, format_of
+from lmjax.data.prepare_docs import DocOptions
+from lmjax.data.shards import open_index, open_shards
 from lmjax.errors import ConfigError, FileFormatError
 from lmjax.files import atomic_dir, atomic_write_text
 from lmjax.models import ModelConfig
 from lmjax.tokenizers import gpt2
-from lmjax.train import encoding, sft_rows, text_stream
-from lmjax.train import prepare_docs as docs
-from lmjax.train.batches import crops, eval_batch, packed, packing_efficiency, train_batch
-from lmjax.train.corpus import cache_dir, shakespeare_path
-from lmjax.train.corpus_files import corpus_digest, corpus_files, format_of
-from lmjax.train.prepare_docs import DocOptions
-from lmjax.train.shards import open_index, open_shards
 
 FORMAT = 2
 TOKENIZER_DIR = docs.TOKENIZER_DIR  # the saved tokenizer, in a data and in a run directory
@@ -144,7 +144,7 @@ def prepare(
 def corpus_settings(files, tokenizer: str, vocab_size, val_fraction: float, opts) -> dict:
     """What meta.json records of how a directory was made, and what reusing it compares: the
     corpus's content sha256, the tokenizer, the split, and for a corpus of documents how they
-    are read and split (`opts`: a `DocOptions`). `lmjax.train.sft` records the same."""
+    are read and split (`opts`: a `DocOptions`). `lmjax.data.sft` records the same."""
     settings = {"corpus_sha256": corpus_digest(files), "tokenizer": tokenizer}
     settings |= {"val_fraction": val_fraction, "bpe_vocab_size": vocab_size}
     if not (len(files) == 1 and format_of(files[0]) == "text"):
@@ -411,7 +411,7 @@ def open_prepared(directory: str | os.PathLike) -> Prepared:
             "prepare the data again",
         )
     train, val = splits["train"], splits["val"]
-    if "sft" in meta:  # supervised fine-tuning records (lmjax.train.sft): tokens + a loss mask
+    if "sft" in meta:  # supervised fine-tuning records (lmjax.data.sft): tokens + a loss mask
         train, val = (sft_rows.open_split(directory, n, splits[n], index[n]) for n in splits)
     return Prepared(directory, train, val, tok, meta, index["train"], index["val"])
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from lmjax.data import packing, sft_rows
+from lmjax.data.sft_rows import SFTSplit
 from lmjax.errors import ConfigError, TokenError
-from lmjax.train import packing, sft_rows
-from lmjax.train.sft_rows import SFTSplit
 
 packing_efficiency = packing.packing_efficiency
 

@@ -37,9 +37,9 @@ from pathlib import Path
 
 import numpy as np
 
+from lmjax.data.corpus_files import BadRecords
+from lmjax.data.prepare_docs import eot_id
 from lmjax.errors import FileFormatError, LMJaxError
-from lmjax.train.corpus_files import BadRecords
-from lmjax.train.prepare_docs import eot_id
 
 ROLES = ("system", "user", "assistant", "tool")
 

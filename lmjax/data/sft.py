@@ -10,7 +10,7 @@ prepared data directory out, whose batches put the loss on completion tokens onl
              (counted and reported), and one left with no predicted token after its first is
              dropped (counted and reported): it would teach nothing
 
-The directory is a prepared data directory (`lmjax.train.data`) plus a mask per split:
+The directory is a prepared data directory (`lmjax.data.prepared`) plus a mask per split:
 
     meta.json            the usual fields, `prepare`'s settings for this corpus with the
                          tokenizer's sha256 (so `lmjax train` and `lmjax eval` reuse it as it
@@ -35,15 +35,15 @@ from pathlib import Path
 import numpy as np
 
 from lmjax import tokenizers
+from lmjax.data import prepared as D
+from lmjax.data import sft_records as R
+from lmjax.data.corpus import cache_dir
+from lmjax.data.corpus_files import BadRecords
+from lmjax.data.prepare_docs import TOKENIZER_DIR, DocOptions, validation_documents
+from lmjax.data.sft_rows import MASK_SUFFIX
+from lmjax.data.shards import ShardWriter
 from lmjax.errors import ConfigError, FileFormatError
 from lmjax.files import atomic_dir, atomic_write_text
-from lmjax.train import data as D
-from lmjax.train import sft_records as R
-from lmjax.train.corpus import cache_dir
-from lmjax.train.corpus_files import BadRecords
-from lmjax.train.prepare_docs import TOKENIZER_DIR, DocOptions, validation_documents
-from lmjax.train.sft_rows import MASK_SUFFIX
-from lmjax.train.shards import ShardWriter
 
 SFT_FORMAT = 1
 

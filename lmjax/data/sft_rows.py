@@ -1,9 +1,9 @@
 """Training rows of supervised fine-tuning records, with the loss only on completion tokens.
 
-A prepared SFT split (`lmjax.train.sft`) is the records' ids end to end, their document offsets
+A prepared SFT split (`lmjax.data.sft`) is the records' ids end to end, their document offsets
 and a per-token mask `m` (1: the token is a completion / assistant token, to be predicted). Row r
 of batch `index` of `stream` (0 train, 1 evaluation) is a pure function of (seed, stream, index,
-r), as every batch is (`lmjax.train.batches`):
+r), as every batch is (`lmjax.data.batches`):
 
     unpacked   one record per row, drawn uniformly, its ids then padding (id 0) to T + 1 slots
     packed     (data.packing) `packing.packed_rows`: whole records end to end while they fit,
@@ -25,8 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
+from lmjax.data import packing
 from lmjax.errors import FileFormatError
-from lmjax.train import packing
 
 MASK_SUFFIX = ".mask"  # SPLIT.mask: uint8 [N], 1 on the tokens the loss predicts
 
@@ -36,7 +36,7 @@ class SFTSplit:
     """A prepared SFT split: `tokens [N]`, `mask [N]` uint8 and `offsets [D + 1]` int64.
 
     It stands where a split's token array does (`Prepared.train` / `.val`): `len` and slicing are
-    the tokens', and `lmjax.train.batches` cuts its rows with `rows`.
+    the tokens', and `lmjax.data.batches` cuts its rows with `rows`.
     """
 
     tokens: np.ndarray
@@ -63,7 +63,7 @@ class SFTSplit:
 
 
 def open_split(directory: Path, split: str, tokens, offsets) -> SFTSplit:
-    """The split's `SFTSplit`: its tokens and offsets (opened and checked by `lmjax.train.data`)
+    """The split's `SFTSplit`: its tokens and offsets (opened and checked by `lmjax.data.prepared`)
     with `SPLIT.mask`, whose size must be one byte per token."""
     path = Path(directory) / f"{split}{MASK_SUFFIX}"
     size = path.stat().st_size if path.is_file() else None
