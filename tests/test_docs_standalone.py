@@ -7,6 +7,9 @@
   it, so a link to them would break in every clone.
 - No absolute http(s) address at all (`ALLOWED_URLS` is empty): outside projects are named in
   words, as the README's peers are, so no page rots when someone else's site moves.
+- docs/architecture.md cannot drift from the code: its layer table has one row per tier of
+  `LAYERS` (tests/test_architecture.py), top to bottom, naming exactly that tier's packages; every
+  repository path it names exists; every dotted `lmjax.` name is a module or a name bound in one.
 """
 
 from __future__ import annotations
@@ -16,8 +19,10 @@ import re
 from pathlib import Path
 
 import pytest
+from test_architecture import LAYERS
 
 ROOT = Path(__file__).resolve().parents[1]
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
 # Outside addresses a page may link to. Empty on purpose (issue 35: the docs never link outside
 # the repository); an entry needs a reason a user cannot do without the link.
 ALLOWED_URLS: tuple[str, ...] = ()
@@ -27,6 +32,14 @@ REFERENCE_LINK = re.compile(r"^\s{0,3}\[[^\]]+\]:\s*<?(\S+?)>?(?:\s|$)", re.M)
 URL = re.compile(r"\b(?:https?|ftp)://[^\s)\]>`'\"]+|\bmailto:\S+|\bwww\.[\w-]+\.\w+")
 BARE_PARENT = re.compile(r"(?<![\w./])(?:\.\./)+[^\s`'\")\]]*")
 FENCE = re.compile(r"^```.*?^```", re.M | re.S)
+REPO_PATH = re.compile(
+    r"(?<![\w./-])((?:lmjax|tests|pallas_kernels|configs|docs|benchmarks|scripts|notebooks)"
+    r"/[\w./*-]*[\w*/])"
+)
+DOTTED = re.compile(r"`(lmjax(?:\.\w+)+)`")
+# How a module binds a name: def, class, assignment, or an import (one line or a parenthesised
+# list, one name a line).
+BOUND = r"^(?:def|class) {name}\b|^{name}\s*[:=]|^(?:from|import) .*\b{name}\b|^\s+{name},$"
 
 
 def _pages() -> list[tuple[str, Path, str]]:
@@ -89,7 +102,7 @@ def leaving(directory: Path, text: str) -> list[str]:
 
 def test_no_page_links_outside_the_repository():
     pages = _pages()
-    assert {label for label, _, _ in pages} >= {"README.md", "docs/numerics.md"}
+    assert {label for label, _, _ in pages} >= {"README.md", "docs/architecture.md"}
     assert any(label.endswith(".ipynb") for label, _, _ in pages), "the notebooks are read too"
     bad = {label: found for label, directory, text in pages if (found := leaving(directory, text))}
     assert not bad, bad
@@ -120,3 +133,62 @@ def test_the_check_passes_links_that_stay():
     text = "[guide](docs/training.md#training), [code](lmjax/data/), [top](#top)\n\n# Top\n"
     assert leaving(ROOT, text) == []
     assert leaving(ROOT / "docs", "[back](../README.md#the-two-commands), ../configs/") == []
+
+
+def layer_rows(text: str) -> list[set[str]]:
+    """The packages each row of a page's '## The layers' table names (first column), in order."""
+    match = re.search(r"^## The layers\n(.*?)(?=^## |\Z)", text, re.M | re.S)
+    assert match, "docs/architecture.md has a '## The layers' section"
+    rows = [line for line in match.group(1).splitlines() if line.startswith("|")][2:]
+    return [
+        set(re.findall(r"`((?:lmjax|pallas_kernels)[\w.]*)`", row.split("|")[1])) for row in rows
+    ]
+
+
+def test_architecture_layer_table_is_the_layering_rule():
+    """One table row per tier of `LAYERS`, top tier first, naming exactly its packages."""
+    assert layer_rows(ARCHITECTURE.read_text()) == [set(tier) for tier in reversed(LAYERS)]
+
+
+def test_a_layer_table_that_drifted_fails():
+    rows = layer_rows(ARCHITECTURE.read_text())
+    swapped = ARCHITECTURE.read_text().replace("| `lmjax.data` |", "| `lmjax.data`, `lmjax.lora` |")
+    assert layer_rows(swapped) != rows
+
+
+def _module_file(dotted: str) -> Path | None:
+    base = ROOT / Path(*dotted.split("."))
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if path.is_file():
+            return path
+    return None
+
+
+def unknown_names(text: str) -> list[str]:
+    """Repository paths (`lmjax/...`, `tests/...`, globs too) that match no file or directory,
+    and backquoted `lmjax.x.y` that are neither a module nor a name bound in the longest module
+    that prefixes them."""
+    unknown = [p for p in sorted(set(REPO_PATH.findall(text))) if not any(ROOT.glob(p.rstrip("/")))]
+    for name in sorted(set(DOTTED.findall(text))):
+        parts = name.split(".")
+        k = max(i for i in range(1, len(parts) + 1) if _module_file(".".join(parts[:i])))
+        source = _module_file(".".join(parts[:k])).read_text()
+        if k < len(parts) and not re.search(BOUND.format(name=parts[k]), source, re.M):
+            unknown.append(name)
+    return unknown
+
+
+def test_architecture_names_only_what_exists():
+    text = ARCHITECTURE.read_text()
+    assert len(REPO_PATH.findall(text)) >= 20 and len(DOTTED.findall(text)) >= 10
+    assert unknown_names(text) == []
+
+
+def test_a_name_that_moved_fails():
+    text = "`lmjax/train/data.py`, `lmjax.train.loop.no_such_function`, `tests/test_nothing*.py`"
+    text += ", `lmjax.data.prepared.prepare`, `lmjax/data/`"
+    assert unknown_names(text) == [
+        "lmjax/train/data.py",
+        "tests/test_nothing*.py",
+        "lmjax.train.loop.no_such_function",
+    ]
