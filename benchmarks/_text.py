@@ -1,11 +1,13 @@
-"""The text the tokenizer benchmarks encode: Python's documentation, the standard library's
-sources and a multilingual block, the same on every run and machine (nothing downloaded)."""
+"""What the tokenizer benchmarks share: the text they encode (Python's documentation, the
+standard library's sources and a multilingual block, the same on every run and machine, nothing
+downloaded) and the loop timing each engine over it."""
 
 from __future__ import annotations
 
 import glob
 import os
 import pydoc_data.topics
+import time
 from pathlib import Path
 
 MULTILINGUAL = (
@@ -29,3 +31,35 @@ def corpus(megabytes: float) -> list[str]:
         if size >= megabytes * 1e6:
             break
     return out
+
+
+def best_pass(make, docs: list[str], repeats: int) -> tuple[float, list]:
+    """Best wall time of `repeats` passes over `docs`, each by a fresh encode function `make()`
+    (so no pass finds the words of an earlier one cached), and the ids of the last pass."""
+    best, ids = float("inf"), None
+    for _ in range(repeats):
+        fn = make()
+        fn(docs[0][:1000])  # first-call costs (thread pools) outside the timing
+        start = time.perf_counter()
+        ids = [fn(d) for d in docs]
+        best = min(best, time.perf_counter() - start)
+    return best, ids
+
+
+def encode_speeds(docs, engines: dict, repeats, rate: str = "mb_per_s", digits: int = 3) -> dict:
+    """Each engine's speed over `docs` (engines: name -> `make()` of an encode function) and
+    whether its ids equal the first engine's; `repeats(name)` passes each (best kept). `rate` and
+    `digits` are the MB/s field's name and rounding, as each results file already has them."""
+    nbytes = sum(len(d.encode("utf-8")) for d in docs)
+    results, reference = {}, None
+    for name, make in engines.items():
+        seconds, ids = best_pass(make, docs, repeats(name))
+        reference = reference or ids
+        results[name] = {
+            "seconds": round(seconds, 4),
+            rate: round(nbytes / seconds / 1e6, digits),
+            "ids_equal_to_first": ids == reference,
+        }
+        print(f"  {name:45s} {results[name][rate]:9.3f} MB/s  same ids: {ids == reference}")
+    tokens = sum(map(len, reference))
+    return {"bytes": nbytes, "documents": len(docs), "tokens": tokens, "engines": results}

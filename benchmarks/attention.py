@@ -23,8 +23,6 @@ On a GPU (`jax.default_backend() == "gpu"`) each point is also timed (forward+ba
 
 from __future__ import annotations
 
-import argparse
-import json
 import platform
 import sys
 import time
@@ -36,6 +34,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
 
+from benchmarks._harness import parser, write_result  # noqa: E402
 from lmjax import models  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -173,14 +172,14 @@ def plot(result: dict, seq_lens, path: Path) -> None:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--seq-lens", type=int, nargs="+", default=[2**n for n in range(7, 14)])
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--out", type=Path, default=RESULTS / "attention_memory.json")
-    args = parser.parse_args(argv)
+    ap = parser(__doc__)
+    ap.add_argument("--seq-lens", type=int, nargs="+", default=[2**n for n in range(7, 14)])
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--out", type=Path, default=RESULTS / "attention_memory.json")
+    args = ap.parse_args(argv)
 
     started = time.perf_counter()
     backend = jax.default_backend()
@@ -207,8 +206,7 @@ def main(argv=None) -> None:
         "peak_memory_bytes": "memory_analysis().peak_memory_in_bytes where reported; on CPU "
         "about arguments + outputs, without the temp buffers",
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result)
     plot(result, seq_lens, args.out.with_suffix(".png"))
     print_table(result, seq_lens)
     elapsed = time.perf_counter() - started

@@ -27,8 +27,6 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # libtpu is installed in the venv; CPU here
 
 import argparse  # noqa: E402
-import json  # noqa: E402
-import statistics  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -39,8 +37,16 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # run from a checkout, no install
 sys.path.insert(0, str(HERE))  # the sibling GPT-2 decoding benchmark's runners
 
-from generate import environment, run_hf, run_lmjax, timed  # noqa: E402
+from generate import TITLE, batch_rows, environment, run_hf, run_lmjax, token_rates  # noqa: E402
 
+from benchmarks._harness import (  # noqa: E402
+    add_output,
+    alternate,
+    load_average,
+    parser,
+    timed,
+    write_result,
+)
 from lmjax import models  # noqa: E402
 from lmjax.io import hf as hf_io  # noqa: E402
 
@@ -84,54 +90,42 @@ def build_models(fields: dict, seed: int, workdir: Path):
     return hf, params, cfg
 
 
-def load_average() -> list[float]:
-    return [round(x, 2) for x in os.getloadavg()]
-
-
 def bench_batch(hf, params, cfg, batch: int, args) -> dict:
     """One batch size: first calls timed apart, then `args.rounds` alternating timed calls."""
     rng = np.random.default_rng(batch)
     prompts = rng.integers(0, cfg.vocab_size, (batch, args.prompt_len))
-    sides = {
+    calls = {
         "lmjax": lambda: run_lmjax(params, cfg, prompts, args.new_tokens),
         "transformers": lambda: run_hf(hf, prompts, args.new_tokens),
     }
     first, tokens = {}, {}
-    for name, fn in sides.items():
+    for name, fn in calls.items():
         first[name], tokens[name] = timed(fn)
     same = tokens["lmjax"] == tokens["transformers"]
     if not same.all():
         raise AssertionError(
             f"batch {batch}: greedy tokens differ at {int((~same).sum())} of {same.size} places"
         )
-    times = {name: [] for name in sides}
-    for _ in range(args.rounds):
-        for name, fn in sides.items():
-            seconds, out = timed(fn)
-            assert (out == tokens[name]).all(), f"{name}: greedy tokens changed between calls"
-            times[name].append(seconds)
-    generated = batch * args.new_tokens
-    medians = {name: statistics.median(t) for name, t in times.items()}
-    tps = {name: generated / m for name, m in medians.items()}
+
+    def unchanged(name, out):
+        assert (out == tokens[name]).all(), f"{name}: greedy tokens changed between calls"
+
+    figures = token_rates(alternate(calls, args.rounds, unchanged), batch * args.new_tokens)
     return {
         "batch": batch,
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
         "first_call_s": first,
         # The first call less a warm one: lmjax's tracing + compilation for this bucket.
-        "lmjax_compile_s": first["lmjax"] - medians["lmjax"],
-        "seconds": times,
-        "median_seconds": medians,
-        "tokens_per_second": tps,
-        "lmjax_over_transformers": tps["lmjax"] / tps["transformers"],
-        "best_tokens_per_second": {name: generated / min(t) for name, t in times.items()},
+        "lmjax_compile_s": first["lmjax"] - figures["median_seconds"]["lmjax"],
+        **figures,
         "tokens_identical": True,  # asserted above
         "first_tokens_row0": tokens["lmjax"][0, :8].tolist(),
     }
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__)
     ap.add_argument("--quick", action="store_true", help="tiny Llama shapes (the smoke test)")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--prompt-len", type=int, default=32)
@@ -139,7 +133,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--torch-threads", type=int, default=None, help="default: torch's own")
-    ap.add_argument("--output", type=Path, default=None, help="default results/decode.json")
+    add_output(ap, None, "default results/decode.json")
     return ap.parse_args(argv)
 
 
@@ -163,19 +157,13 @@ def main(argv=None) -> dict:
     load_before = load_average()
     with tempfile.TemporaryDirectory() as tmp:
         hf, params, cfg = build_models(fields, args.seed, Path(tmp))
-    rows = []
-    for batch in args.batches:
-        row = bench_batch(hf, params, cfg, batch, args)
-        rows.append(row)
-        tps = row["tokens_per_second"]
-        print(
-            f"batch {batch}: lmjax {tps['lmjax']:.1f} tok/s, transformers "
-            f"{tps['transformers']:.1f} tok/s (x{row['lmjax_over_transformers']:.2f}), "
-            f"lmjax compile {row['lmjax_compile_s']:.1f} s, tokens identical",
-            flush=True,
-        )
+    rows = batch_rows(
+        lambda batch: bench_batch(hf, params, cfg, batch, args),
+        args.batches,
+        lambda row: f"lmjax compile {row['lmjax_compile_s']:.1f} s, tokens identical",
+    )
     result = {
-        "benchmark": "greedy decoding tokens/s, lmjax generate vs transformers generate",
+        "benchmark": TITLE,
         "model": {
             **model_summary(args.quick, fields, models.param_count(cfg)),
             "loaded_by": "lmjax.io.hf.load of LlamaForCausalLM.save_pretrained",
@@ -186,8 +174,7 @@ def main(argv=None) -> dict:
         "environment": environment(hf),
     }
     out = args.output or RESULTS / ("decode_quick.json" if args.quick else "decode.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(out, result)
     print(f"wrote {out} (load average before {load_before}, after {load_average()})")
     return {**result, "path": str(out)}
 

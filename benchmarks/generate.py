@@ -20,13 +20,7 @@ medians keep that fair, not quiet.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import platform
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -34,12 +28,14 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
 
+from benchmarks._harness import alternate, machine, parser, rates, write_result  # noqa: E402
 from lmjax import generate as G  # noqa: E402
 from lmjax import models  # noqa: E402
 from lmjax import params as ptree  # noqa: E402
 from lmjax.io import hf_gpt2  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
+TITLE = "greedy decoding tokens/s, lmjax generate vs transformers generate"  # decode.py's too
 
 
 def build_models(layers: int, seed: int):
@@ -85,37 +81,54 @@ def run_hf(model, prompts, new_tokens):
     return out[:, prompts.shape[1] :].numpy()
 
 
-def timed(fn):
-    start = time.perf_counter()
-    out = fn()
-    return time.perf_counter() - start, out
+def token_rates(times: dict[str, list[float]], generated: int) -> dict:
+    """The figures of a batch size, this benchmark's and decode.py's: every round's seconds,
+    tokens/s at the median (the headline) and at the best round (less sensitive to other work
+    on a shared CPU), and lmjax's median over transformers'."""
+    r = rates(times, generated)
+    tps = r["per_second"]
+    return {
+        "seconds": times,
+        "median_seconds": r["median_seconds"],
+        "tokens_per_second": tps,
+        "lmjax_over_transformers": tps["lmjax"] / tps["transformers"],
+        "best_tokens_per_second": r["best_per_second"],
+    }
+
+
+def print_row(row: dict, tail: str) -> None:
+    """One batch size's line: both sides' tokens/s, their ratio, then `tail`."""
+    tps = row["tokens_per_second"]
+    print(
+        f"batch {row['batch']}: lmjax {tps['lmjax']:.1f} tok/s, transformers "
+        f"{tps['transformers']:.1f} tok/s (x{row['lmjax_over_transformers']:.2f}), {tail}",
+        flush=True,
+    )
+
+
+def batch_rows(bench, batches: list[int], tail) -> list[dict]:
+    """`bench(batch)` of each batch size, printed as it is done (`tail(row)` ends its line)."""
+    rows = []
+    for batch in batches:
+        rows.append(bench(batch))
+        print_row(rows[-1], tail(rows[-1]))
+    return rows
 
 
 def bench_batch(hf, cfg, params, batch, args) -> dict:
     prompts = np.random.default_rng(batch).integers(0, cfg.vocab_size, (batch, args.prompt_len))
-    ours = lambda: run_lmjax(params, cfg, prompts, args.new_tokens)  # noqa: E731
-    theirs = lambda: run_hf(hf, prompts, args.new_tokens)  # noqa: E731
-    ours_tokens, theirs_tokens = ours(), theirs()  # warm-up: compile, first allocations
-    times = {"lmjax": [], "transformers": []}
-    for _ in range(args.repeats):
-        for name, fn in (("lmjax", ours), ("transformers", theirs)):
-            seconds, _ = timed(fn)
-            times[name].append(seconds)
-    generated = batch * args.new_tokens
-    medians = {name: statistics.median(t) for name, t in times.items()}
-    tps = {name: generated / m for name, m in medians.items()}
-    # Best-of is less sensitive to other work on a shared CPU; the median is the headline.
-    best_tps = {name: generated / min(t) for name, t in times.items()}
-    same = ours_tokens == theirs_tokens
+    calls = {
+        "lmjax": lambda: run_lmjax(params, cfg, prompts, args.new_tokens),
+        "transformers": lambda: run_hf(hf, prompts, args.new_tokens),
+    }
+    tokens = {name: fn() for name, fn in calls.items()}  # warm-up: compile, first allocations
+    times = alternate(calls, args.repeats)
+    same = tokens["lmjax"] == tokens["transformers"]
     return {
         "batch": batch,
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
-        "seconds": times,
-        "median_seconds": medians,
-        "tokens_per_second": tps,
-        "lmjax_over_transformers": tps["lmjax"] / tps["transformers"],
-        "best_tokens_per_second": best_tps,
+        **token_rates(times, batch * args.new_tokens),
         "tokens_identical": bool(same.all()),
         "tokens_matching_fraction": float(same.mean()),
     }
@@ -126,44 +139,35 @@ def environment(hf) -> dict:
     import torch
     import transformers
 
-    return {
-        "jax": jax.__version__,
-        "backend": jax.default_backend(),
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "transformers": transformers.__version__,
-        "hf_attention": hf.config._attn_implementation,
-        "cpu_count": os.cpu_count(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-    }
+    return machine(
+        jax=jax.__version__,
+        backend=jax.default_backend(),
+        torch=torch.__version__,
+        torch_threads=torch.get_num_threads(),
+        transformers=transformers.__version__,
+        hf_attention=hf.config._attn_implementation,
+    )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--prompt-len", type=int, default=16)
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=RESULTS / "generate.json")
-    args = parser.parse_args()
+    ap = parser(__doc__)
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--prompt-len", type=int, default=16)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=RESULTS / "generate.json")
+    args = ap.parse_args()
 
     hf, cfg, params = build_models(args.layers, args.seed)
-    rows = []
-    for batch in args.batches:
-        row = bench_batch(hf, cfg, params, batch, args)
-        rows.append(row)
-        tps = row["tokens_per_second"]
-        print(
-            f"batch {batch}: lmjax {tps['lmjax']:.1f} tok/s, transformers "
-            f"{tps['transformers']:.1f} tok/s (x{row['lmjax_over_transformers']:.2f}), "
-            f"tokens identical: {row['tokens_identical']}",
-            flush=True,
-        )
+    rows = batch_rows(
+        lambda batch: bench_batch(hf, cfg, params, batch, args),
+        args.batches,
+        lambda row: f"tokens identical: {row['tokens_identical']}",
+    )
     result = {
-        "benchmark": "greedy decoding tokens/s, lmjax generate vs transformers generate",
+        "benchmark": TITLE,
         "model": {
             "layout": "gpt2",
             "n_layers": cfg.n_layers,
@@ -177,8 +181,7 @@ def main() -> None:
         "results": rows,
         "environment": environment(hf),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result)
     print(f"wrote {args.out}")
 
 

@@ -21,9 +21,7 @@ answers as cuDNN 9.8 on compute capability 9.0 would (only the trace-time checks
 
 from __future__ import annotations
 
-import argparse
 import collections
-import json
 import math
 import re
 import sys
@@ -36,6 +34,10 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
+sys.path.insert(0, str(ROOT))  # run from a checkout, no install
+
+from benchmarks._harness import parser, write_result  # noqa: E402
+
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 BIG = 2**20  # elements: a float32 conversion of at least this many is reported
 
@@ -192,7 +194,7 @@ def fake_cudnn() -> None:
 def main(argv=None) -> int:
     from lmjax.config import load_run_config
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = parser(__doc__)
     p.add_argument("--config", default=str(ROOT / "configs" / "gpt2-124m.yaml"))
     p.add_argument("overrides", nargs="*", help="section.field=value")
     p.add_argument("--attention", nargs="+", default=["cudnn", "flash"], help="one report for each")
@@ -207,8 +209,7 @@ def main(argv=None) -> int:
     for attention in args.attention:
         cfg = load_run_config(args.config, [*overrides, f"model.attention={attention}"])
         result[attention] = audit(cfg)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    write_result(Path(args.out), result, indent=1)
     for attention in args.attention:
         r = result[attention]
         print(f"{attention}: {r['matmul_tflops_per_step']} TFLOP of matmuls a step "

@@ -33,9 +33,6 @@ import os
 os.environ.setdefault("RAYON_NUM_THREADS", "1")  # before tokenizers starts its thread pool
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import platform  # noqa: E402
 import random  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -56,7 +53,8 @@ from tokenizers import (  # noqa: E402
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
-from benchmarks._text import corpus  # noqa: E402
+from benchmarks._harness import add_output, load_average, machine, parser, write_result  # noqa: E402
+from benchmarks._text import corpus, encode_speeds  # noqa: E402
 from lmjax.tokenizers import load_hf_tokenizer  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "hf_tokenizer.json"
@@ -101,36 +99,6 @@ def llama3_style(train_docs: list[str], vocab_size: int) -> Tokenizer:
     return tok
 
 
-def timed(make, docs, repeats: int) -> tuple[float, list]:
-    """Best wall time of `repeats` passes over `docs`, each by a fresh encode function `make()`
-    (so no pass finds the words of an earlier one cached), and the ids of the last pass."""
-    best, ids = float("inf"), None
-    for _ in range(repeats):
-        fn = make()
-        fn(docs[0][:1000])  # first-call costs (thread pools) outside the timing
-        start = time.perf_counter()
-        ids = [fn(d) for d in docs]
-        best = min(best, time.perf_counter() - start)
-    return best, ids
-
-
-def encode_speeds(docs: list[str], engines: dict, repeats: int) -> dict:
-    """MB/s of each engine over `docs` (the first engine's ids are the reference)."""
-    nbytes = sum(len(d.encode("utf-8")) for d in docs)
-    results, reference = {}, None
-    for name, make in engines.items():
-        seconds, ids = timed(make, docs, repeats)
-        reference = reference or ids
-        results[name] = {
-            "seconds": round(seconds, 4),
-            "mb_per_s": round(nbytes / seconds / 1e6, 3),
-            "ids_equal_to_first": ids == reference,
-        }
-        print(f"  {name:40s} {results[name]['mb_per_s']:9.3f} MB/s  same ids: {ids == reference}")
-    tokens = sum(map(len, reference))
-    return {"bytes": nbytes, "documents": len(docs), "tokens": tokens, "engines": results}
-
-
 def python_engine(directory: str):
     """`load_hf_tokenizer(directory)` of lmjax before issue 34 (its pure-Python BPE), loaded
     from git history at PYTHON_ENGINE_COMMIT; None where that history is not at hand."""
@@ -173,12 +141,12 @@ def bench(megabytes: float, vocab_size: int, repeats: int) -> dict:
         if python_engine(tmp) is not None:
             engines["lmjax before issue 34 (Python BPE)"] = lambda: python_engine(tmp).encode
         out = {"vocab_size": ours.vocab_size, "lmjax_load_seconds": round(load_s, 4)}
-        natural = corpus(megabytes)
+        natural, passes = corpus(megabytes), lambda _name: repeats
         print("natural text")
-        out["natural"] = encode_speeds(natural, engines, repeats)
+        out["natural"] = encode_speeds(natural, engines, passes)
         print("unique words")
         words = unique_words(out["natural"]["bytes"])
-        out["unique_words"] = encode_speeds(words, engines, repeats)
+        out["unique_words"] = encode_speeds(words, engines, passes)
     return out
 
 
@@ -196,29 +164,25 @@ def _commit() -> str | None:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mb", type=float, default=4.0, help="encode corpus size (MB)")
-    parser.add_argument("--vocab", type=int, default=8192, help="vocabulary size to train")
-    parser.add_argument("--repeats", type=int, default=2, help="passes per engine (best)")
-    parser.add_argument("--quick", action="store_true", help="0.2 MB, vocabulary 1,024")
-    parser.add_argument("--output", type=Path, default=RESULTS, help="the JSON file to write")
-    args = parser.parse_args(argv)
+    ap = parser(__doc__)
+    ap.add_argument("--mb", type=float, default=4.0, help="encode corpus size (MB)")
+    ap.add_argument("--vocab", type=int, default=8192, help="vocabulary size to train")
+    ap.add_argument("--repeats", type=int, default=2, help="passes per engine (best)")
+    ap.add_argument("--quick", action="store_true", help="0.2 MB, vocabulary 1,024")
+    add_output(ap, RESULTS, "the JSON file to write")
+    args = ap.parse_args(argv)
     mb, vocab = (0.2, 1024) if args.quick else (args.mb, args.vocab)
     result = {
         "command": "python benchmarks/hf_tokenizer.py" + (" --quick" if args.quick else ""),
-        "machine": {
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-            "cpu_count": os.cpu_count(),
-            "load_average_before": list(os.getloadavg()),
-            "threads": "single (RAYON_NUM_THREADS=1)",
-            "tokenizers": tokenizers.__version__,
-            "commit": _commit(),
-        },
+        "machine": machine(
+            load_average_before=load_average(),
+            threads="single (RAYON_NUM_THREADS=1)",
+            tokenizers=tokenizers.__version__,
+            commit=_commit(),
+        ),
         "encode": bench(mb, vocab, args.repeats),
     }
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(result, indent=1) + "\n")
+    write_result(args.output, result, indent=1)
     print(f"wrote {args.output}")
     return result | {"path": str(args.output)}
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import subprocess
 import sys
@@ -35,6 +34,10 @@ from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results" / "prepare.json"
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a checkout, no install
+
+from benchmarks._harness import add_output, load_average, machine, parser, write_result  # noqa: E402
+
 EOT = 50256
 
 
@@ -123,18 +126,18 @@ def measure(tool: str, corpus: Path, work: Path, workers: int, in_process: bool)
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mb", type=float, default=50.0, help="corpus size (MB)")
-    parser.add_argument("--workers", type=int, default=min(os.cpu_count() or 1, 4))
-    parser.add_argument("--output", type=Path, default=RESULTS, help="the JSON file to write")
-    parser.add_argument("--quick", action="store_true", help="0.2 MB, one worker (smoke test)")
-    parser.add_argument(
+    ap = parser(__doc__)
+    ap.add_argument("--mb", type=float, default=50.0, help="corpus size (MB)")
+    ap.add_argument("--workers", type=int, default=min(os.cpu_count() or 1, 4))
+    add_output(ap, RESULTS, "the JSON file to write")
+    ap.add_argument("--quick", action="store_true", help="0.2 MB, one worker (smoke test)")
+    ap.add_argument(
         "--in-process", action="store_true", help="no subprocesses (no peak memory): tests"
     )
-    parser.add_argument("--child", choices=("lmjax", "datasets"), help=argparse.SUPPRESS)
-    parser.add_argument("--corpus", help=argparse.SUPPRESS)
-    parser.add_argument("--out", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    ap.add_argument("--child", choices=("lmjax", "datasets"), help=argparse.SUPPRESS)
+    ap.add_argument("--corpus", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
     if args.child:
         child(args)
         return {}
@@ -143,18 +146,12 @@ def main(argv=None) -> dict:
         work = Path(tmp)
         corpus = work / "corpus.jsonl"
         made = write_corpus(corpus, megabytes)
-        load_before = os.getloadavg()
+        load_before = load_average()
         tools = ("lmjax", "datasets")
         runs = {tool: measure(tool, corpus, work, workers, args.in_process) for tool in tools}
-        load_after = os.getloadavg()
+        load_after = load_average()
     result = {
-        "machine": {
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-            "cpu_count": os.cpu_count(),
-            "load_average_before": [round(x, 2) for x in load_before],
-            "load_average_after": [round(x, 2) for x in load_after],
-        },
+        "machine": machine(load_average_before=load_before, load_average_after=load_after),
         "corpus": {**made, "megabytes": megabytes, "format": "jsonl"},
         "workers": workers,
         "tokenizer": "GPT-2 (50,257), <|endoftext|> after each document",
@@ -162,8 +159,7 @@ def main(argv=None) -> dict:
         "same_token_count": runs["lmjax"]["tokens"] == runs["datasets"]["tokens"],
         "speed_ratio_lmjax_over_datasets": runs["lmjax"]["mb_per_s"] / runs["datasets"]["mb_per_s"],
     }
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(result, indent=1) + "\n")
+    write_result(args.output, result, indent=1)
     print(json.dumps(result, indent=1))
     return {**result, "path": str(args.output)}
 

@@ -48,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # _rss
 
 from _rss import RSS_ENV, release_freed_memory, status_bytes  # noqa: E402
 
+from benchmarks._harness import write_result  # noqa: E402
 from lmjax import finetune, lora, models  # noqa: E402
 from lmjax.train.step import init_state, make_train_step  # noqa: E402
 
@@ -257,9 +258,8 @@ def main(argv=None) -> dict:
             "methods": measured_rss(args.quick),
         },
     }
-    args.results_dir.mkdir(parents=True, exist_ok=True)
     path = args.results_dir / ("qlora_quick.json" if args.quick else "qlora.json")
-    path.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(path, result)
     print(format_table(result))
     print(f"wrote {path}")
     return {**result, "path": str(path)}

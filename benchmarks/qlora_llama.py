@@ -33,7 +33,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # libtpu is installed in the venv
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import platform  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -48,6 +47,8 @@ sys.path.insert(0, str(HERE.parent))  # run from a checkout, no install
 sys.path.insert(0, str(HERE))
 
 from _rss import RSS_ENV, reset_peak, status_bytes  # noqa: E402
+
+from benchmarks._harness import add_output, load_average, machine, parser, write_result  # noqa: E402
 
 RESULTS = HERE / "results"
 R, ALPHA, LR = 8, 16, 1e-4
@@ -190,13 +191,13 @@ def save_checkpoint(fields: dict, seed: int, out: Path) -> int:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__)
     ap.add_argument("--quick", action="store_true", help="tiny Llama shapes (the smoke test)")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--steps", type=int, default=3, help="timed steps after the warm-up")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--output", type=Path, default=None, help="default results/qlora_llama.json")
+    add_output(ap, None, "default results/qlora_llama.json")
     ap.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)
     ap.add_argument("--checkpoint", type=Path, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
@@ -213,7 +214,7 @@ def main(argv=None) -> dict:
     from decode import QUICK, SMOLLM2, model_summary
 
     fields = QUICK if args.quick else SMOLLM2
-    load_before = [round(x, 2) for x in os.getloadavg()]
+    load_before = load_average()
     with tempfile.TemporaryDirectory() as tmp:
         n_params = save_checkpoint(fields, args.seed, Path(tmp))
         runs = {side: run_worker(side, Path(tmp), args) for side in SIDES}
@@ -238,16 +239,11 @@ def main(argv=None) -> dict:
         "peft_over_lmjax_step_time": runs["peft"]["median_step_s"] / runs["lmjax"]["median_step_s"],
         "first_loss": first,
         "first_loss_rel_diff": abs(first["lmjax"] - first["peft"]) / abs(first["peft"]),
-        "load_average": {"before": load_before, "after": [round(x, 2) for x in os.getloadavg()]},
-        "machine": {
-            "platform": platform.platform(),
-            "cpu_count": os.cpu_count(),
-            "python": platform.python_version(),
-        },  # fmt: skip
+        "load_average": {"before": load_before, "after": load_average()},
+        "machine": machine(),
     }
     out = args.output or RESULTS / ("qlora_llama_quick.json" if args.quick else "qlora_llama.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(out, result)
     print(json.dumps({k: result[k] for k in ("median_step_s", "peak_steps_mib",
                                              "peak_process_mib", "first_loss")}))  # fmt: skip
     print(f"wrote {out}")

@@ -19,9 +19,7 @@ import os
 os.environ.setdefault("RAYON_NUM_THREADS", "1")  # before tokenizers/tiktoken start their pools
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import argparse  # noqa: E402
 import json  # noqa: E402
-import platform  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -32,22 +30,14 @@ from tiktoken_ext import openai_public  # noqa: E402
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
-from benchmarks._text import corpus  # noqa: E402
+from benchmarks._harness import add_output, machine, parser, write_result  # noqa: E402
+from benchmarks._text import corpus, encode_speeds  # noqa: E402
 from lmjax.tokenizers import BPETokenizer  # noqa: E402
 from lmjax.tokenizers.bpe import BYTE_TO_CHAR  # noqa: E402
 from lmjax.tokenizers.gpt2 import fetch_gpt2_files, load_gpt2  # noqa: E402
 
 CACHE = Path(os.environ.get("LMJAX_TEST_ASSETS", Path.home() / ".cache/lmjax/test-assets"))
 RESULTS = Path(__file__).parent / "results" / "tokenizer.json"
-
-
-def best_of(fn, docs, repeats=3) -> tuple[float, list]:
-    best, ids = float("inf"), None
-    for _ in range(repeats):
-        start = time.perf_counter()
-        ids = [fn(d) for d in docs]
-        best = min(best, time.perf_counter() - start)
-    return best, ids
 
 
 def bench_encode(megabytes: float) -> dict:
@@ -61,7 +51,6 @@ def bench_encode(megabytes: float) -> dict:
     hf = Tokenizer(models.BPE.from_file(str(encoder), str(vocab_bpe)))
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     docs = corpus(megabytes)
-    nbytes = sum(len(d.encode("utf-8")) for d in docs)
     ours.encode(docs[0])  # build the engine outside the timing
     runs = {
         "lmjax (tiktoken engine over lmjax ranks)": ours.encode_ordinary,
@@ -69,19 +58,9 @@ def bench_encode(megabytes: float) -> dict:
         "tiktoken gpt2": tik.encode_ordinary,
         "tokenizers (HF) BPE": lambda d: hf.encode(d).ids,
     }
-    results, reference = {}, None
-    for name, fn in runs.items():
-        seconds, ids = best_of(fn, docs, repeats=1 if "reference" in name else 3)
-        reference = reference or ids
-        results[name] = {
-            "seconds": round(seconds, 4),
-            "MB_per_s": round(nbytes / seconds / 1e6, 2),
-            "ids_equal_to_first": ids == reference,
-        }
-        print(f"{name:45s} {results[name]['MB_per_s']:8.2f} MB/s  same ids: {ids == reference}")
-    return {"bytes": nbytes, "documents": len(docs), "tokens": sum(map(len, reference))} | {
-        "engines": results
-    }
+    engines = {name: (lambda fn=fn: fn) for name, fn in runs.items()}  # the same fn each pass
+    passes = lambda name: 1 if "reference" in name else 3  # noqa: E731 (the reference is slow)
+    return encode_speeds(docs, engines, passes, rate="MB_per_s", digits=2)
 
 
 def bench_train(megabytes: float, vocab_size: int) -> dict:
@@ -113,25 +92,18 @@ def bench_train(megabytes: float, vocab_size: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mb", type=float, default=4.0, help="encode corpus size (MB)")
-    parser.add_argument("--train-mb", type=float, default=2.0, help="training corpus size (MB)")
-    parser.add_argument("--vocab", type=int, default=8192, help="training vocabulary size")
-    parser.add_argument("--output", type=Path, default=RESULTS, help="the JSON file to write")
-    args = parser.parse_args()
+    ap = parser(__doc__)
+    ap.add_argument("--mb", type=float, default=4.0, help="encode corpus size (MB)")
+    ap.add_argument("--train-mb", type=float, default=2.0, help="training corpus size (MB)")
+    ap.add_argument("--vocab", type=int, default=8192, help="training vocabulary size")
+    add_output(ap, RESULTS, "the JSON file to write")
+    args = ap.parse_args()
     result = {
-        "machine": {
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-            "cpu_count": os.cpu_count(),
-            "threads": "single (RAYON_NUM_THREADS=1)",
-            "tiktoken": tiktoken.__version__,
-        },
+        "machine": machine(threads="single (RAYON_NUM_THREADS=1)", tiktoken=tiktoken.__version__),
         "encode": bench_encode(args.mb),
         "train": bench_train(args.train_mb, args.vocab),
     }
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(result, indent=1) + "\n")
+    write_result(args.output, result, indent=1)
     print(f"wrote {args.output}")
 
 

@@ -53,7 +53,6 @@ other processes hold the cores, which can make torch steps 10-100x slower; for a
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -78,6 +77,7 @@ from torch import nn  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
 
+from benchmarks._harness import write_result  # noqa: E402
 from lmjax import params as ptree  # noqa: E402
 from lmjax.config import OptimizerConfig, ScheduleConfig  # noqa: E402
 from lmjax.hostmem import keep_freed_memory  # noqa: E402
@@ -396,10 +396,9 @@ def scaling(args: argparse.Namespace) -> dict:
         "rows": rows,
         "loadavg_at_end": list(os.getloadavg()),
     }
-    args.results_dir.mkdir(parents=True, exist_ok=True)
     default = "train_step_scaling_quick.json" if args.quick else "train_step_scaling.json"
     path = args.results_dir / (args.output or default)
-    path.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(path, result)
     result["path"] = str(path)
     print(f"wrote {path}")
     return result
@@ -620,11 +619,10 @@ def main(argv=None) -> dict:
         "loadavg_at_end": list(os.getloadavg()),
         "ratios": ratios,
     }
-    args.results_dir.mkdir(parents=True, exist_ok=True)
     path = args.results_dir / (
         args.output or ("train_step_quick.json" if args.quick else "train_step.json")
     )
-    path.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(path, result)
     result["path"] = str(path)
     print(
         "tokens/s: "

@@ -38,6 +38,7 @@ from test_parallel_mesh import (
     U,
     _gamma,
     _save,
+    assert_losses_follow,
     clipped_gradient,
     param_bounds,
     step_excess,
@@ -291,14 +292,7 @@ def test_sharded_lmjax_finetune_has_the_one_device_losses(report, kind):
     ref, got = report["steps"][f"{kind}_ref"], report["steps"][f"{kind}_mesh"]
     g_ref, g_got = clipped_gradient(ref, "adam"), clipped_gradient(got, "adam")
     theta = max(float(np.max(b)) for b in param_bounds(ref, got, g_ref, g_got, "adam").values())
-    g1 = sum(float(np.sum(np.abs(g))) for g in g_ref.values()) * float(ref["metric.grad_norm"])
-    t = tau(report["vocab"], kind)
-    for a, b in zip(one, mesh, strict=True):
-        step, (x_loss, x_val), (y_loss, y_val) = a[0], a[1:], b[1:]
-        for x, y, updates in ((x_loss, y_loss, step - 1), (x_val, y_val, step)):
-            assert (x is None) == (y is None)
-            if x is not None:
-                assert abs(y - x) <= t * abs(x) + updates * theta * g1, (a, b, theta, g1)
+    assert_losses_follow(one, mesh, ref, theta, tau(report["vocab"], kind))
     # The merged models. Full: each parameter moved by at most 2 Θ (two updates). LoRA:
     # W + s B A with A and B each within 2 Θ, so |Δ(B A)_ij| <= Σ_k |ΔB_ik| |A_kj| +
     # |B_ik| |ΔA_kj| + |ΔB_ik| |ΔA_kj| <= r 2Θ (max|A| + max|B| + 2Θ), times s = alpha / r;

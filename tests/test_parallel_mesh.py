@@ -417,6 +417,22 @@ def param_bounds(ref: dict, got: dict, g_ref: dict, g_got: dict, optimizer: str)
     return bounds
 
 
+def assert_losses_follow(one: list, mesh: list, ref: dict, theta: float, tau: float) -> None:
+    """Each logged train and validation loss of `mesh` (rows `[step, loss, val_loss]`) within
+    its bound of `one`'s: tau L (its own sums), plus what k updates moved the parameters apart
+    times the loss's slope, |ΔL| <= Σ|∂L/∂θ_i| |Δθ_i| <= ‖g‖_1 k Θ to first order; Θ is the
+    largest one-step parameter bound, ‖g‖_1 the first step's (`ref`: its recorded step)."""
+    g_ref = clipped_gradient(ref, "adam")
+    g1 = sum(float(np.sum(np.abs(g))) for g in g_ref.values()) * float(ref["metric.grad_norm"])
+    for a, b in zip(one, mesh, strict=True):
+        step, (x_loss, x_val), (y_loss, y_val) = a[0], a[1:], b[1:]
+        # The train loss of step k is before its update (k - 1 updates), its val loss after.
+        for x, y, updates in ((x_loss, y_loss, step - 1), (x_val, y_val, step)):
+            assert (x is None) == (y is None)
+            if x is not None:
+                assert abs(y - x) <= tau * abs(x) + updates * theta * g1, (a, b, theta, g1)
+
+
 @pytest.mark.parametrize("shape", MESHES)
 def test_one_step_matches_single_device(report, shape):
     """Loss, gradient norm, Adam's moments and the parameters of one AdamW step on the mesh,
@@ -561,9 +577,7 @@ def test_sharded_lmjax_train_has_the_unsharded_losses(report):
     assert sharded and all(e[0] == ["data", "fsdp"] and not any(e[1:]) for e in sharded), evals
     plain, sharded = report["runs"]["plain"], report["runs"]["sharded"]
     assert [r[0] for r in plain] == [r[0] for r in sharded] and len(plain) >= 4
-    # A loss after k updates: TAU L (its own sums), plus what k steps moved the parameters apart
-    # times the loss's slope, |ΔL| <= Σ|∂L/∂θ_i| |Δθ_i| <= ‖g‖_1 k Θ to first order, with Θ the
-    # largest per-step parameter bound of the one-step comparisons and ‖g‖_1 the first step's.
+    # Θ: the largest per-step parameter bound of the one-step comparisons, over every mesh.
     ref, steps = report["steps"]["ref"], report["steps"]
     g_ref = clipped_gradient(ref, "adam")
     theta = max(
@@ -573,13 +587,7 @@ def test_sharded_lmjax_train_has_the_unsharded_losses(report):
             ref, steps[str(shape)], g_ref, clipped_gradient(steps[str(shape)], "adam"), "adam"
         ).values()
     )
-    g1 = sum(float(np.sum(np.abs(g))) for g in g_ref.values()) * float(ref["metric.grad_norm"])
-    for a, b in zip(plain, sharded, strict=True):
-        step, (x_loss, x_val), (y_loss, y_val) = a[0], a[1:], b[1:]
-        for x, y, updates in ((x_loss, y_loss, step - 1), (x_val, y_val, step)):
-            assert (x is None) == (y is None)
-            if x is not None:
-                assert abs(y - x) <= TAU * abs(x) + updates * theta * g1, (a, b, theta, g1)
+    assert_losses_follow(plain, sharded, ref, theta, TAU)
 
 
 if __name__ == "__main__":

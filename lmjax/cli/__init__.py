@@ -10,9 +10,9 @@ its memory against the HBM). Library errors (`lmjax.errors`) print one line on s
 
 One module per command group, each adding its parsers and running its commands: `training`
 (prepare, train, finetune), `runs` (eval, generate), `chat`, `hf` (import-hf, export-hf),
-`inspection` (inspect), `measure` (gradcheck, bench, compile); `common` holds what they share.
-Their lmjax imports sit inside the functions, so `lmjax --help` reads no more than the parser
-needs.
+`inspection` (inspect), `measure` (gradcheck, bench, compile); `args` holds the flags they
+share, `common` the steps they share. Their lmjax imports sit inside the functions, so
+`lmjax --help` reads no more than the parser needs.
 """
 
 from __future__ import annotations

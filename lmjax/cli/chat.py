@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from lmjax.cli.args import add_quantize, add_run, add_sampling, add_step
 from lmjax.cli.common import load_run
 from lmjax.errors import FileFormatError
 
@@ -25,30 +26,20 @@ def add_chat(sub) -> None:
         "and answered until an end-of-sequence id of generation_config.json / "
         "tokenizer_config.json or --max-new-tokens; the reply is kept for the next turn.",
     )
-    parser.add_argument("run_path", metavar="RUN", help="a run directory with a chat tokenizer")
-    parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
+    add_run(parser, "a run directory with a chat tokenizer")
+    add_step(parser)
     parser.add_argument("--system", default=None, help="a system message opening the chat")
     parser.add_argument(
         "--message", action="append", default=[], help="a user turn (repeatable; default: stdin)"
     )
-    parser.add_argument(
-        "--max-new-tokens",
-        type=int,
-        default=None,
-        help="tokens per reply at most (default: 200, or what is left of the context)",
+    add_sampling(
+        parser,
+        length="tokens per reply at most (default: 200, or what is left of the context)",
+        seed="the seed of every turn's sampling",
+        stop="another id ending a reply",
     )
-    parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
-    parser.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens")
-    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1]")
-    parser.add_argument("--seed", type=int, default=0, help="the seed of every turn's sampling")
-    parser.add_argument(
-        "--stop-token", type=int, action="append", default=[], help="another id ending a reply"
-    )
-    parser.add_argument(
-        "--quantize",
-        choices=("nf4", "none"),
-        default=None,
-        help="as lmjax generate --quantize (default: nf4 for a QLoRA run, none otherwise)",
+    add_quantize(
+        parser, "as lmjax generate --quantize (default: nf4 for a QLoRA run, none otherwise)"
     )
     parser.add_argument(
         "--show-ids", action="store_true", help="print each turn's prompt ids and reply ids"

@@ -1,25 +1,13 @@
-"""What several `lmjax` commands share: a CONFIG command's parser, a run loaded at a step, a
-JSON report's output file.
+"""What several `lmjax` commands share when they run: a run loaded at a step, a JSON report's
+output file (their shared flags are in `args`).
 
 Heavy imports stay inside the functions (they keep `lmjax --help` fast).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
-
-
-def add_config_command(
-    sub, name: str, help: str, description: str, config_help: str
-) -> argparse.ArgumentParser:
-    """The subcommand `lmjax NAME CONFIG [section.field=value ...]` (train, finetune, bench,
-    compile): a YAML config and its overrides, before the command's own flags."""
-    parser = sub.add_parser(name, help=help, description=description)
-    parser.add_argument("config", help=config_help)
-    parser.add_argument("overrides", nargs="*", help="section.field=value overrides")
-    return parser
 
 
 def load_run(path, step: int | None, quantize: str | None = None):

@@ -7,6 +7,7 @@ import argparse
 import shutil
 from pathlib import Path
 
+from lmjax.cli.args import add_run, add_step
 from lmjax.cli.common import load_run
 from lmjax.errors import CheckpointError, LMJaxError
 
@@ -155,9 +156,9 @@ def add_export_hf(sub) -> None:
         "the config: gpt2 for LayerNorm and learned positions; else qk_norm -> qwen3, q/k/v "
         "biases -> qwen2, a sliding window -> mistral, otherwise llama.",
     )
-    exp.add_argument("run_path", metavar="RUN", help="a run directory")
+    add_run(exp, "a run directory")
     exp.add_argument("--out", required=True, help="the new Hugging Face directory")
-    exp.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
+    add_step(exp)
     exp.set_defaults(run=run_export_hf)
 
 

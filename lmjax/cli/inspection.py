@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 
+from lmjax.cli.args import add_mesh
 from lmjax.errors import LMJaxError
 
 
@@ -40,11 +41,9 @@ def add_inspect(sub) -> None:
     insp.add_argument(
         "--seq-len", type=int, default=None, help="sequence length (default: context_length)"
     )
-    insp.add_argument(
-        "--mesh",
-        default=None,
-        metavar="data=D,fsdp=F,model=M",
-        help="also print the per-device memory on this device mesh (default: the config's "
+    add_mesh(
+        insp,
+        "also print the per-device memory on this device mesh (default: the config's "
         "parallel.mesh); nothing is allocated, so pick a mesh before renting hardware",
     )
     insp.add_argument(

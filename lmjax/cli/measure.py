@@ -7,7 +7,8 @@ import argparse
 import fnmatch
 import time
 
-from lmjax.cli.common import add_config_command, check_output_file, write_json
+from lmjax.cli.args import add_config_command, add_mesh, add_output
+from lmjax.cli.common import check_output_file, write_json
 from lmjax.errors import LMJaxError
 
 # ---- lmjax gradcheck -----------------------------------------------------------------------------
@@ -81,7 +82,7 @@ def add_bench(sub) -> None:
     bench.add_argument(
         "--peak-tflops", type=float, default=None, help="peak TFLOP/s for MFU (default: see above)"
     )
-    bench.add_argument("--output", default=None, help="also write the result as JSON here")
+    add_output(bench, "result")
     bench.set_defaults(run=run_bench)
 
 
@@ -164,14 +165,12 @@ def add_compile(sub) -> None:
         help="a TPU slice as GENERATION:SHAPE: v2:2x2, v3:2x2, v4:2x2x1, v5e:2x2, v5e:4x4, "
         "v5p:2x2x1, v6e:2x2, ... (v4 and v5p in megacore mode: one device per chip)",
     )
-    comp.add_argument(
-        "--mesh",
-        default=None,
-        metavar="data=D,fsdp=F,model=M",
-        help="the device mesh (default: the config's parallel.mesh, else fsdp over every "
+    add_mesh(
+        comp,
+        "the device mesh (default: the config's parallel.mesh, else fsdp over every "
         "device); its product must be the topology's device count",
     )
-    comp.add_argument("--output", default=None, help="also write the report as JSON here")
+    add_output(comp, "report")
     comp.set_defaults(run=run_compile)
 
 

@@ -8,6 +8,7 @@ import dataclasses
 import itertools
 import math
 
+from lmjax.cli.args import add_quantize, add_run, add_sampling, add_step
 from lmjax.cli.common import load_run
 from lmjax.errors import ConfigError, FileFormatError, TokenError
 
@@ -21,8 +22,8 @@ def add_eval(sub) -> None:
         description="Load RUN's newest (or --step) checkpoint and print the mean validation "
         "loss over the run's fixed evaluation batches.",
     )
-    ev.add_argument("run_path", metavar="RUN", help="a run directory (or RUN/checkpoints/STEP)")
-    ev.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
+    add_run(ev, "a run directory (or RUN/checkpoints/STEP)")
+    add_step(ev)
     ev.add_argument(
         "--batches", type=int, default=None, help="evaluation batches (default: config)"
     )
@@ -118,22 +119,13 @@ def add_generate(sub) -> None:
     source = gen.add_mutually_exclusive_group(required=True)
     source.add_argument("--run", dest="run_dir", help="a run directory (its newest checkpoint)")
     source.add_argument("--checkpoint", help="RUN/checkpoints/STEP, or a weights-only run")
-    gen.add_argument("--step", type=int, default=None, help="checkpoint step of --run")
+    add_step(gen, "checkpoint step of --run")
     gen.add_argument("--prompt", action="append", required=True, help="text (repeatable)")
-    gen.add_argument(
-        "--max-new-tokens",
-        type=int,
-        default=None,
-        help="tokens to generate (default: 200, or what fits in the context)",
-    )
-    gen.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
-    gen.add_argument(
-        "--top-k", type=int, default=None, help="keep the k most likely tokens (0: off, as unset)"
-    )
-    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1]")
-    gen.add_argument("--seed", type=int, default=0)
-    gen.add_argument(
-        "--stop-token", type=int, action="append", default=[], help="token id that ends a sequence"
+    add_sampling(
+        gen,
+        length="tokens to generate (default: 200, or what fits in the context)",
+        seed=None,
+        stop="token id that ends a sequence",
     )
     gen.add_argument("--cache", choices=("contiguous", "paged"), default="contiguous")
     gen.add_argument(
@@ -146,11 +138,9 @@ def add_generate(sub) -> None:
     gen.add_argument(
         "--show-ids", action="store_true", help="also print the prompt's and the new token ids"
     )
-    gen.add_argument(
-        "--quantize",
-        choices=("nf4", "none"),
-        default=None,
-        help="nf4: decode with the block projections in NF4 (the NF4 kernel on GPU/TPU, the "
+    add_quantize(
+        gen,
+        "nf4: decode with the block projections in NF4 (the NF4 kernel on GPU/TPU, the "
         "tiled path on CPU); none: float weights. Default: nf4 for a QLoRA run (its NF4 base "
         "with the adapters attached, not merged), none otherwise",
     )

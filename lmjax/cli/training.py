@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from lmjax.cli.common import add_config_command
+from lmjax.cli.args import add_config_command, add_skip_bad
 
 
 def add_prepare(sub) -> None:
@@ -31,9 +31,7 @@ def add_prepare(sub) -> None:
     prep.add_argument(
         "--eot", default="auto", help="appended to each document: auto, none or a special token"
     )
-    prep.add_argument(
-        "--skip-bad", action="store_true", help="skip malformed records (counted, reported)"
-    )
+    add_skip_bad(prep)
     prep.add_argument("--workers", type=int, default=None, help="tokenizing processes")
     prep.add_argument(
         "--tokenizer",
@@ -203,9 +201,7 @@ def add_finetune(sub) -> None:
         "or {messages: [{role, content}, ...]} (the base tokenizer's chat template) per line; "
         "the loss counts completion / assistant tokens only (data.packing=true packs records)",
     )
-    ft.add_argument(
-        "--skip-bad", action="store_true", help="skip malformed records (counted, reported)"
-    )
+    add_skip_bad(ft)
     ft.add_argument("--resume", action="store_true", help="continue the fine-tune in run.dir")
     ft.set_defaults(run=run_finetune)
 
