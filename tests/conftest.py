@@ -10,11 +10,21 @@ compile-only TPU devices with `jax.experimental.topologies`, which works under
 `lmjax compile` it starts, or another pytest) load libtpu at once instead of failing on the
 lockfile.
 
+One JAX persistent compilation cache serves the whole run (`shared_compile_cache`): the two
+pytest-xdist workers and every subprocess the tests start (`lmjax train`, `lmjax finetune`, the
+multi-process and 8-device workers) read a program another process compiled instead of
+compiling it again. It is a directory under the pytest cache, keyed by the jax and jaxlib
+versions and the CPU's instruction-set flags; JAX's own key (the program, its compile options,
+XLA_FLAGS, the devices) decides a hit, so a hit runs exactly the program a compile would have
+made. `JAX_COMPILATION_CACHE_DIR` set already is kept; `LMJAX_TEST_COMPILE_CACHE=0` turns it off.
+
 Implicit rank promotion is an error, so no broadcast in lmjax is silent; float32 matmuls run at
 full precision, so the same tolerances hold on GPUs (which default to TF32) as on CPUs.
 """
 
 import glob
+import hashlib
+import importlib.metadata
 import os
 from pathlib import Path
 
@@ -37,14 +47,52 @@ def _accelerator_attached() -> bool:
     return any(os.path.exists(f) for f in _NVIDIA_DEVICE_FILES) or _tpu_attached()
 
 
+# Programs that compile faster than this are not worth a file: JAX's eager ops each compile a
+# tiny program (a few ms), and writing thousands of those would cost more than it saves.
+CACHE_MIN_COMPILE_SECONDS = 0.1
+
+
+def _cpu_flags() -> str:
+    """A short hash of the CPU's feature flags: XLA compiles for the host's instruction set
+    (AVX-512 or not), so a cache directory copied to another CPU must not be read there."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "unknown"
+    flags = next((line for line in text.splitlines() if line.startswith("flags")), "")
+    return hashlib.sha256(flags.encode()).hexdigest()[:12]
+
+
+def shared_compile_cache(root: Path) -> dict[str, str]:
+    """The environment that points JAX, here and in every subprocess, at one compilation cache
+    under `root` (the repository's .pytest_cache); {} where the user chose otherwise."""
+    off = os.environ.get("LMJAX_TEST_COMPILE_CACHE") == "0"
+    if off or "JAX_COMPILATION_CACHE_DIR" in os.environ:
+        return {}
+    versions = "-".join(f"{name}-{importlib.metadata.version(name)}" for name in ("jax", "jaxlib"))
+    path = root / ".pytest_cache" / "jax-compile" / f"{versions}-cpu-{_cpu_flags()}"
+    path.mkdir(parents=True, exist_ok=True)
+    return {
+        "JAX_COMPILATION_CACHE_DIR": str(path),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": str(CACHE_MIN_COMPILE_SECONDS),
+    }
+
+
 if "JAX_PLATFORMS" not in os.environ and not _accelerator_attached():
     os.environ["JAX_PLATFORMS"] = "cpu"
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+# The subprocesses inherit these; this process may have imported jax already (a pytest plugin
+# can), and jax reads its environment once, so they are also set on jax.config below.
+_COMPILE_CACHE = shared_compile_cache(Path(__file__).resolve().parents[1])
+os.environ.update(_COMPILE_CACHE)
 
 import jax  # noqa: E402  (after JAX_PLATFORMS)
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_default_matmul_precision", "highest")
+for _name, _value in _COMPILE_CACHE.items():
+    _option = _name.lower()
+    jax.config.update(_option, float(_value) if _option.endswith("_secs") else _value)
 
 
 def pytest_collection_finish(session):

@@ -31,8 +31,8 @@ import numpy as np
 import pytest
 from _runs import assert_same_state, losses
 
-import lmjax.data
 from lmjax import cli, train
+from lmjax import data as pipeline
 from lmjax.errors import CheckpointError, TokenError
 from lmjax.train import optim
 from lmjax.train.checkpoint import Checkpoints, DamagedCheckpointError
@@ -410,7 +410,7 @@ def _corrupt_tokens(ws: Path, split: str, cache: str) -> Path:
     copy = ws / cache / "lmjax" / "data" / prepared.name
     shutil.copytree(prepared, copy)
     ids = np.fromfile(copy / f"{split}.bin", np.uint16)
-    vocab = lmjax.data.open_prepared(copy).vocab_size
+    vocab = pipeline.open_prepared(copy).vocab_size
     ids[:] = vocab  # every id: whichever crop a batch takes holds one
     ids.tofile(copy / f"{split}.bin")
     return copy
@@ -441,9 +441,9 @@ def test_crops_name_the_first_bad_position():
     tokens[23] = 10
     with pytest.raises(TokenError) as caught:
         for step in range(50):  # some step's crop covers position 23
-            lmjax.data.train_batch(tokens, 0, step, 4, 8, 1, None, 10)
+            pipeline.train_batch(tokens, 0, step, 4, 8, 1, None, 10)
     assert "position 23 of the token array" in str(caught.value) and "= 10;" in str(caught.value)
-    lmjax.data.train_batch(tokens, 0, 0, 4, 8, 1)  # unchecked without a vocab_size
+    pipeline.train_batch(tokens, 0, 0, 4, 8, 1)  # unchecked without a vocab_size
 
 
 # ---- a full disk ----------------------------------------------------------------------

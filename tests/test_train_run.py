@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 from _runs import assert_same_state, losses
 
-import lmjax.data
 from lmjax import cli, models, train
+from lmjax import data as pipeline
 from lmjax.config import load_run_config
 from lmjax.train import optim
 from lmjax.train.checkpoint import Checkpoints
@@ -173,7 +173,7 @@ def test_eval_prints_the_runs_validation_loss(workspace, straight):
     val = np.fromfile(prepared / "val.bin", np.uint16)
     scores = []
     for i in range(2):  # eval_batches 2 of micro-batch 4 / grad_accum 2 = 2 sequences of 16
-        x, y = lmjax.data.eval_batch(val, 0, i, 2, 16).values()
+        x, y = pipeline.eval_batch(val, 0, i, 2, 16).values()
         logits = np.asarray(models.forward(run.params, x, run.model.replace(ops="reference")))
         logits = logits.astype(np.float64) - logits.max(-1, keepdims=True)
         logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
