@@ -95,6 +95,33 @@ for _name, _value in _COMPILE_CACHE.items():
     jax.config.update(_option, float(_value) if _option.endswith("_secs") else _value)
 
 
+# The longest modules, from make test's `--durations` (2026-12-05), run first: with
+# `--dist loadfile` a worker takes whole modules in collection order, and a long one taken last
+# would run alone while the other worker has nothing left. Only the order changes; a stale
+# entry costs a little time, nothing else.
+LONG_MODULES = (
+    "test_multiprocess.py",
+    "test_train_run.py",
+    "test_padded_vocab.py",
+    "test_flash_attention.py",
+    "test_generate_gqa.py",
+    "test_models.py",
+    "test_notebooks.py",
+    "test_train_step.py",
+    "test_sft.py",
+    "test_readme.py",
+    "test_recipes.py",
+    "test_qlora.py",
+)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Move the modules of `LONG_MODULES` to the front, in that order; the sort is stable, so
+    the tests of a module and the other modules keep their order."""
+    rank = {name: i for i, name in enumerate(LONG_MODULES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
 def pytest_collection_finish(session):
     """Start the long subprocess of each module that has one as soon as collection is done, so
     it runs beside the suite instead of in series with it (tests/_background.py). A module
