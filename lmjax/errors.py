@@ -1,4 +1,4 @@
-"""One exception family for every bad input lmjax can see (SPEC section 11).
+"""One exception family for every bad input lmjax can see (docs/guarantees.md).
 
 Every message names three things: the offending value, what was expected, and how to fix it.
 `describe` builds that sentence so the format is the same everywhere:

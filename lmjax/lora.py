@@ -1,4 +1,4 @@
-"""LoRA: low-rank adapters on chosen linear projections (SPEC section 6).
+"""LoRA: low-rank adapters on chosen linear projections (docs/fine-tuning.md).
 
 For a frozen projection `y = x W^T (+ b)`, `W [out, in]`, an adapter adds
 

@@ -1,4 +1,4 @@
-"""Parameter pytrees addressed by `.`-joined names (SPEC section 3).
+"""Parameter pytrees addressed by `.`-joined names (docs/models.md).
 
 A parameter tree is a nested `dict[str, ...]` whose leaves are arrays (or `jax.ShapeDtypeStruct`
 under `jax.eval_shape`). Its flat view maps names such as `blocks.0.attention.query.weight` to

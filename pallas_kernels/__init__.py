@@ -1,4 +1,4 @@
-"""Pallas kernels (SPEC section 7): flash attention and the NF4 quantized matmul.
+"""Pallas kernels (docs/kernels.md): flash attention and the NF4 quantized matmul.
 
 `pallas_kernels.flash_attention` holds FlashAttention-2 with a hand-written VJP, a GPU (Triton)
 kernel and a TPU (Mosaic) kernel (interpreted on CPU), its `BlockSizes` and its pure-JAX

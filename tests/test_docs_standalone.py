@@ -192,3 +192,32 @@ def test_a_name_that_moved_fails():
         "tests/test_nothing*.py",
         "lmjax.train.loop.no_such_function",
     ]
+
+
+# The contract's own file is not in the repository: a docstring or an error message that sends
+# the reader to "SPEC section 6" or ../shared points at nothing. (PartitionSpec and friends are
+# other words: the pattern wants SPEC on its own.)
+OUTSIDE_REFERENCE = re.compile(r"\bSPEC\b|\.\./shared|shared/reference")
+
+
+def outside_references(root: Path = ROOT) -> list[str]:
+    """`path:line` of each mention of the contract file in lmjax/ and pallas_kernels/."""
+    found = []
+    for package in ("lmjax", "pallas_kernels"):
+        for path in sorted((root / package).rglob("*.py")):
+            for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+                if OUTSIDE_REFERENCE.search(line):
+                    found.append(f"{path.relative_to(root)}:{i}")
+    return found
+
+
+def test_the_library_sends_no_reader_outside_the_repository():
+    assert outside_references() == []
+
+
+def test_the_library_check_catches_a_spec_reference(tmp_path):
+    (tmp_path / "lmjax").mkdir()
+    (tmp_path / "pallas_kernels").mkdir()
+    (tmp_path / "lmjax" / "a.py").write_text('"""Models (SPEC section 3)."""\nP = PartitionSpec\n')
+    (tmp_path / "pallas_kernels" / "b.py").write_text("# see ../shared/reference/\n")
+    assert outside_references(tmp_path) == ["lmjax/a.py:1", "pallas_kernels/b.py:1"]

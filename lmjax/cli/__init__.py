@@ -44,7 +44,7 @@ _LONG_RUNNING = ("train", "finetune", "bench")
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line (SPEC section 10) and exits 2, as library errors
+    """argparse, but a usage error is one line (docs/guarantees.md) and exits 2, as library errors
     do; subcommand parsers are made with the same class."""
 
     def error(self, message: str):

@@ -20,7 +20,7 @@ TOKENIZERS = ("char", "byte", "bpe", "gpt2", "hf")
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
-    """optax optimizer. `no_decay`: name globs exempt from AdamW weight decay (SPEC section 5)."""
+    """optax optimizer. `no_decay`: name globs exempt from AdamW weight decay (docs/training.md)."""
 
     name: str = "adamw"  # adamw | adam | sgd
     lr: float = 3e-4  # peak learning rate (after warmup)
@@ -105,7 +105,7 @@ class LoggingConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
-    """Device mesh (SPEC section 9, `lmjax.parallel`): `mesh: {data: 2, fsdp: 4}` (model: 1).
+    """Device mesh (docs/scale.md, `lmjax.parallel`): `mesh: {data: 2, fsdp: 4}` (model: 1).
 
     null (the default) trains on one device exactly as before in one process, and over every
     device, data-parallel, in a multi-process run (`lmjax.parallel.run_mesh_shape`); the axis

@@ -1,4 +1,4 @@
-"""The data pipeline (SPEC section 5): everything from a corpus on disk to batches of ids.
+"""The data pipeline (docs/training.md): everything from a corpus on disk to batches of ids.
 
     corpus, corpus_files   where a corpus is (the bundled Shakespeare, files, globs) and its
                            formats: .txt, .jsonl[.gz], .parquet

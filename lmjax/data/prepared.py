@@ -1,4 +1,4 @@
-"""Token files and batches (SPEC section 5).
+"""Token files and batches (docs/training.md).
 
 `prepare` turns a corpus (a text file, a directory or a glob of `.txt` / `.jsonl[.gz]` /
 `.parquet` files: `corpus_files`) into a directory:

@@ -1,4 +1,4 @@
-"""Fine-tuning (SPEC section 6): what `lmjax finetune` calls, on top of `lmjax.train`.
+"""Fine-tuning (docs/fine-tuning.md): what `lmjax finetune` calls, on top of `lmjax.train`.
 
     config     a fine-tune config read and checked: the base run, its model and tokenizer, the
                `FinetuneSpec` the run records

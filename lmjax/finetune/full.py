@@ -1,5 +1,5 @@
 """Full fine-tuning of a trained or imported model, parameters frozen by name (`lmjax finetune
---full [--freeze 'token_embedding.*,blocks.0.*']`; SPEC section 6).
+--full [--freeze 'token_embedding.*,blocks.0.*']`; docs/fine-tuning.md).
 
 Every base parameter trains except those matching a `freeze` glob (`lmjax.params.mask`). The
 split is `lmjax.train.finetuned.partition`: the trained leaves are the loop's state (their

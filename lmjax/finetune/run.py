@@ -1,5 +1,5 @@
-"""`lmjax finetune`: LoRA / QLoRA / full fine-tuning of a trained or imported model (SPEC
-sections 6, 10).
+"""`lmjax finetune`: LoRA / QLoRA / full fine-tuning of a trained or imported model
+(docs/fine-tuning.md).
 
 A fine-tune config is a run config (`lmjax train`'s sections) without a model section, plus
 

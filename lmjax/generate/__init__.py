@@ -1,4 +1,4 @@
-"""Decoding (SPEC section 4): KV caches, sampling, batched and paged generation.
+"""Decoding (docs/decoding.md): KV caches, sampling, batched and paged generation.
 
     from lmjax import generate as G
     new_tokens = G.generate(params, [[5, 3, 9], [7]], cfg, max_new_tokens=20, temperature=0.8,

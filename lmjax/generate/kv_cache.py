@@ -1,4 +1,5 @@
-"""KV-cached decoding (SPEC section 4): `prefill` a prompt, then `decode_step` one token at a time.
+"""KV-cached decoding (docs/decoding.md): `prefill` a prompt, then `decode_step` one token at
+a time.
 
 A cache keeps every layer's keys and values at their absolute positions, so a new token attends
 to everything before it without recomputing it. The cache holds `Hkv = cfg.kv_heads` heads of

@@ -1,4 +1,4 @@
-"""Batched generation (SPEC section 4): `stream` yields each step's tokens, `generate` collects.
+"""Batched generation (docs/decoding.md): `stream` yields each step's tokens, `generate` collects.
 
     for step in stream(params, [[5, 3, 9], [7]], cfg, max_new_tokens=20, stop_tokens=[0]):
         step.tokens  # [B] int32, this step's token of every row (-1 where the row is done)

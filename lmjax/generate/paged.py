@@ -1,4 +1,4 @@
-"""A paged KV cache (SPEC section 4): fixed-size pages from one pool, a page table per sequence.
+"""A paged KV cache (docs/decoding.md): fixed-size pages from one pool, a page table per sequence.
 
 Layout, per layer: `keys[i]`, `values[i]` `[P, page_size, Hkv, Dh]` (a pool of P pages of the
 model's `cfg.kv_heads` key/value heads); `page_table [B, M]` int32 maps row b's slot j (its

@@ -1,4 +1,4 @@
-"""Next-token sampling (SPEC section 4): greedy, temperature, top-k, top-p; seeded.
+"""Next-token sampling (docs/decoding.md): greedy, temperature, top-k, top-p; seeded.
 
 For logits z [B, V] and `Sampling(temperature T, top_k k, top_p p)`:
 

@@ -1,4 +1,4 @@
-"""Interop and files (SPEC section 8): safetensors parameter files, Hugging Face checkpoints.
+"""Interop and files (docs/interop.md): safetensors parameter files, Hugging Face checkpoints.
 
 lmjax.io.safetensors.save(params, path, metadata=None) / load(path, expected=None)
 lmjax.io.hf.load(path) -> (params, cfg) / save(params, cfg, out_dir)   every family:

@@ -1,4 +1,5 @@
-"""Hugging Face causal-LM checkpoints in and out, one entry point for every family (SPEC 8).
+"""Hugging Face causal-LM checkpoints in and out, one entry point for every family
+(docs/interop.md).
 
 load(path, dtype="float32") -> (params, cfg)
     path: a directory with config.json and model.safetensors (or sharded

@@ -1,4 +1,4 @@
-"""Hugging Face GPT-2 checkpoints <-> lmjax's `gpt2` preset (SPEC section 8).
+"""Hugging Face GPT-2 checkpoints <-> lmjax's `gpt2` preset (docs/interop.md).
 
     load(path, dtype="float32", n_heads=None) -> (params, cfg)
         path: a directory with config.json and model.safetensors (or a sharded
@@ -206,7 +206,7 @@ def _renamed(tensors: dict, names, *, to_lmjax: bool) -> dict[str, np.ndarray]:
 
 
 def to_lmjax(state: dict[str, np.ndarray], cfg: ModelConfig) -> dict[str, np.ndarray]:
-    """HF state (names as in `hf_shapes`) -> flat lmjax names (SPEC section 3), as numpy.
+    """HF state (names as in `hf_shapes`) -> flat lmjax names (docs/models.md), as numpy.
 
     c_attn's fused [D, 3D] weight (and [3D] bias) splits into query, key and value.
     """

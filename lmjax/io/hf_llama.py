@@ -1,4 +1,4 @@
-"""Hugging Face llama / mistral / qwen2 / qwen3 checkpoints <-> lmjax (SPEC section 8).
+"""Hugging Face llama / mistral / qwen2 / qwen3 checkpoints <-> lmjax (docs/interop.md).
 
     load(path, hf, files, dtype) -> (params, cfg)     hf: the parsed config.json
     save(params, cfg, out_dir)                         config.json + model.safetensors

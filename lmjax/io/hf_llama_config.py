@@ -252,9 +252,7 @@ def config_to_hf(cfg: ModelConfig, layout: Layout) -> dict[str, Any]:
 
 
 def _refuse(what: str, value: Any, why: str) -> ConfigError:
-    return ConfigError.describe(
-        what, value, why, "export a config a Hugging Face family expresses (SPEC section 8)"
-    )
+    return ConfigError.describe(what, value, why, "export a config a Hugging Face family expresses")
 
 
 def choose_layout(cfg: ModelConfig, nonzero: dict[str, bool]) -> Layout:

@@ -1,4 +1,4 @@
-"""Parameter pytrees as safetensors files, under the `.`-joined names of SPEC section 3.
+"""Parameter pytrees as safetensors files, under the `.`-joined names docs/models.md lists.
 
     save(params, path, metadata=None)      nested dict -> one tensor per leaf, atomically
     load(path, expected=None) -> params    nested dict of jax arrays; `expected` (a ModelConfig

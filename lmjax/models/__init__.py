@@ -1,4 +1,5 @@
-"""Decoder-only transformers (GPT, GPT-2, Llama-style) as pure functions over pytrees (SPEC §3).
+"""Decoder-only transformers (GPT, GPT-2, Llama-style) as pure functions over pytrees
+(docs/models.md).
 
     cfg = lmjax.models.preset("llama", vocab_size=65)
     params = lmjax.models.init(jax.random.key(0), cfg)

@@ -1,4 +1,4 @@
-"""`ModelConfig`: the frozen, validated description of a decoder (SPEC section 3), and presets."""
+"""`ModelConfig`: the frozen, validated description of a decoder (docs/models.md), and presets."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ _CHOICES = {
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """A decoder-only transformer, validated on construction (SPEC section 3).
+    """A decoder-only transformer, validated on construction (docs/models.md).
 
     Sizes: vocab_size V, context_length C, d_model D, n_heads H, n_layers N, d_ff F; key/value
     heads Hkv = `kv_heads` (`n_kv_heads`, default H: grouped-query attention when fewer, each
@@ -365,7 +365,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         _LLAMA, vocab_size=16, context_length=32, d_model=32, n_heads=2, n_layers=2, d_ff=64
     ),
     # A byte-level Llama small enough to train on a laptop CPU in minutes (918,656 parameters;
-    # not SPEC section 5's overfit model, which is the "llama" preset above).
+    # not the overfit model of the training tests, which is the "llama" preset above).
     "llama-tiny": dict(
         _LLAMA, vocab_size=256, context_length=256, d_model=128, n_heads=4, n_layers=4, d_ff=384
     ),

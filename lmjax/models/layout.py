@@ -2,7 +2,7 @@
 
 `declare(cfg)` is the single source: `init` draws arrays from it, `abstract_params` gives
 `jax.ShapeDtypeStruct`s without allocating, `check_params` compares a tree against it, and
-sharding rules (SPEC section 9) map its logical axes to mesh axes.
+sharding rules (docs/scale.md) map its logical axes to mesh axes.
 
 Logical axes: `vocab` (V), `context` (C), `embed` (D), `heads` (H * Dh, the concatenated query
 features and the output projection's input), `kv_heads` (Hkv * Dh, the key/value features),
@@ -136,7 +136,7 @@ def _leaf_key(key: jax.Array, name: str) -> jax.Array:
 
 
 def init(key: jax.Array, cfg: ModelConfig) -> dict:
-    """Parameters drawn from `declare(cfg)`: a nested dict with the names of SPEC section 3.
+    """Parameters drawn from `declare(cfg)`: a nested dict with the names docs/models.md lists.
 
     Embeddings ~ N(0, 0.02^2), linear weights Xavier-uniform, biases 0, norm scales 1; each leaf
     gets its own key, `fold_in(key, crc32(name))`, in `cfg.param_dtype`.

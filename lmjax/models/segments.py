@@ -1,4 +1,4 @@
-"""Packed rows: several documents in one `[B, T]` row, told apart by segment ids (SPEC section 3).
+"""Packed rows: several documents in one `[B, T]` row, told apart by segment ids (docs/models.md).
 
     segment_ids [B, T] int: one id per document in the row (padding its own id)
     positions[b, t] = t - (first index of the contiguous run of segment_ids[b] holding t)

@@ -1,4 +1,4 @@
-"""The decoder forward pass: tokens `[B, T]` -> logits `[B, T, V]` (SPEC section 3).
+"""The decoder forward pass: tokens `[B, T]` -> logits `[B, T, V]` (docs/models.md).
 
     x_0 = E_token[tokens] (+ E_position[t] | + sinusoid(t))            [B, T, D]
     for each block (pre-norm residual):

@@ -1,4 +1,4 @@
-"""lmjax primitives (SPEC section 2).
+"""lmjax primitives (docs/models.md).
 
 Each public op is a `jax.custom_vjp` whose backward is written by hand from the equations in
 its docstring; each has a `*_reference` in plain `jax.numpy` that `jax.grad`

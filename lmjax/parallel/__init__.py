@@ -1,4 +1,4 @@
-"""Sharded training over device meshes, multi-host (SPEC section 9).
+"""Sharded training over device meshes, multi-host (docs/scale.md).
 
     mesh = lmjax.parallel.make_mesh({"data": 2, "fsdp": 4})
     specs = lmjax.parallel.state_specs(state, model_cfg, lmjax.parallel.mesh_shape(mesh))

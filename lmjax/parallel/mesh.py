@@ -1,4 +1,4 @@
-"""The device mesh (SPEC section 9): named axes `data`, `fsdp`, `model`.
+"""The device mesh (docs/scale.md): named axes `data`, `fsdp`, `model`.
 
     parallel:
       mesh: {data: 2, fsdp: 4}        # model defaults to 1; the product = the device count

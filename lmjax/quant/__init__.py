@@ -1,4 +1,4 @@
-"""Quantized weights (SPEC section 6): NF4 with double quantization.
+"""Quantized weights (docs/fine-tuning.md): NF4 with double quantization.
 
 `lmjax.quant.nf4` holds the format (quantize, dequantize, the `QuantizedWeight` pytree and its
 storage formula); `lmjax.quant.params` quantizes the linear weights of a model's parameters.

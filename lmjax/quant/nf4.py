@@ -1,4 +1,4 @@
-"""NF4 with double quantization, in bitsandbytes' layout (SPEC section 6).
+"""NF4 with double quantization, in bitsandbytes' layout (docs/fine-tuning.md).
 
 For a weight of N elements, flattened row-major and cut into `B = ceil(N / 64)` blocks of 64:
 
@@ -17,7 +17,7 @@ For a weight of N elements, flattened row-major and cut into `B = ceil(N / 64)` 
     absmax'[b] = DYNAMIC[qabsmax[b]] * absmax2[b // 256] + offset
     w'[j]      = NF4[code[j]] * absmax'[j // 64]
 
-Storage: `ceil(N/2) + B + 4 B2 + 4` bytes (`storage_bytes(n)`), which is SPEC's
+Storage: `ceil(N/2) + B + 4 B2 + 4` bytes (`storage_bytes(n)`), which is the
 `N/2 + ceil(N/64) + 4 ceil(N/16384) + 4` (N/2 rounded up): about 4.127 bits per weight.
 
 Sizes that are not a multiple of 64 (or of 2): as bitsandbytes, the last block holds the
@@ -65,7 +65,7 @@ BLOCK = 64  # weights per NF4 block (one absmax each)
 BLOCK2 = 256  # absmax values per double-quantization group (one absmax2 each)
 WEIGHT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
-# SPEC section 6, codes 0..15 (bitsandbytes' NF4: quantiles of N(0, 1) scaled to [-1, 1]).
+# The 16 NF4 values, codes 0..15 (bitsandbytes' NF4: quantiles of N(0, 1) scaled to [-1, 1]).
 NF4 = np.array(
     [
         -1.0,

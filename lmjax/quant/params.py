@@ -1,4 +1,4 @@
-"""Quantize a model's linear weights to NF4, and count the bytes (SPEC section 6, QLoRA).
+"""Quantize a model's linear weights to NF4, and count the bytes (docs/fine-tuning.md, QLoRA).
 
 Only the `[out, in]` weights of the attention and feed-forward projections are quantized:
 embeddings, norms, biases and the language-model head stay float (as in QLoRA, where the
@@ -33,8 +33,8 @@ def quantize_params(params: Mapping, patterns: str | Iterable[str] | None = None
     projections). Given explicitly, every pattern must match a leaf (a typo raises); with the
     default, at least one leaf must match. A matched leaf must be a 2-D float weight that is
     not already quantized, and one of `LINEAR_WEIGHTS` (the patterns only narrow the default):
-    embedding tables are gathered by row, never multiplied, and the head stays float (SPEC
-    section 6), so selecting them is an error rather than a model that fails later.
+    embedding tables are gathered by row, never multiplied, and the head stays float
+    (docs/fine-tuning.md), so selecting them is an error rather than a model that fails later.
     """
     chosen = LINEAR_WEIGHTS if patterns is None else patterns
     selected = ptree.mask(params, chosen, require_match=patterns is not None)
@@ -61,7 +61,7 @@ def quantize_params(params: Mapping, patterns: str | Iterable[str] | None = None
                 f"parameter {name!r}",
                 "not a block projection",
                 "a weight matching lmjax.quant.params.LINEAR_WEIGHTS: embeddings, norms and the "
-                "head stay float (SPEC section 6)",
+                "head stay float",
                 "narrow the patterns to block projections, e.g. 'blocks.*.attention.*.weight'",
             )
         return quantize(leaf)

@@ -1,4 +1,4 @@
-"""Tokenizers: text <-> token ids (SPEC section 8).
+"""Tokenizers: text <-> token ids (docs/interop.md).
 
 Every tokenizer has `encode(text) -> list[int]`, `decode(ids) -> str`, `vocab_size`, a `kind`
 string and `save(directory)`; `load(directory)` reads any of them back. On disk a tokenizer is a

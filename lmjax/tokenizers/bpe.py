@@ -1,4 +1,4 @@
-"""Byte-level BPE in the GPT-2 scheme: pre-tokenize, then merge bytes by rank (SPEC section 8).
+"""Byte-level BPE in the GPT-2 scheme: pre-tokenize, then merge bytes by rank (docs/interop.md).
 
     text --(special tokens split out per the policy)--> segments
     segment --PATTERN.findall--> pieces          (the GPT-2 pre-tokenization regex)

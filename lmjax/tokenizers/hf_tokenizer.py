@@ -1,4 +1,4 @@
-"""A Hugging Face `tokenizer.json` (byte-level BPE) as an lmjax tokenizer (SPEC section 8).
+"""A Hugging Face `tokenizer.json` (byte-level BPE) as an lmjax tokenizer (docs/interop.md).
 
 Encoding and decoding run in the `tokenizers` library, the format's own (Rust) implementation:
 

@@ -1,4 +1,4 @@
-"""Training (SPEC section 5): the state, the jitted step, optimizers, the run loop and trainer,
+"""Training (docs/training.md): the state, the jitted step, optimizers, the run loop and trainer,
 checkpoints, metrics and loggers, evaluation, and opening a finished run (`load_run`).
 
 It imports `lmjax.data` (batches) and the layers below (models, lora, quant, parallel, io,

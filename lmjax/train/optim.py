@@ -1,4 +1,4 @@
-"""Optimizers and learning-rate schedules from a `RunConfig` (SPEC section 5).
+"""Optimizers and learning-rate schedules from a `RunConfig` (docs/training.md).
 
     lr(s) = lr_peak * (s + 1) / W                             for s < W (linear warmup)
     lr(s) = lr_end + (lr_peak - lr_end) * shape((s - W) / (S - W))   for W <= s < S

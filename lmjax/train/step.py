@@ -1,4 +1,4 @@
-"""The jitted train and eval steps (SPEC section 5).
+"""The jitted train and eval steps (docs/training.md).
 
     loss(θ; x, y) = mean_{b,t} CE(forward(θ, x)[b, t], y[b, t])
     g = (1/A) Σ_a ∇θ loss(θ; x_a, y_a)          over A micro-batches (gradient accumulation)

@@ -1,7 +1,7 @@
 """NF4 matmul: `y = x @ dequant(W)^T (+ bias)` with W decoded tile by tile, never whole.
 
 Shapes: x `[..., I]` (float32, bfloat16 or float16), W an `lmjax.quant.QuantizedWeight` of shape
-`[O, I]` (SPEC section 6), bias `[O]` -> y `[..., O]` in x's dtype. Three paths, one contract
+`[O, I]` (docs/fine-tuning.md), bias `[O]` -> y `[..., O]` in x's dtype. Three paths, one contract
 (`reference.check_inputs`), each differentiable in x and the bias, the frozen weight getting no
 gradient:
 

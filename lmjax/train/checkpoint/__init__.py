@@ -1,4 +1,4 @@
-"""Checkpoints of a run with orbax (SPEC section 5).
+"""Checkpoints of a run with orbax (docs/training.md).
 
 A checkpoint is `RUN/checkpoints/<step>/` with two items: `state` (the `TrainState`: params,
 optimizer state, step and PRNG key) and `meta` (JSON: the resolved run config, the step and the
