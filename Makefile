@@ -58,12 +58,13 @@ demo: $(RUNTIME_STAMP)
 
 # Two pytest-xdist workers, one per core of the CI machine; --dist loadfile keeps each test
 # module on one worker, so its module-scoped compiled functions are built once.
-# `make test WORKERS=0` runs in one process.
+# `make test WORKERS=0` runs in one process. Both share one JAX compilation cache under
+# .pytest_cache/jax-compile (tests/conftest.py). `make test` ends with its 25 slowest tests.
 WORKERS ?= 2
 XDIST = $(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist loadfile)
 
 test: $(STAMP)
-	$(PY) -m pytest -q $(XDIST)
+	$(PY) -m pytest -q $(XDIST) --durations=25
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q $(XDIST) -m "not slow"
