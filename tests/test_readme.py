@@ -50,13 +50,19 @@ def test_readme_names_the_two_commands_that_the_makefile_defines():
         assert re.search(rf"^{target}:", makefile, re.M)
 
 
-def test_test_portable_hands_its_isa_to_the_tests_subprocesses():
+def test_test_portable_hands_its_isa_to_the_tests_subprocesses(tmp_path):
     """`make test-portable ISA=...` adds --xla_cpu_max_isa to XLA_FLAGS, and a test that starts
-    a subprocess with simulated devices keeps it beside its device count."""
+    a subprocess with simulated devices keeps it beside its device count.
+
+    The dry run's stamp is a fresh file outside the checkout: `make -n` still runs the recipes
+    that remake a makefile, so a stamp named `Makefile` (older than pyproject.toml) would install
+    the test extra for real; a stamp newer than pyproject.toml leaves nothing to install."""
     from _xla_flags import host_devices
 
+    stamp = tmp_path / "installed-stamp"
+    stamp.touch()
     dry = subprocess.run(
-        ["make", "-n", "test-portable", "ISA=SSE4_2", "STAMP=Makefile"],
+        ["make", "-n", "test-portable", "ISA=SSE4_2", f"STAMP={stamp}"],
         cwd=README.parent, capture_output=True, text=True, check=True,
     )  # fmt: skip
     assert (
