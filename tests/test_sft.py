@@ -232,11 +232,17 @@ logging: {{every: 1, progress: false, sample_tokens: 0, peak_flops: 1.0e+12}}
 """
 
 
-def test_finetune_cli_on_records_lowers_the_loss(ws, capfd):
+@pytest.fixture(scope="module")
+def base(ws):
+    """One tiny Llama base run over the records' tokenizer, read (never written) by the three
+    fine-tunes below: drawn once, not once per trainable."""
     tok = load_hf_tokenizer(ws / "tok")
     model = lm.preset("llama-tiny", vocab_size=tok.vocab_size, context_length=48, d_model=32,
                       n_heads=4, n_kv_heads=2, n_layers=2, d_ff=64)  # fmt: skip
-    base = write_weights_run(ws / "base", lm.init(jax.random.PRNGKey(1), model), model, tok, "gpt2")
+    return write_weights_run(ws / "base", lm.init(jax.random.PRNGKey(1), model), model, tok, "gpt2")
+
+
+def test_finetune_cli_on_records_lowers_the_loss(ws, base, capfd):
     (ws / "ft.yaml").write_text(CONFIG.format(base=base))
     out = ws / "run"
     argv = ["finetune", str(ws / "ft.yaml"), "--data", str(ws / "sft.jsonl"), f"run.dir={out}"]
@@ -272,14 +278,8 @@ OTHER_TRAINABLES = {
 
 
 @pytest.mark.parametrize("kind", sorted(OTHER_TRAINABLES))
-def test_finetune_cli_on_records_with_qlora_and_full(ws, capfd, kind):
+def test_finetune_cli_on_records_with_qlora_and_full(ws, base, capfd, kind):
     template, flags = OTHER_TRAINABLES[kind]
-    tok = load_hf_tokenizer(ws / "tok")
-    model = lm.preset("llama-tiny", vocab_size=tok.vocab_size, context_length=48, d_model=32,
-                      n_heads=4, n_kv_heads=2, n_layers=2, d_ff=64)  # fmt: skip
-    base = write_weights_run(
-        ws / f"base-{kind}", lm.init(jax.random.PRNGKey(1), model), model, tok, "gpt2"
-    )
     (ws / f"ft-{kind}.yaml").write_text(template.format(base=base))
     out = ws / f"run-{kind}"
     argv = ["finetune", str(ws / f"ft-{kind}.yaml"), "--data", str(ws / "sft.jsonl"), *flags]

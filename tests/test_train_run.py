@@ -144,16 +144,17 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint(workspace, straight
         "3e38",  # the very first update overflows the parameters, the loss before it is finite
     ],
 )
-def test_non_finite_training_stops_naming_the_step(workspace, lr):
+def test_non_finite_training_stops_naming_the_step(workspace, lr, monkeypatch, capsys):
     run_dir = workspace / f"nan-{lr}"
-    done = lmjax(
-        workspace, "train", "tiny.yaml", f"run.dir={run_dir.name}", "optimizer.name=sgd",
-        f"optimizer.lr={lr}", "optimizer.clip_norm=null", "schedule.warmup_steps=0",
-        "schedule.decay=constant", "checkpoint.every=1", "model.dropout=0.0", check=False,
+    code, _, err = run_cli(
+        workspace, monkeypatch, capsys, "train", "tiny.yaml", f"run.dir={run_dir.name}",
+        "optimizer.name=sgd", f"optimizer.lr={lr}", "optimizer.clip_norm=null",
+        "schedule.warmup_steps=0", "schedule.decay=constant", "checkpoint.every=1",
+        "model.dropout=0.0",
     )  # fmt: skip
-    assert done.returncode == 2
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and "train step" in lines[0] and "Traceback" not in done.stderr
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "train step" in lines[0] and "Traceback" not in err
     failed = int(lines[0].split("train step ")[1].split(":")[0])
     steps = Checkpoints(run_dir / "checkpoints", create=False).steps()
     assert steps == list(range(1, failed))
@@ -165,8 +166,9 @@ def test_non_finite_training_stops_naming_the_step(workspace, lr):
         assert "before saving any checkpoint" in lines[0]
 
 
-def test_eval_prints_the_runs_validation_loss(workspace, straight):
-    done = lmjax(workspace, "eval", "straight")
+def test_eval_prints_the_runs_validation_loss(workspace, straight, monkeypatch, capsys):
+    code, out, _ = run_cli(workspace, monkeypatch, capsys, "eval", "straight")
+    assert code == 0
     # Witness: the same fixed validation crops scored by the reference model, softmax in numpy.
     run = train.load_run(straight)
     (prepared,) = (workspace / "cache/lmjax/data").iterdir()
@@ -178,8 +180,8 @@ def test_eval_prints_the_runs_validation_loss(workspace, straight):
         logits = logits.astype(np.float64) - logits.max(-1, keepdims=True)
         logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
         scores.append(-np.take_along_axis(logp, y[..., None], -1).mean())
-    assert f"validation loss {np.mean(scores):.4f}" in done.stdout and "step 8" in done.stdout
-    assert "(char tokenizer)" in done.stdout
+    assert f"validation loss {np.mean(scores):.4f}" in out and "step 8" in out
+    assert "(char tokenizer)" in out
 
 
 def test_generate_command_continues_greedily(workspace, straight, monkeypatch, capsys):
@@ -301,26 +303,28 @@ def test_prepare_and_inspect_commands(workspace, monkeypatch, capsys):
     assert code == 2 and "data.corpus = 'nope.txt'" in err
 
 
-def test_help_everywhere():
-    for command in (
-        "prepare",
-        "train",
-        "eval",
-        "generate",
-        "import-hf",
-        "export-hf",
-        "inspect",
-        "gradcheck",
-    ):
-        done = subprocess.run(
-            [sys.executable, "-m", "lmjax", command, "--help"],
-            capture_output=True,
-            text=True,
-            env=dict(os.environ, PYTHONPATH=str(ROOT)),
-        )
-        assert done.returncode == 0 and "usage: lmjax " + command in done.stdout, textwrap.shorten(
-            done.stderr, 300
-        )
+HELP_COMMANDS = ("prepare", "train", "eval", "generate", "import-hf", "export-hf", "inspect",
+                 "gradcheck")  # fmt: skip
+
+
+def test_help_everywhere(capsys):
+    # The real entry point once (`python -m lmjax` in a fresh process) ...
+    done = subprocess.run(
+        [sys.executable, "-m", "lmjax", "train", "--help"],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
+    assert done.returncode == 0 and "usage: lmjax train" in done.stdout, textwrap.shorten(
+        done.stderr, 300
+    )
+    # ... and every command's help in-process: the parser is the same, a process each costs
+    # seconds of imports.
+    for command in HELP_COMMANDS:
+        with pytest.raises(SystemExit) as exited:
+            cli.main([command, "--help"])
+        out = capsys.readouterr().out
+        assert exited.value.code == 0 and "usage: lmjax " + command in out, (command, out[:300])
 
 
 INTERRUPT_AT_STEP_5 = """

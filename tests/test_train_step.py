@@ -24,6 +24,11 @@ _CHAIN = testing.forward_chain(MODEL, 16) + MODEL.vocab_size + 64
 LOSS_RTOL, GRAD_RTOL = testing.f32_rtol(_CHAIN), testing.f32_rtol(2 * _CHAIN + 64)
 
 
+# One compiled loss for every test that scores parameters of MODEL's shapes (eagerly, each of
+# the forward's ops would compile a program of its own).
+jitted_loss = jax.jit(loss_fn, static_argnums=3)
+
+
 def run_cfg(**overrides) -> RunConfig:
     return RunConfig.from_dict({"model": {"preset": "gpt"}}, overrides)
 
@@ -83,7 +88,7 @@ def test_adamw_applies_weight_decay_only_where_the_mask_says():
     tx, _ = optim.from_config(cfg)
     params = models.init(jax.random.PRNGKey(0), MODEL)
     zeros = jax.tree.map(jnp.zeros_like, params)
-    updates, _ = tx.update(zeros, tx.init(params), params)
+    updates, _ = jax.jit(tx.update)(zeros, tx.init(params), params)  # one program, not per op
     mask = ptree.flatten(optim.decay_mask(params, cfg.optimizer.no_decay))
     for name, u in ptree.flatten(updates).items():
         p = ptree.flatten(params)[name]
@@ -126,8 +131,6 @@ def test_train_step_equals_a_plain_reference_step():
         logp = jax.nn.log_softmax(logits)
         return -jnp.take_along_axis(logp, b["targets"][0][..., None], -1).mean()
 
-    loss, grads = jax.value_and_grad(ref_loss)(state.params)
-    clipped = optax.clip_by_global_norm(0.5).update(grads, optax.EmptyState())[0]
     core = optax.adamw(
         lr,
         b1=0.9,
@@ -136,8 +139,15 @@ def test_train_step_equals_a_plain_reference_step():
         weight_decay=0.1,
         mask=lambda p: optim.decay_mask(p, cfg.optimizer.no_decay),
     )
-    updates, _ = core.update(clipped, core.init(state.params), state.params)
-    expected = optax.apply_updates(state.params, updates)
+
+    @jax.jit  # one program: run eagerly, every op of the reference would compile on its own
+    def reference_step(params):
+        loss, grads = jax.value_and_grad(ref_loss)(params)
+        clipped = optax.clip_by_global_norm(0.5).update(grads, optax.EmptyState())[0]
+        updates, _ = core.update(clipped, core.init(params), params)
+        return loss, grads, optax.apply_updates(params, updates)
+
+    loss, grads, expected = reference_step(state.params)
     step = make_train_step(MODEL, tx, lr)
     state_before = jax.device_get(state)  # the step donates `state`
     new, metrics = step(state, b)
@@ -245,10 +255,10 @@ def test_other_optimizers_reduce_the_loss(name):
     tx, lr = optim.from_config(cfg)
     step = make_train_step(MODEL, tx, lr)
     state, b = init_state(jax.random.PRNGKey(0), MODEL, tx), batch(1, 4)
-    first = float(loss_fn(state.params, b["inputs"][0], b["targets"][0], MODEL))
+    first = float(jitted_loss(state.params, b["inputs"][0], b["targets"][0], MODEL))
     for _ in range(15):
         state, _ = step(state, b)
-    assert float(loss_fn(state.params, b["inputs"][0], b["targets"][0], MODEL)) < first - 0.3
+    assert float(jitted_loss(state.params, b["inputs"][0], b["targets"][0], MODEL)) < first - 0.3
 
 
 def test_bf16_compute_with_f32_master_weights_trains():
