@@ -75,6 +75,8 @@ test-fast: $(STAMP)
 # float32 sums round differently with and without AVX-512. ISA is XLA's --xla_cpu_max_isa
 # (SSE4_2, AVX, AVX2, AVX512); the flag is added to XLA_FLAGS and reaches the subprocesses these
 # tests start (tests/_xla_flags.py). `make test-portable ISA=SSE4_2` goes further down.
+# It compiles at XLA's default optimization level, the code users run (`make test` turns
+# LLVM's passes off to compile faster: tests/conftest.py).
 ISA ?= AVX2
 PORTABLE_TESTS := $(addprefix tests/,test_parallel_mesh.py test_parallel.py \
 	test_flash_on_a_mesh.py test_multiprocess.py test_flash_attention.py test_flash_gqa.py \
@@ -83,7 +85,8 @@ PORTABLE_TESTS := $(addprefix tests/,test_parallel_mesh.py test_parallel.py \
 	test_models.py test_models_families.py test_attention_gqa.py test_lora.py \
 	test_lora_llama.py test_qlora.py test_finetune_mesh.py)
 test-portable: $(STAMP)
-	XLA_FLAGS="$$XLA_FLAGS --xla_cpu_max_isa=$(ISA)" $(PY) -m pytest -q $(XDIST) $(PORTABLE_TESTS)
+	XLA_FLAGS="$$XLA_FLAGS --xla_cpu_max_isa=$(ISA)" LMJAX_TEST_FAST_COMPILE=0 \
+		$(PY) -m pytest -q $(XDIST) $(PORTABLE_TESTS)
 
 bench: $(STAMP)
 	@$(PLATFORM); \

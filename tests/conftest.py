@@ -18,6 +18,15 @@ versions and the CPU's instruction-set flags; JAX's own key (the program, its co
 XLA_FLAGS, the devices) decides a hit, so a hit runs exactly the program a compile would have
 made. `JAX_COMPILATION_CACHE_DIR` set already is kept; `LMJAX_TEST_COMPILE_CACHE=0` turns it off.
 
+XLA compiles the suite's programs without LLVM's optimization passes
+(`--xla_backend_optimization_level=0`, `fast_compile_flags`): the suite's programs are tiny and
+mostly compiled to run once or a few times, and LLVM's passes were the larger part of each
+compile (tests/test_train_step.py 77 s -> 45 s of CPU, tests/test_flash_gqa.py 57 s -> 39 s).
+What XLA computes is the same program (its HLO passes run as always, and neither level uses
+fast math); the machine code may round differently, as it does between CPUs, which the derived
+tolerances already allow for. `make test-portable` runs the numerically sensitive files at
+XLA's default level, the code users run; `LMJAX_TEST_FAST_COMPILE=0` does so for any run.
+
 Implicit rank promotion is an error, so no broadcast in lmjax is silent; float32 matmuls run at
 full precision, so the same tolerances hold on GPUs (which default to TF32) as on CPUs.
 """
@@ -78,6 +87,17 @@ def shared_compile_cache(root: Path) -> dict[str, str]:
     }
 
 
+OPT_LEVEL_FLAG = "--xla_backend_optimization_level"
+
+
+def fast_compile_flags(flags: str) -> str:
+    """`flags` (XLA_FLAGS) with LLVM's optimization off, unless they set a level already or
+    `LMJAX_TEST_FAST_COMPILE=0` asks for XLA's default."""
+    if os.environ.get("LMJAX_TEST_FAST_COMPILE") == "0" or OPT_LEVEL_FLAG in flags:
+        return flags
+    return " ".join([*flags.split(), f"{OPT_LEVEL_FLAG}=0"])
+
+
 if "JAX_PLATFORMS" not in os.environ and not _accelerator_attached():
     os.environ["JAX_PLATFORMS"] = "cpu"
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
@@ -85,6 +105,9 @@ if "JAX_PLATFORMS" not in os.environ and not _accelerator_attached():
 # can), and jax reads its environment once, so they are also set on jax.config below.
 _COMPILE_CACHE = shared_compile_cache(Path(__file__).resolve().parents[1])
 os.environ.update(_COMPILE_CACHE)
+# XLA reads XLA_FLAGS when its CPU client starts (the first device use), not at import.
+if os.environ.get("JAX_PLATFORMS") == "cpu":
+    os.environ["XLA_FLAGS"] = fast_compile_flags(os.environ.get("XLA_FLAGS", ""))
 
 import jax  # noqa: E402  (after JAX_PLATFORMS)
 
