@@ -49,7 +49,7 @@ def check_padded_decode(params, cfg, cache, lengths, seed=1):
     and check the logits equal `models.forward` over the whole sequence at every position."""
     c, t = cfg.context_length, int(max(lengths))
     tokens_BC = np.random.default_rng(seed).integers(0, cfg.vocab_size, (2, c)).astype(np.int32)
-    full_BCV = np.asarray(models.forward(params, tokens_BC, cfg))
+    full_BCV = np.asarray(padded_forward(cfg)(params, tokens_BC, cfg))
     lengths = np.asarray(lengths)
     prompt_BT = tokens_BC[:, :t].copy()
     prompt_BT[0, lengths[0] :] = 0  # padding: row 0's prompt is shorter

@@ -13,7 +13,7 @@ import jax.monitoring
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _decoding import F32_TOL, check_padded_decode, greedy_witness, paged_cache
+from _decoding import F32_TOL, check_padded_decode, greedy_witness, padded_forward, paged_cache
 
 from lmjax import generate as G
 from lmjax import models
@@ -59,7 +59,7 @@ def test_decoding_with_other_attention_impls_equals_forward(impl, gqa_window):
         cfg = cfg.replace(n_kv_heads=1, sliding_window=5)
     p = models.init(jax.random.key(0), cfg)
     tokens_1C = np.random.default_rng(2).integers(0, cfg.vocab_size, (1, 12)).astype(np.int32)
-    full_1CV = np.asarray(models.forward(p, tokens_1C, cfg))
+    full_1CV = np.asarray(padded_forward(cfg)(p, tokens_1C, cfg))
     cache = G.init_cache(cfg, 1, 8 if gqa_window else 16)
     logits_1TV, cache = G.prefill(p, tokens_1C[:, :4], cfg, cache)
     np.testing.assert_allclose(logits_1TV, full_1CV[:, :4], **F32_TOL)
@@ -176,7 +176,7 @@ def test_a_page_size_that_does_not_divide_the_context(params):
     cache = cache._replace(page_table=jnp.asarray([[2, 0, 3, 1]], jnp.int32))
     assert cache.capacity == 20
     tokens_1C = np.random.default_rng(5).integers(0, cfg.vocab_size, (1, 16)).astype(np.int32)
-    full_1CV = np.asarray(models.forward(p, tokens_1C, cfg))
+    full_1CV = np.asarray(padded_forward(cfg)(p, tokens_1C, cfg))
     logits_1TV, cache = G.prefill(p, tokens_1C[:, :4], cfg, cache)
     np.testing.assert_allclose(logits_1TV, full_1CV[:, :4], **F32_TOL)
     for t in range(4, 16):  # up to position C - 1 = 15
