@@ -6,9 +6,11 @@ suite), for v5e:2x2 with the config's own mesh, fsdp=4: FSDP over all four chips
 configured (attention=xla), once with model.attention=flash (the Pallas kernel shard-mapped over
 the mesh by lmjax.models.attention). Their JSON reports serve the fit, flash and
 agreement-with-inspect tests. The error lines use small configs
-or fail before compiling (under 10 s each); the out-of-HBM refusal compiles an 8-layer
-d_model=8192 model until libtpu's buffer assignment gives up (~14 s; 4 layers now fit their
-compile with the batch-pinned activations, and are refused by lmjax's own fit check instead).
+or fail before compiling (under 10 s each); the out-of-HBM refusal compiles a 2-layer
+d_model=16384 model until libtpu's buffer assignment gives up (its state alone is over the
+HBM; as `lmjax compile`, 8 s of CPU against 22 s for the 8-layer d_model=8192 model it replaces,
+whose state is as large in 4x the layers to compile; 4 layers of d_model=8192 fit their compile
+with the batch-pinned activations, and are refused by lmjax's own fit check instead).
 """
 
 from __future__ import annotations
@@ -197,10 +199,11 @@ def test_missing_libtpu_names_the_extra(capsys, monkeypatch):
 
 def test_a_step_over_the_hbm_is_refused(capsys):
     """libtpu's own refusal (RESOURCE_EXHAUSTED), as one line with needed vs available."""
-    big = ["model.d_model=8192", "model.n_heads=64", "model.n_layers=8"]
+    big = ["model.d_model=16384", "model.n_heads=128", "model.n_layers=2"]
     err = _one_error_line(capsys, _compile([CONFIG, *big, "--topology", TOPOLOGY]))
     needed, available = (float(x) for x in _gib_figures(err))
     assert needed > available > 15, err  # a v5e chip has 16 GiB
+    assert "the compiler's count of its buffers" in err, err  # not lmjax's check after it
 
 
 def _gib_figures(text: str) -> list[str]:

@@ -61,6 +61,9 @@ from lmjax.train.runs import load_run
 ROOT = Path(__file__).resolve().parent.parent
 STEPS, BATCH, HEARTBEAT_S = 4, 8, 6
 RUN_LIMIT_S = 240  # one launch, compile included, on a loaded 2-core machine
+# For the runs whose samples and plot no test reads: no sampler to compile, no matplotlib (the
+# 2x2 run and the two-process fine-tune keep both, for the tests of what process 0 writes).
+QUIET = ["logging.sample_tokens=0", "logging.plot=false"]
 
 CONFIG = """
 model: {{preset: llama, vocab_size: null, context_length: 16, n_layers: 1}}
@@ -212,7 +215,8 @@ def corpus(tmp_path_factory):
 def straight(corpus):
     """The 1x4 baseline and the 2x2 run, started together (their waits on each other overlap)."""
     config = str(corpus / "c.yaml")
-    runs = {"1x4": Run(corpus, "1x4", 1, 4, [config]), "2x2": Run(corpus, "2x2", 2, 2, [config])}
+    baseline = [config, *QUIET, "checkpoint.every=4"]  # compared at step 4, resumed by nothing
+    runs = {"1x4": Run(corpus, "1x4", 1, 4, baseline), "2x2": Run(corpus, "2x2", 2, 2, [config])}
     return {name: run.finish() for name, run in runs.items()}
 
 
@@ -228,8 +232,8 @@ def resumed_copy(source: Path, target: Path, step: int) -> Path:
 @pytest.fixture(scope="module")
 def other_mesh(corpus, straight):
     """2x2's checkpoint 2 resumed on data=2,fsdp=4: by one process (8 devices) and by two (4)."""
-    args = [str(corpus / "c.yaml"), "--resume", "parallel.mesh=data=2,fsdp=4",
-            "logging.sample_tokens=0"]  # fmt: skip
+    args = [str(corpus / "c.yaml"), "--resume", "parallel.mesh=data=2,fsdp=4", *QUIET,
+            "checkpoint.every=2"]  # fmt: skip
     for name in ("1x8", "2x4"):
         resumed_copy(straight["2x2"].dir, corpus / name, 2)
     runs = {"1x8": Run(corpus, "1x8", 1, 8, args), "2x4": Run(corpus, "2x4", 2, 4, args)}
@@ -308,7 +312,7 @@ def killed(corpus, straight):
     """2x2's checkpoint 2 resumed by two new processes with no end in sight; process 1 is
     SIGKILLed once checkpoint 5 is complete; process 0 must stop by itself."""
     target = resumed_copy(straight["2x2"].dir, corpus / "killed", 2)
-    args = [str(corpus / "c.yaml"), "--resume", "train.steps=100000", "logging.sample_tokens=0"]
+    args = [str(corpus / "c.yaml"), "--resume", "train.steps=100000", *QUIET]
     run = Run(corpus, "killed", 2, 2, args, env={"LMJAX_HEARTBEAT_TIMEOUT": str(HEARTBEAT_S)})
     deadline = time.monotonic() + RUN_LIMIT_S
     while not (target / "checkpoints" / "5").is_dir():
@@ -404,7 +408,8 @@ def test_the_last_complete_checkpoint_of_a_killed_run_loads(killed):
 def no_mesh(corpus, straight):
     """The 2x2 run with `parallel.mesh` null (issue 22: it failed at its first checkpoint with
     "Cannot serialize host local jax.Array": each process trained its own one-device copy)."""
-    return Run(corpus, "nomesh", 2, 2, [str(corpus / "c.yaml"), "parallel.mesh=null"]).finish()
+    args = [str(corpus / "c.yaml"), "parallel.mesh=null", *QUIET]
+    return Run(corpus, "nomesh", 2, 2, args).finish()
 
 
 def test_two_processes_without_a_mesh_train_data_parallel_over_every_device(straight, no_mesh):
@@ -464,7 +469,7 @@ def finetuned(corpus, straight):
     finetune.prepare_base_data(cfg, base_run)
     args = [str(corpus / "ft.yaml")]
     runs = {
-        "ft-1x4": Run(corpus, "ft-1x4", 1, 4, args, verb="finetune"),
+        "ft-1x4": Run(corpus, "ft-1x4", 1, 4, [*args, *QUIET], verb="finetune"),
         "ft-2x2": Run(corpus, "ft-2x2", 2, 2, args, verb="finetune"),
     }
     return {name: run.finish() for name, run in runs.items()}

@@ -58,6 +58,8 @@ MESHES = [(8, 1, 1), (2, 4, 1), (1, 4, 2), (1, 1, 8)]
 LR, EPS = 1e-2, 1e-4
 # d_ff 36: model=8 does not divide it (the rule replicates that dim); gpt: biases and learned
 # positions, so 1-D leaves and the context axis are covered too.
+# No samples: no test here reads them (sampling on a mesh is test_finetune_mesh's and
+# test_multiprocess's), and each run would compile a sampler for them.
 CONFIG = f"""
 model: {{preset: gpt, vocab_size: 64, context_length: 16, d_model: 32, n_heads: 4,
         n_layers: 2, d_ff: 36}}
@@ -65,7 +67,7 @@ optimizer: {{name: adamw, lr: {LR}, eps: {EPS}}}
 schedule: {{warmup_steps: 0, decay: constant}}
 train: {{steps: 4, batch_size: 16, seq_len: 16, grad_accum: 2, eval_every: 2, eval_batches: 1}}
 checkpoint: {{every: 2}}
-logging: {{every: 1, progress: false, sample_tokens: 4, sample_prompt: a, plot: false,
+logging: {{every: 1, progress: false, sample_tokens: 0, sample_prompt: a, plot: false,
           peak_flops: 1.0e+12}}
 """
 TEXT = "".join(
