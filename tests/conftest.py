@@ -123,6 +123,7 @@ for _name, _value in _COMPILE_CACHE.items():
 # would run alone while the other worker has nothing left. Only the order changes; a stale
 # entry costs a little time, nothing else.
 LONG_MODULES = (
+    "test_compile_tpu.py",  # two GPT-2 compiles by libtpu, about 3 min of a core each
     "test_multiprocess.py",
     "test_train_run.py",
     "test_padded_vocab.py",

@@ -64,6 +64,15 @@ def start_in_background(names: set[str]) -> None:
             worker.start()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _both_compiles_at_once(request):
+    """In a pytest-xdist worker (make test) nothing started them at collection: start both
+    GPT-2 compiles when the module starts, so they run side by side (each is minutes of one
+    core) instead of the flash one waiting for the other. Only those a selected test uses."""
+    names = {item.originalname for item in request.session.items if item.module is request.module}
+    start_in_background(names)
+
+
 def _report(worker: Worker):
     done = worker.result()
     assert done.returncode == 0, done.stderr[-4000:]

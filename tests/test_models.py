@@ -253,9 +253,24 @@ def test_embedding_adds_the_configured_positions(positions):
         expected = expected + ops.sinusoidal_positions_reference(cfg.context_length, cfg.d_model)
     got = models.embed(params, tokens, cfg)
     np.testing.assert_allclose(got, expected, rtol=F32_RTOL, atol=1e-7)
-    # A model that ignored its positions would give identical logits for a repeated token.
-    logits = models.forward(params, jnp.full((1, 4), 3, jnp.int32), cfg)
-    assert not np.allclose(logits[0, 0], logits[0, 3])
+    # A one-layer model that ignored its positions would give its last position the same
+    # logits for two orders of the same tokens: causal attention over a set is order-blind.
+    # (A repeated token does not show it: RoPE moves only the scores, and equal tokens have
+    # equal values, so every position of "3 3 3 3" has the same logits in exact arithmetic.)
+    one = cfg.replace(n_layers=1)
+
+    def last_logits(p, c):
+        orders = jnp.array([[5, 7, 3], [7, 5, 3]], jnp.int32)
+        return np.asarray(models.forward(p, orders, c)[:, -1])
+
+    ours = last_logits(models.init(jax.random.key(0), one), one)
+    # The control: learned positions of zero are such a model, equal to float32 rounding.
+    learned = one.replace(positions="learned")
+    zero = {"position_embedding": {"weight": jnp.zeros((one.context_length, one.d_model))}}
+    blind = last_logits(models.init(jax.random.key(0), learned) | zero, learned)
+    rounding = F32_RTOL * np.abs(blind).max()
+    np.testing.assert_allclose(blind[0], blind[1], rtol=0, atol=rounding)
+    assert np.abs(ours[0] - ours[1]).max() > 100 * rounding, positions
 
 
 @pytest.mark.parametrize("name", ["gpt", "llama"])
