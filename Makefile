@@ -57,11 +57,13 @@ demo: $(RUNTIME_STAMP)
 		run.dir=runs/demo-$$(date +%Y%m%d-%H%M%S)
 
 # Two pytest-xdist workers, one per core of the CI machine; --dist loadfile keeps each test
-# module on one worker, so its module-scoped compiled functions are built once.
+# module on one worker, so its module-scoped compiled functions are built once, and
+# --no-loadscope-reorder keeps the order tests/conftest.py gives them (longest modules first;
+# xdist would otherwise order modules by their number of tests).
 # `make test WORKERS=0` runs in one process. Both share one JAX compilation cache under
 # .pytest_cache/jax-compile (tests/conftest.py). `make test` ends with its 25 slowest tests.
 WORKERS ?= 2
-XDIST = $(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist loadfile)
+XDIST = $(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist loadfile --no-loadscope-reorder)
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(XDIST) --durations=25

@@ -119,9 +119,10 @@ for _name, _value in _COMPILE_CACHE.items():
 
 
 # The longest modules, from make test's `--durations` (2026-12-05), run first: with
-# `--dist loadfile` a worker takes whole modules in collection order, and a long one taken last
-# would run alone while the other worker has nothing left. Only the order changes; a stale
-# entry costs a little time, nothing else.
+# `--dist loadfile --no-loadscope-reorder` (Makefile) a worker takes whole modules in
+# collection order, and a long one taken last would run alone while the other worker has
+# nothing left (xdist's own order, by number of tests, started test_compile_tpu 13 minutes
+# in). Only the order changes; a stale entry costs a little time, nothing else.
 LONG_MODULES = (
     "test_compile_tpu.py",  # two GPT-2 compiles by libtpu, about 3 min of a core each
     "test_multiprocess.py",
