@@ -113,9 +113,9 @@ import jax  # noqa: E402  (after JAX_PLATFORMS)
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_default_matmul_precision", "highest")
-for _name, _value in _COMPILE_CACHE.items():
-    _option = _name.lower()
-    jax.config.update(_option, float(_value) if _option.endswith("_secs") else _value)
+if _COMPILE_CACHE:
+    jax.config.update("jax_compilation_cache_dir", _COMPILE_CACHE["JAX_COMPILATION_CACHE_DIR"])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", CACHE_MIN_COMPILE_SECONDS)
 
 
 # The longest modules, from make test's `--durations` (2026-12-05), run first: with
