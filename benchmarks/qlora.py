@@ -1,4 +1,4 @@
-"""Memory and speed of full fine-tuning vs LoRA vs QLoRA (SPEC section 6).
+"""Memory and speed of full fine-tuning vs LoRA vs QLoRA (docs/fine-tuning.md).
 
 1. Memory of `gpt2-124m` (the `gpt2` preset, float32 master weights, AdamW), traced with
    `jax.eval_shape` (nothing is allocated, nothing trains): trainable parameters, their gradients,

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check of the Pallas flash-attention kernel (SPEC section 7), in one bounded run: the kernel
+# GPU check of the Pallas flash-attention kernel (docs/kernels.md), in one bounded run: the kernel
 # tests compiled on the GPU (not interpreted), and flash vs cuDNN vs XLA timings.
 #
 # For a machine with an NVIDIA GPU where jax (with its CUDA plugin), pytest, optax, flax and

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Train an lmjax config on every GPU of one host (SPEC section 9), FSDP over the GPUs.
+# Train an lmjax config on every GPU of one host (docs/scale.md), FSDP over the GPUs.
 #
 #     scripts/gpu/train.sh CONFIG [section.key=value ...]
 #

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Train an lmjax config on a Cloud TPU VM or slice (SPEC section 9), with gcloud.
+# Train an lmjax config on a Cloud TPU VM or slice (docs/scale.md), with gcloud.
 #
 #     scripts/tpu/tpu.sh all configs/tpu-gpt2-124m.yaml [section.key=value ...]
 #
