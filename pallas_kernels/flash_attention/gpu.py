@@ -94,7 +94,7 @@ def _gpu_dq_kernel(
     *,
     plan,
 ):
-    bq, bk = plan.bq_bwd, plan.bk_bwd
+    bq, bk = plan.bq_dq, plan.bk_dq
     i = pl.program_id(0)
     q_QDh, do_QDh, lse_Q1, delta_Q1 = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
     rows_Q1 = iota(i * bq, (bq, 1), 0)
@@ -237,38 +237,47 @@ def forward(plan: Plan, q, k, v, kmask, qseg, kvseg):
 
 
 def backward(plan: Plan, q, k, v, kmask, qseg, kvseg, do, lse, delta):
+    """(dq, dk, dv): the dq kernel over `plan.bq_dq` x `plan.bk_dq` tiles, the dk/dv kernel
+    over `plan.bq_bwd` x `plan.bk_bwd`, each with the segment bounds of its own tiles."""
+    args = (plan, q, k, v, kmask, qseg, kvseg, do, lse, delta)
+    return _dq(*args), *_dkdv(*args)
+
+
+def _dq(plan: Plan, q, k, v, kmask, qseg, kvseg, do, lse, delta):
     b, _, h, _ = q.shape
-    h_kv = k.shape[2]
-    bq, bk = plan.bq_bwd, plan.bk_bwd
+    bq, bk = plan.bq_dq, plan.bk_dq
     sp = _gpu_specs(plan, bq, bk)
-    params = _gpu_params(plan, backward=True)
-    sb = segment_bounds(plan, qseg, kvseg, bq, bk)
-    kv_bounds, kv_bounds_spec = _bounds(sb, sp, "kv")
-    q_bounds, q_bounds_spec = _bounds(sb, sp, "q")
-    dq = pl.pallas_call(
+    bounds, bounds_spec = _bounds(segment_bounds(plan, qseg, kvseg, bq, bk), sp, "kv")
+    return pl.pallas_call(
         functools.partial(_gpu_dq_kernel, plan=plan),
         out_shape=q,
         grid=(plan.t_pad // bq, b, h),
         in_specs=[sp["q_blk"], sp["k_all"], sp["k_all"]]
         + [maybe_spec(x, sp[n]) for x, n in ((kmask, "mask_all"), (qseg, "qseg_blk"))]
-        + [maybe_spec(kvseg, sp["mask_all"]), kv_bounds_spec]
+        + [maybe_spec(kvseg, sp["mask_all"]), bounds_spec]
         + [sp["q_blk"], sp["row_blk"], sp["row_blk"]],
         out_specs=sp["q_blk"],
-        compiler_params=params,
+        compiler_params=_gpu_params(plan, backward=True),
         interpret=plan.interpret,
         name="flash_attention_dq_gpu",
-    )(q, k, v, kmask, qseg, kvseg, kv_bounds, do, lse, delta)
-    dk, dv = pl.pallas_call(
+    )(q, k, v, kmask, qseg, kvseg, bounds, do, lse, delta)
+
+
+def _dkdv(plan: Plan, q, k, v, kmask, qseg, kvseg, do, lse, delta):
+    b, h_kv = q.shape[0], k.shape[2]
+    bq, bk = plan.bq_bwd, plan.bk_bwd
+    sp = _gpu_specs(plan, bq, bk)
+    bounds, bounds_spec = _bounds(segment_bounds(plan, qseg, kvseg, bq, bk), sp, "q")
+    return pl.pallas_call(
         functools.partial(_gpu_dkdv_kernel, plan=plan),
         out_shape=(k, v),
         grid=(plan.s_pad // bk, b, h_kv),
         in_specs=[sp["q_group"], sp["k_blk"], sp["k_blk"]]
         + [maybe_spec(x, sp[n]) for x, n in ((kmask, "mask_blk"), (qseg, "qseg_all"))]
-        + [maybe_spec(kvseg, sp["mask_blk"]), q_bounds_spec]
+        + [maybe_spec(kvseg, sp["mask_blk"]), bounds_spec]
         + [sp["q_group"], sp["row_group"], sp["row_group"]],
         out_specs=[sp["k_blk"], sp["k_blk"]],
-        compiler_params=params,
+        compiler_params=_gpu_params(plan, backward=True),
         interpret=plan.interpret,
         name="flash_attention_dkdv_gpu",
-    )(q, k, v, kmask, qseg, kvseg, q_bounds, do, lse, delta)
-    return dq, dk, dv
+    )(q, k, v, kmask, qseg, kvseg, bounds, do, lse, delta)
