@@ -71,10 +71,9 @@ class BlockSizes:
 
     @property
     def blocks(self) -> dict[str, int]:
-        """The four required blocks, then the dq kernel's when set."""
-        names = ("block_q", "block_k", "block_q_bwd", "block_k_bwd", "block_q_dq", "block_k_dq")
-        given = {n: getattr(self, n) for n in names}
-        return {n: size for n, size in given.items() if size is not None}
+        """Every tile by field name, the dq kernel's resolved (`dq_blocks`)."""
+        dq = dict(zip(("block_q_dq", "block_k_dq"), self.dq_blocks, strict=True))
+        return {n: getattr(self, n) for n in _REQUIRED} | dq
 
     @property
     def dq_blocks(self) -> tuple[int, int]:
