@@ -5,11 +5,11 @@ transpose (`BlockSizes.block_q_dq`, `block_k_dq`), and the dk/dv kernel forms it
 [K, Q] (s^T = k q^T). Checked here at CPU scale (dk/dv 16 queries x 64 keys, dq 64 x 16: the
 Hopper head-128 entry's 32 x 128 / 128 x 32 halved, several blocks per sequence), with causal,
 window, segment ids, a key-padding mask and grouped-query attention: against a float64 numpy
-witness, and against the same kernel on one square backward tile (the form issue 33 measured)
-to float32 rounding. Then the plan and checks of the new fields, and the dk/dv kernel's
-structure (its dots give [K, Q] tiles and nothing is transposed).
+witness, and against the same kernels on one square backward tile (the shape of the 64 x 64
+backward issue 33 measured) to float32 rounding. Then the plan and checks of the new fields,
+and the dk/dv kernel's structure (its dots give [K, Q] tiles and nothing is transposed).
 
-Cost: about 30-60 s on 2 cores (four interpreted forward+backward compiles).
+Cost: about 10 s on 2 cores (four interpreted forward+backward compiles, one trace).
 """
 
 from __future__ import annotations
@@ -21,15 +21,14 @@ import jax.extend.core as jax_core
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _pallas import INTERPRET
 from test_flash_attention import F32_RTOL, assert_close
+from test_flash_gqa import Case as GqaCase
+from test_flash_gqa import _visible_numpy as visible_numpy
 
 from lmjax.errors import ConfigError
 from pallas_kernels.flash_attention import BlockSizes, flash_attention_with_lse
 from pallas_kernels.flash_attention import plan as fa_plan
 from pallas_kernels.flash_attention.plan import check_blocks
-
-pytestmark = pytest.mark.skipif(not INTERPRET, reason="interpreted GPU kernel (CPU scale tiles)")
 
 # dk/dv: 16 queries x 64 keys; dq: 64 queries x 16 keys. The forward's tile is the same in both
 # settings, so out and lse are too, and only the backward's blocking differs.
@@ -39,45 +38,34 @@ EPS32 = float(np.finfo(np.float32).eps)
 
 
 @dataclasses.dataclass(frozen=True)
-class Case:
-    name: str
-    t: int
-    s: int
-    h: int
-    h_kv: int
-    d: int
-    causal: bool
-    offset: int = 0
-    window: int | None = None
-    segments: bool = False  # packed documents, ending inside and on 16-blocks, then padding 0
-    masked: bool = False  # a key-padding mask: padding ids off, and a few keys of row 0
+class Case(GqaCase):
+    """test_flash_gqa's case, with documents long enough for these tiles (`segments="long"`)
+    and its arrays in numpy (the witness below reads them too)."""
 
-    def __str__(self):
-        return self.name
-
-    def inputs(self):
-        """q, k, v, mask, (q ids, kv ids), cotangents (dO, dlse): float32, from numpy."""
-        rng = np.random.default_rng(7)
-        b = 2
+    def inputs(self, seed: int = 7):
+        """q, k, v, mask, (q ids, kv ids), cotangents (dO, dlse): float32."""
+        rng = np.random.default_rng(seed)
 
         def normal(*shape, scale=1.0):
             return (scale * rng.standard_normal(shape)).astype(np.float32)
 
-        q = normal(b, self.t, self.h, self.d, scale=2.0)
-        k, v = (normal(b, self.s, self.h_kv, self.d) for _ in range(2))
+        q = normal(self.b, self.t, self.h, self.d, scale=2.0)
+        k, v = (normal(self.b, self.s, self.h_kv, self.d) for _ in range(2))
         ids = (None, None)
-        if self.segments:
-            ends = ([0, 11, 32, 47, 70, 90], [0, 40, 64, 85, 90])  # then id 0 (padding)
-            rows = np.zeros((b, max(self.t, self.s)), np.int32)
+        if self.segments == "long":
+            # Documents end inside 16-blocks and on them (32, 64), then padding (id 0).
+            ends = ([0, 11, 32, 47, 70, 90], [0, 40, 64, 85, 90])
+            rows = np.zeros((self.b, max(self.t, self.s)), np.int32)
             for row, cut in zip(rows, ends, strict=True):
                 for n, (lo, hi) in enumerate(zip(cut, cut[1:], strict=False)):
                     row[lo:hi] = n + 1
             ids = (rows[:, : self.t], rows[:, : self.s])
         mask = None
         if self.masked:
-            mask = np.ones((b, self.s), bool) if ids[1] is None else ids[1] != 0
+            mask = np.ones((self.b, self.s), bool) if ids[1] is None else ids[1] != 0
             mask[0, 5:9] = False
-        return q, k, v, mask, ids, normal(b, self.t, self.h, self.d), normal(b, self.h, self.t)
+        g_out, g_lse = normal(self.b, self.t, self.h, self.d), normal(self.b, self.h, self.t)
+        return q, k, v, mask, ids, g_out, g_lse
 
 
 CASES = [
@@ -85,6 +73,7 @@ CASES = [
     # ragged against every tile (padded to 128: two 64-key blocks, eight 16-query steps).
     Case(
         "gqa-causal-window-packed-mask",
+        2,
         100,
         100,
         4,
@@ -92,29 +81,13 @@ CASES = [
         16,
         True,
         window=40,
-        segments=True,
+        segments="long",
         masked=True,
-    ),  # fmt: skip
+    ),
     # Multi-head, not causal, a decoding-style offset with no rule using it, key padding,
     # T != S, D = 24 padded to 32.
-    Case("mha-full-mask-ragged", 72, 120, 2, 2, 24, False, offset=9, masked=True),
+    Case("mha-full-mask-ragged", 2, 72, 120, 2, 2, 24, False, offset=9, masked=True),
 ]
-
-
-def _visible(case: Case, mask, ids):
-    """bool [B, T, S] from the contract (numpy)."""
-    at = np.arange(case.t)[:, None] + case.offset
-    key = np.arange(case.s)[None, :]
-    seen = np.ones((2, case.t, case.s), bool)
-    if case.causal:
-        seen &= key <= at
-    if case.window is not None:
-        seen &= at - key < case.window
-    if mask is not None:
-        seen &= mask[:, None, :]
-    if ids[0] is not None:
-        seen &= ids[0][:, :, None] == ids[1][:, None, :]
-    return seen
 
 
 def witness(case: Case):
@@ -125,12 +98,12 @@ def witness(case: Case):
     ds = p * (dp - delta), delta = rowsum(dO * out) - dlse; its terms' magnitude is taken as
     p * (|dp| + |delta|), what the kernel rounds before the subtraction cancels anything.
     """
-    q, k, v, mask, ids, g_out, g_lse = case.inputs()
+    q, k, v, _, _, g_out, g_lse = case.inputs()
     g = case.h // case.h_kv
     q, g_out, g_lse = (np.asarray(x, np.float64) for x in (q, g_out, g_lse))
     k, v = (np.repeat(np.asarray(x, np.float64), g, axis=2) for x in (k, v))
     c = 1.0 / np.sqrt(case.d)
-    seen = _visible(case, mask, ids)[:, None]  # [B, 1, T, S]
+    seen = visible_numpy(case)[:, None]  # [B, 1, T, S]
     s = np.where(seen, np.einsum("bthd,bshd->bhts", q, k) * c, -np.inf)
     m = np.max(s, -1, keepdims=True)
     m = np.where(np.isfinite(m), m, 0.0)  # rows that see no key: any finite shift

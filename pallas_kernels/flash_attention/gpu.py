@@ -133,20 +133,18 @@ def _gpu_dkdv_kernel(
     python/tutorials/06-fused-attention.py, `_attn_bwd_dkdv`), for these reasons:
 
     * A wide key block, a narrow query step (the tutorial: 128 keys, 32 queries). The program
-      keeps k, v and the f32 dk, dv accumulators of its keys for its whole life, and streams
-      q, dO, lse, delta step by step: the wide side amortises the state over many steps, the
-      narrow step keeps the [K, Q] tiles and each pipeline stage's buffers small, so more
-      stages fit (the tutorial's backward runs 5).
+      keeps k, v and the f32 dk, dv of its keys throughout and streams q, dO, lse, delta: the
+      wide side amortises that state over many steps, the narrow step keeps the [K, Q] tiles
+      and each pipeline stage's buffers small, so more stages fit (the tutorial runs 5).
     * Scores taken as s^T = k q^T, [K, Q]:
           p^T = exp2(s^T c log2 e - lse2[None, :])     dp^T = v dO^T
           ds^T = p^T * (dp^T - delta[None, :])         dv += p^T dO      dk += ds^T q
       p^T and ds^T leave their matmul in the layout the next matmul takes as its left operand.
-      Formed as [Q, K] and contracted over Q (this kernel before), each of them is transposed
-      through shared memory before its dot; here only q and dO enter transposed, as views of
-      tiles already loaded.
-    * lse and delta are [1, Q] rows (a free reshape outside), broadcast down the key axis; each
-      query step reads them once, and delta = rowsum(dO * O) - dlse comes from XLA before the
-      kernel (vjp.py), so the kernel does no reduction over Dh of its own.
+      Formed as [Q, K] and contracted over Q (this kernel before), each of them needs a
+      transpose (through shared memory) before its dot; here only q and dO enter transposed,
+      as views of tiles already loaded.
+    * lse and delta are [1, Q] rows (a free reshape outside), read once per query step;
+      delta = rowsum(dO * O) - dlse comes from XLA before the kernel (vjp.py).
     * `q_range` never visits a query block that sees none of these keys (causal, window,
       segments), and `_sweep` runs the blocks every pair of which is visible without any mask
       arithmetic; the masked ones build `visible` as [K, Q] from transposed arguments.
