@@ -440,7 +440,8 @@ print(f"bench: {r.get('status')}, {r.get('device')}, jax {r.get('jax')}, "
 for d, s in r.get("block_size_search", {}).items():
     c = s.get("chosen") or {}
     print(f"  d={d}: blocks {c.get('block_q')}x{c.get('block_k')} fwd, "
-          f"{c.get('block_q_bwd')}x{c.get('block_k_bwd')} bwd, warps {c.get('num_warps')}")
+          f"{c.get('block_q_bwd')}x{c.get('block_k_bwd')} dk/dv, "
+          f"{c.get('block_q_dq')}x{c.get('block_k_dq')} dq, warps {c.get('num_warps')}")
 for row in r.get("rows", []):
     ms = " ".join(f"{i} {row.get(f't_{i}_ms') or nan:7.3f}" for i in ("flash", "cudnn", "xla"))
     ratio = row.get("ratio_cudnn_over_flash")
