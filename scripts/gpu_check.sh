@@ -26,7 +26,8 @@
 # Steps, in this order; limits in seconds, each also cut to what is left of TOTAL_BUDGET_S:
 #   1 env    python, jax, devices (and nvidia-smi); no GPU ends the run     ENV_TIMEOUT_S=30
 #   2 smoke  GPU_SMOKE of tests/test_flash_attention.py, compiled: causal, non-causal with
-#            ragged S and key padding, bf16, f16, rows with no key, block skipping
+#            ragged S and key padding, bf16, f16, rows with no key, block skipping, the
+#            backward's own dq tile
 #                                                                           SMOKE_TIMEOUT_S=60
 #   2b nf4   tests/test_nf4_matmul.py (fast ones), the NF4 matmul kernel compiled
 #                                                                           NF4_TEST_TIMEOUT_S=60
