@@ -10,8 +10,9 @@ and records flash's speed relative to cuDNN (ratio = t_cudnn / t_flash; the targ
 Before the sweep over T it searches the flash launch at T = 4096 for each head dim, starting
 from the default table's entry for this GPU (pallas_kernels/flash_attention/defaults.py): the
 forward (block_q x block_k x warps x stages, 24 candidates, timed forward only), then the
-backward (block_q_bwd x block_k_bwd x warps x stages, 36, timed forward+backward over the
-forward's winner), nearest the entry first, within `--search-share` of `--budget-s` (a third
+backward (the dk/dv tile block_q_bwd x block_k_bwd with the dq tile block_q_dq x block_k_dq,
+x warps x stages, 36, timed forward+backward over the forward's winner), nearest the entry
+first, within `--search-share` of `--budget-s` (a third
 of it for the forward). The winners go to the JSON's "winners" in the table's entry form
 (`defaults.entry_to_dict`, with the measurement: machine, jax, date, TFLOP/s, cuDNN ratio at
 T = 4096), ready to replace the table's entries (docs/kernels.md); the sweep uses them.
@@ -69,26 +70,55 @@ TARGET = 0.8
 SEARCH_SHARE = 0.5
 FWD_SHARE = 1 / 3
 SEARCH_CALLS, SEARCH_SAMPLES = 5, 3  # at most, per candidate (the sweep uses --calls/--samples)
-# The search: forward (block_q x block_k, warps, stages) and backward (block_q_bwd x block_k_bwd,
-# warps, stages) separately; candidates nearest the table's entry first (`ordered`), so a search
-# cut short by its time has tried the small changes.
+# The search: forward (block_q x block_k, warps, stages) and backward (tiles, warps, stages)
+# separately; candidates nearest the table's entry first (`ordered`), so a search cut short by
+# its time has tried the small changes.
 FWD_BLOCKS = ((128, 64), (128, 128), (64, 64), (64, 128))
-BWD_BLOCKS = ((64, 64), (32, 64), (64, 128), (32, 128), (128, 64), (128, 128))
-WARPS, FWD_STAGES, BWD_STAGES = (4, 8), (2, 3, 4), (1, 2, 3)
+# Backward tiles: (dk/dv queries, dk/dv keys, dq queries, dq keys). Today's 64 x 64 for both
+# kernels, the FlashAttention-2 layout of Triton's tutorial 06 (dk/dv 32 x 128, dq 128 x 32)
+# and its half-size and 64-wide variants, and two symmetric tiles of the former search.
+BWD_BLOCKS = (
+    (64, 64, 64, 64),
+    (32, 128, 128, 32),
+    (32, 64, 64, 32),
+    (64, 128, 128, 64),
+    (32, 128, 32, 128),
+    (64, 128, 64, 128),
+)
+# Backward stages: 5 is the tutorial's; 1 (no prefetch of the next query step) left the set to
+# keep it at 36.
+WARPS, FWD_STAGES, BWD_STAGES = (4, 8), (2, 3, 4), (2, 3, 5)
 FWD_FIELDS = ("block_q", "block_k", "num_warps", "num_stages")
-BWD_FIELDS = ("block_q_bwd", "block_k_bwd", "num_warps_bwd", "num_stages_bwd")
+BWD_FIELDS = (
+    "block_q_bwd",
+    "block_k_bwd",
+    "block_q_dq",
+    "block_k_dq",
+    "num_warps_bwd",
+    "num_stages_bwd",
+)
 
 
-def candidates(backward: bool) -> list[tuple[int, int, int, int]]:
-    """Every (block q, block k, warps, stages) of one pass: 24 forward, 36 backward."""
+def candidates(backward: bool) -> list[tuple[int, ...]]:
+    """Every (tiles..., warps, stages) of one pass: 24 forward (block q, block k), 36 backward
+    (the four of `BWD_BLOCKS`)."""
     blocks, stages = (BWD_BLOCKS, BWD_STAGES) if backward else (FWD_BLOCKS, FWD_STAGES)
     return [(*b, w, st) for b in blocks for w in WARPS for st in stages]
 
 
+def knobs(candidate: tuple) -> tuple:
+    """(tiles, warps, stages): the tiles of a pass change together, as one knob."""
+    return candidate[:-2], candidate[-2], candidate[-1]
+
+
 def ordered(pool, start: tuple) -> list[tuple]:
-    """`pool` with `start` first, then by how many fields differ from it (stable)."""
-    rest = sorted(pool, key=lambda c: sum(x != y for x, y in zip(c, start, strict=True)))
-    return [start] + [c for c in rest if c != start]
+    """`pool` with `start` first, then by how many knobs (`knobs`) differ from it (stable): a
+    change of tiles counts once, so the backward layouts are the first steps from any entry."""
+
+    def changed(c):
+        return sum(x != y for x, y in zip(knobs(c), knobs(start), strict=True))
+
+    return [start] + [c for c in sorted(pool, key=changed) if c != start]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,6 +198,8 @@ def search_block_sizes(result, head_dims, setup: Setup, search_t: int, deadlines
     """
     search = result["block_size_search"]
     sizes = {d: defaults.lookup(result["device"], d).sizes for d in head_dims}
+    # Every field spelled out (the dq tile resolved), so a start is a candidate's tuple.
+    sizes = {d: dataclasses.replace(s, **s.blocks) for d, s in sizes.items()}
     if not search_t:
         search["skipped"] = "--search-t 0: the table's block sizes"
         return sizes

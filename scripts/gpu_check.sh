@@ -26,7 +26,8 @@
 # Steps, in this order; limits in seconds, each also cut to what is left of TOTAL_BUDGET_S:
 #   1 env    python, jax, devices (and nvidia-smi); no GPU ends the run     ENV_TIMEOUT_S=30
 #   2 smoke  GPU_SMOKE of tests/test_flash_attention.py, compiled: causal, non-causal with
-#            ragged S and key padding, bf16, f16, rows with no key, block skipping
+#            ragged S and key padding, bf16, f16, rows with no key, block skipping, the
+#            backward's own dq tile
 #                                                                           SMOKE_TIMEOUT_S=60
 #   2b nf4   tests/test_nf4_matmul.py (fast ones), the NF4 matmul kernel compiled
 #                                                                           NF4_TEST_TIMEOUT_S=60
@@ -440,7 +441,8 @@ print(f"bench: {r.get('status')}, {r.get('device')}, jax {r.get('jax')}, "
 for d, s in r.get("block_size_search", {}).items():
     c = s.get("chosen") or {}
     print(f"  d={d}: blocks {c.get('block_q')}x{c.get('block_k')} fwd, "
-          f"{c.get('block_q_bwd')}x{c.get('block_k_bwd')} bwd, warps {c.get('num_warps')}")
+          f"{c.get('block_q_bwd')}x{c.get('block_k_bwd')} dk/dv, "
+          f"{c.get('block_q_dq')}x{c.get('block_k_dq')} dq, warps {c.get('num_warps')}")
 for row in r.get("rows", []):
     ms = " ".join(f"{i} {row.get(f't_{i}_ms') or nan:7.3f}" for i in ("flash", "cudnn", "xla"))
     ratio = row.get("ratio_cudnn_over_flash")

@@ -29,21 +29,37 @@ def bench():
 
 
 def test_the_candidates_are_wide_and_valid(bench):
-    """Forward and backward candidates (blocks x warps x stages) each distinct and valid for
-    the GPU kernel; the search starts from the table's entry, then the nearest changes."""
+    """Forward and backward candidates (tiles x warps x stages) each distinct and valid for
+    the GPU kernel; the search starts from the table's entry, then the nearest changes (a
+    change of tiles counting once)."""
     fwd, bwd = bench.candidates(backward=False), bench.candidates(backward=True)
     assert (len(fwd), len(set(fwd)), len(bwd), len(set(bwd))) == (24, 24, 36, 36)
     for bq, bk, warps, stages in fwd:
         check_blocks(BlockSizes(bq, bk, 64, 64, num_warps=warps, num_stages=stages), "gpu", False)
-    for bq, bk, warps, stages in bwd:
-        launch = dict(num_warps_bwd=warps, num_stages_bwd=stages)
-        check_blocks(BlockSizes(64, 64, bq, bk, **launch), "gpu", False)
+    for c in bwd:
+        fields = dict(zip(bench.BWD_FIELDS, c, strict=True))
+        check_blocks(BlockSizes(64, 64, **fields), "gpu", False)
     for entry in defaults.TABLE:
         start = tuple(getattr(entry.sizes, f) for f in bench.BWD_FIELDS)
         order = bench.ordered(bwd, start)
         assert order[0] == start and sorted(order) == sorted(bwd)
-        changed = [sum(a != b for a, b in zip(c, start, strict=True)) for c in order]
+        knobs = [bench.knobs(c) for c in order]
+        changed = [sum(a != b for a, b in zip(c, knobs[0], strict=True)) for c in knobs]
         assert changed == sorted(changed)
+
+
+def test_the_backward_search_weighs_both_layouts(bench):
+    """Issue 33 item 2: the backward candidates hold today's 64 x 64 tiles for both kernels and
+    the FlashAttention-2 layout (dk/dv 32 queries x 128 keys, dq 128 x 32), at the Hopper
+    head-128 entry's launch too; from that entry the 64 x 64 tiles are one step away."""
+    tiles = {c[:4] for c in bench.candidates(backward=True)}
+    assert {(64, 64, 64, 64), (32, 128, 128, 32)} <= tiles
+    assert bench.BWD_FIELDS[:4] == ("block_q_bwd", "block_k_bwd", "block_q_dq", "block_k_dq")
+    hopper = defaults.lookup("NVIDIA H200", 128).sizes
+    start = tuple(getattr(hopper, f) for f in bench.BWD_FIELDS)
+    assert start == (32, 128, 128, 32, 4, 5)
+    order = bench.ordered(bench.candidates(backward=True), start)
+    assert order[1] == (64, 64, 64, 64, 4, 5)
 
 
 def test_the_search_writes_table_entries(bench, tmp_path):
@@ -64,6 +80,7 @@ def test_the_search_writes_table_entries(bench, tmp_path):
     assert entry.measured.cudnn_ratio is None and "cudnn_error" in search  # no cuDNN on CPU
     assert "not a measurement" in entry.measured.note  # interpreted
     assert winner["sizes"] == search["chosen"] == result["rows"][0]["flash_block_sizes"]
+    assert {"block_q_dq", "block_k_dq"} <= set(winner["sizes"])  # the dq tile travels too
     assert search["backward_best_ms"] == min(e["fwd_bwd_ms"] for e in search["backward"])
 
 

@@ -60,7 +60,8 @@ KERNEL_PARAMS = [kernel_param("gpu"), kernel_param("tpu")]
 # pytest node ids in this file (the script reads this tuple with `ast`, so keep it a literal of
 # plain strings; test_gpu_smoke_ids_name_fast_tests checks every id still names a fast test).
 # One case per path: causal with ragged T != S and D padded, non-causal with ragged S and key
-# padding, bf16 and f16 inputs, rows that see no key, and causal block skipping.
+# padding, bf16 and f16 inputs, rows that see no key, causal block skipping, and the GPU
+# backward on tiles of its own (dk/dv wide in keys, dq wide in queries).
 GPU_SMOKE = (
     "test_matches_reference[b2t37s50h2d24-causal+0-none-float32-gpu]",
     "test_matches_reference[b2t37s50h2d24-full-padding-float32-gpu]",
@@ -68,6 +69,7 @@ GPU_SMOKE = (
     "test_f16_inputs_accumulate_in_float32[gpu]",
     "test_fully_masked_rows_give_zeros_and_zero_gradients[gpu]",
     "test_causal_skips_key_blocks_above_the_diagonal[gpu]",
+    "test_backward_with_its_own_dq_tile[gpu]",
 )
 
 
@@ -369,6 +371,16 @@ def test_causal_skips_key_blocks_above_the_diagonal(kernel):
     assert np.all(np.asarray(dk)[:, t:] == 0.0) and np.all(np.asarray(dv)[:, t:] == 0.0)
     # The same NaN keys do poison the output when their blocks are visited (non-causal).
     assert np.isnan(np.asarray(attend(q, k_nan, v_nan, False))).all()
+
+
+@pytest.mark.parametrize("kernel", [kernel_param("gpu")])
+def test_backward_with_its_own_dq_tile(kernel):
+    """dk/dv over 64-key blocks in 16-query steps, dq over 64-query blocks in 16-key steps (the
+    Hopper head-128 entry's 32 x 128 / 128 x 32, halved): causal, key padding, ragged T != S,
+    several blocks of each. In GPU_SMOKE, so a GPU compiles this layout;
+    tests/test_flash_backward_tiles.py checks it further, interpreted."""
+    sizes = BlockSizes(16, 16, 16, 64, block_q_dq=64, block_k_dq=16)
+    assert_matches_reference(Case(2, 100, 90, 2, 24, causal=True, mask="padding"), kernel, sizes)
 
 
 # ---- the compiled paths at least lower on this host ----------------------------------------------

@@ -47,6 +47,9 @@ Backward (FlashAttention-2), given dO = dL/dout and dlse = dL/dlse (zero unless 
     dv = p^T dO      dp = dO v^T      ds = p * (dp - delta)
     dq = c ds k      dk = c ds^T q
   One kernel accumulates dk, dv over query blocks; another accumulates dq over key blocks.
+  GPU: the dk/dv kernel takes its tiles transposed (s^T = k q^T, [K, Q]: FlashAttention-2's
+  Triton layout, reasons in `gpu._gpu_dkdv_kernel`), and the dq kernel may have its own tile
+  (`BlockSizes.block_q_dq` x `block_k_dq`).
   Grouped-query attention: dk, dv of a key/value head sum over its G query heads inside the
   dk/dv kernel (a loop over the group on GPU, a grid axis on TPU, both into the same f32
   accumulators), so no `[B, S, H, Dh]` per-query-head intermediate is formed.

@@ -33,6 +33,10 @@ def visible(plan: Plan, rows_Q1, cols_1K, kmask_1K, qseg_Q1=None, kvseg_1K=None)
 
     keep = mask[u] (or u < S) and (not causal or u <= t + offset)
            and (window is None or (t + offset) - u < window) and q_seg[t] == kv_seg[u]
+
+    Every rule is an elementwise comparison that only broadcasts, so the transposed layout
+    comes from transposed arguments: rows [1, Q], query ids [1, Q], keys, key mask and key ids
+    [K, 1] give keep [K, Q] (or [K, 1]), the dk/dv kernel's layout (`gpu.py`).
     """
     keep = None
     if kmask_1K is not None:
@@ -93,10 +97,18 @@ def finish(acc_QDh, m_Q1, l_Q1):
     return acc_QDh / l_safe, jnp.where(seen, lse, -jnp.inf)
 
 
-def probs_and_dscores(q_QDh, k_KDh, v_KDh, do_QDh, lse2_Q1, delta_Q1, keep, scale2):
-    """Recompute p from the saved (base-2) logsumexp; ds = p * (dO v^T - delta), [Q, K] f32."""
-    p_QK = jnp.exp2(_dot(q_QDh, k_KDh, (1, 1)) * scale2 - lse2_Q1)
+def probs_and_dscores(
+    q_QDh, k_KDh, v_KDh, do_QDh, lse2, delta, keep, scale2, transposed: bool = False
+):
+    """Recompute p from the saved (base-2) logsumexp; ds = p * (dO v^T - delta), f32.
+
+    [Q, K] with lse2, delta [Q, 1] and keep [Q, K]; `transposed`: p^T, ds^T [K, Q] with lse2,
+    delta [1, Q] and keep [K, Q], from the products taken the other way round:
+        s^T = k q^T      p^T = exp2(scale2 s^T - lse2)      dp^T = v dO^T
+    """
+    scores = _dot(k_KDh, q_QDh, (1, 1)) if transposed else _dot(q_QDh, k_KDh, (1, 1))
+    p = jnp.exp2(scores * scale2 - lse2)
     if keep is not None:
-        p_QK = jnp.where(keep, p_QK, 0.0)
-    dp_QK = _dot(do_QDh, v_KDh, (1, 1))
-    return p_QK, p_QK * (dp_QK - delta_Q1)
+        p = jnp.where(keep, p, 0.0)
+    dp = _dot(v_KDh, do_QDh, (1, 1)) if transposed else _dot(do_QDh, v_KDh, (1, 1))
+    return p, p * (dp - delta)

@@ -8,9 +8,10 @@
 
 Each entry carries the measurement that chose it (`Measurement`: machine, jax version, date,
 forward+backward TFLOP/s and the cuDNN/flash time ratio at a sequence length T) or None, which
-reads "not yet measured". `benchmarks/attention_gpu.py` writes its search's winners as
-`entry_to_dict` dicts ("winners" in its JSON); `entry_from_dict` reads one back, so updating the
-table from a GPU run is replacing an entry below with the printed one (docs/kernels.md).
+reads "not yet measured", and a `note` on where an unmeasured choice came from.
+`benchmarks/attention_gpu.py` writes its search's winners as `entry_to_dict` dicts ("winners"
+in its JSON); `entry_from_dict` reads one back, so updating the table from a GPU run is
+replacing an entry below with the printed one (docs/kernels.md).
 
 Only the compiled GPU kernel uses this table: the TPU kernel and interpret mode keep
 `BlockSizes.default(kernel)`. Nothing here imports Triton: the launch settings are ints.
@@ -52,6 +53,7 @@ class Entry:
     head_dim: int  # a HEAD_KEYS key
     sizes: BlockSizes
     measured: Measurement | None  # None: not yet measured
+    note: str = ""  # where the sizes came from when no measurement chose them; history
 
     @property
     def status(self) -> str:
@@ -64,14 +66,25 @@ def _launch(warps: int) -> dict[str, int]:
     return dict(num_warps=warps, num_stages=3, num_warps_bwd=warps, num_stages_bwd=2)
 
 
-# Today's defaults, spelled out: forward 128 x 64, backward 64 x 64; 4 warps up to a 64-wide
-# head, else 8.
+# Today's defaults, spelled out: forward 128 x 64, backward 64 x 64 (dk/dv and dq alike); 4
+# warps up to a 64-wide head, else 8.
 _CURRENT = {
-    64: BlockSizes(128, 64, 64, 64, **_launch(4)),
-    128: BlockSizes(128, 64, 64, 64, **_launch(8)),
+    64: BlockSizes(128, 64, 64, 64, **_launch(4), block_q_dq=64, block_k_dq=64),
+    128: BlockSizes(128, 64, 64, 64, **_launch(8), block_q_dq=64, block_k_dq=64),
 }
 
-# Issue 33: one H200, jax 0.11.2, bf16, causal, forward+backward, with these default sizes.
+# Hopper, head 128 (issue 33 item 2): the forward stays today's; the backward takes the tiles
+# and launch of Triton's tutorial 06 "Fused Attention" (python/tutorials/06-fused-attention.py,
+# `_attention.backward`: BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2 = 32, 128, 128, 32 and
+# NUM_WARPS, NUM_STAGES = 4, 5, one setting for every GPU it runs on, Hopper included): dk/dv
+# 32 queries x 128 keys, dq 128 queries x 32 keys, 4 warps, 5 stages (gpu.py's dk/dv kernel
+# says why). Doubtful until measured: at head 128 the two f32 [128, 128] accumulators of dk/dv
+# are 256 registers a thread over 4 warps, so spills are possible; the search tries 8 warps.
+_FA2_LAUNCH = dict(num_warps=8, num_stages=3, num_warps_bwd=4, num_stages_bwd=5)
+_FA2_BACKWARD_128 = BlockSizes(128, 64, 32, 128, **_FA2_LAUNCH, block_q_dq=128, block_k_dq=32)
+
+# Issue 33: one H200, jax 0.11.2, bf16, causal, forward+backward, with `_CURRENT`'s sizes (at
+# head 128 that measured the 64 x 64 backward, which `_FA2_BACKWARD_128` has since replaced).
 _H200_ISSUE_33 = {
     64: Measurement(
         machine="NVIDIA H200",
@@ -94,9 +107,25 @@ _H200_ISSUE_33 = {
     ),
 }
 
+
+def _history(former: Measurement) -> str:
+    """The Hopper head-128 entry's note: unmeasured, and what its former backward measured."""
+    return (
+        "backward from Triton's tutorial 06 (FlashAttention-2 layout): not yet measured. The "
+        f"64 x 64 backward it replaced: {former.cudnn_ratio}x of cuDNN at T={former.t} on an "
+        f"{former.machine}, jax {former.jax} ({former.note})"
+    )
+
+
 TABLE: tuple[Entry, ...] = (
     Entry("hopper", 64, _CURRENT[64], _H200_ISSUE_33[64]),
-    Entry("hopper", 128, _CURRENT[128], _H200_ISSUE_33[128]),
+    Entry(
+        "hopper",
+        128,
+        _FA2_BACKWARD_128,
+        None,
+        note=_history(_H200_ISSUE_33[128]),
+    ),
     Entry("ampere", 64, _CURRENT[64], None),
     Entry("ampere", 128, _CURRENT[128], None),
     Entry("other", 64, _CURRENT[64], None),
@@ -126,7 +155,7 @@ def lookup(device_kind: str, d: int) -> Entry:
 
 def entry_to_dict(entry: Entry) -> dict:
     """JSON form: {"generation", "head_dim", "sizes": {BlockSizes fields}, "measured": {...} or
-    None}."""
+    None, "note"}."""
     return dataclasses.asdict(entry)
 
 
@@ -137,4 +166,5 @@ def entry_from_dict(data: dict) -> Entry:
         head_dim=int(data["head_dim"]),
         sizes=BlockSizes(**data["sizes"]),
         measured=None if measured is None else Measurement(**measured),
+        note=data.get("note", ""),
     )

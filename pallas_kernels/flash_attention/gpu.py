@@ -38,11 +38,6 @@ def _sweep(ranges, step, carry):
     return fori(full_hi, end, functools.partial(step, masked=True), carry)
 
 
-def _row_segments(qseg_ref, rows):
-    """int32 [Q, 1] segment ids of query rows `rows`, or None without segments."""
-    return None if qseg_ref is None else qseg_ref[rows][:, None]
-
-
 def _bounds_at(bounds, n):
     """(lo, end) of block n from the row refs (lo, end) of `segment_bounds`; None without
     segments."""
@@ -94,7 +89,7 @@ def _gpu_dq_kernel(
     *,
     plan,
 ):
-    bq, bk = plan.bq_bwd, plan.bk_bwd
+    bq, bk = plan.bq_dq, plan.bk_dq
     i = pl.program_id(0)
     q_QDh, do_QDh, lse_Q1, delta_Q1 = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
     rows_Q1 = iota(i * bq, (bq, 1), 0)
@@ -131,29 +126,55 @@ def _gpu_dkdv_kernel(
     plan,
 ):
     """dk, dv of one key block of key/value head h: q, dO `[T', G, Dh]` and lse, delta
-    `[G, T', 1]` hold the G query heads of h's group, whose sums land in one accumulator."""
+    `[G, 1, T']` hold the G query heads of h's group, whose sums land in one accumulator.
+
+    The layout is FlashAttention-2's backward as its Triton implementations write it (Dao,
+    arXiv 2307.08691, Algorithm 2; Triton's tutorial 06 "Fused Attention",
+    python/tutorials/06-fused-attention.py, `_attn_bwd_dkdv`), for these reasons:
+
+    * A wide key block, a narrow query step (the tutorial: 128 keys, 32 queries). The program
+      keeps k, v and the f32 dk, dv of its keys throughout and streams q, dO, lse, delta: the
+      wide side amortises that state over many steps, the narrow step keeps the [K, Q] tiles
+      and each pipeline stage's buffers small, so more stages fit (the tutorial runs 5).
+    * Scores taken as s^T = k q^T, [K, Q]:
+          p^T = exp2(s^T c log2 e - lse2[None, :])     dp^T = v dO^T
+          ds^T = p^T * (dp^T - delta[None, :])         dv += p^T dO      dk += ds^T q
+      p^T and ds^T leave their matmul in the layout the next matmul takes as its left operand.
+      Formed as [Q, K] and contracted over Q (this kernel before), each of them needs a
+      transpose (through shared memory) before its dot; here only q and dO enter transposed,
+      as views of tiles already loaded.
+    * lse and delta are [1, Q] rows (a free reshape outside), read once per query step;
+      delta = rowsum(dO * O) - dlse comes from XLA before the kernel (vjp.py).
+    * `q_range` never visits a query block that sees none of these keys (causal, window,
+      segments), and `_sweep` runs the blocks every pair of which is visible without any mask
+      arithmetic; the masked ones build `visible` as [K, Q] from transposed arguments.
+    The dq kernel is the transpose: a wide query block held, narrow key steps (the tutorial:
+    128 x 32), on its own tile (`plan.bq_dq` x `plan.bk_dq`). The tutorial runs both in one
+    program; here they stay two calls, each with its own grid and the GQA loop above.
+    """
     bq, bk = plan.bq_bwd, plan.bk_bwd
     j = pl.program_id(0)
     k_KDh, v_KDh = k_ref[...], v_ref[...]
-    cols_1K = iota(j * bk, (1, bk), 1)
-    kmask = None if mask_ref is None else mask_ref[...][None, :]
-    kvseg = None if kvseg_ref is None else kvseg_ref[...][None, :]
+    cols_K1 = iota(j * bk, (bk, 1), 0)
+    kmask_K1 = None if mask_ref is None else mask_ref[...][:, None]
+    kvseg_K1 = None if kvseg_ref is None else kvseg_ref[...][:, None]
     ranges = q_range(plan, j, bq, bk, _bounds_at(bounds, j))
 
     def step(i, carry, masked, g):
         dk_KDh, dv_KDh = carry
         rows = pl.ds(pl.multiple_of(i * bq, bq), bq)
         q_QDh, do_QDh = q_ref[rows, g, :], do_ref[rows, g, :]
-        keep = None
+        keep_KQ = None
         if masked:
-            qseg = _row_segments(qseg_ref, rows)
-            keep = visible(plan, iota(i * bq, (bq, 1), 0), cols_1K, kmask, qseg, kvseg)
-        lse_Q1, delta_Q1 = lse_ref[g, rows, :], delta_ref[g, rows, :]
-        p_QK, ds_QK = probs_and_dscores(
-            q_QDh, k_KDh, v_KDh, do_QDh, lse_Q1, delta_Q1, keep, plan.scale2
+            qseg_1Q = None if qseg_ref is None else qseg_ref[rows][None, :]
+            rows_1Q = iota(i * bq, (1, bq), 1)
+            keep_KQ = visible(plan, rows_1Q, cols_K1, kmask_K1, qseg_1Q, kvseg_K1)
+        lse_1Q, delta_1Q = lse_ref[g, :, rows], delta_ref[g, :, rows]
+        p_KQ, ds_KQ = probs_and_dscores(
+            q_QDh, k_KDh, v_KDh, do_QDh, lse_1Q, delta_1Q, keep_KQ, plan.scale2, transposed=True
         )
-        dv_KDh = dv_KDh + _dot(p_QK.astype(do_QDh.dtype), do_QDh, (0, 0))
-        dk_KDh = dk_KDh + _dot(ds_QK.astype(q_QDh.dtype), q_QDh, (0, 0))
+        dv_KDh = dv_KDh + _dot(p_KQ.astype(do_QDh.dtype), do_QDh, (1, 0))
+        dk_KDh = dk_KDh + _dot(ds_KQ.astype(q_QDh.dtype), q_QDh, (1, 0))
         return dk_KDh, dv_KDh
 
     def head(g, carry):
@@ -186,7 +207,8 @@ def _gpu_params(plan: Plan, backward: bool):
 def _gpu_specs(plan: Plan, bq: int, bk: int):
     """BlockSpecs for a grid (blocks, B, heads); `n` is the block axis.
 
-    q-side arrays `[B, T, H, Dh]` (`row_*`: lse, delta `[B, H, T, 1]`), k-side `[B, S, Hkv, Dh]`,
+    q-side arrays `[B, T, H, Dh]` (`row_blk`: lse, delta `[B, H, T, 1]`; `row_group`: them as
+    rows, `[B, H, 1, T]`), k-side `[B, S, Hkv, Dh]`,
     mask and key segments `[B, S]`, query segments `[B, T]`. `*_blk`/`*_all`: one block or the
     whole row of a query (or key) head; `*_group`: the G query heads of key/value head h.
     """
@@ -201,7 +223,7 @@ def _gpu_specs(plan: Plan, bq: int, bk: int):
         qseg_blk=pl.BlockSpec((None, bq), lambda n, b, h: (b, n)),
         qseg_all=pl.BlockSpec((None, plan.t_pad), lambda n, b, h: (b, 0)),
         row_blk=pl.BlockSpec((None, None, bq, 1), lambda n, b, h: (b, h, n, 0)),
-        row_group=pl.BlockSpec((None, g, plan.t_pad, 1), lambda n, b, h: (b, h, 0, 0)),
+        row_group=pl.BlockSpec((None, g, 1, plan.t_pad), lambda n, b, h: (b, h, 0, 0)),
         kv_bounds=pl.BlockSpec((None, plan.t_pad // bq), lambda n, b, h: (b, 0)),
         q_bounds=pl.BlockSpec((None, plan.s_pad // bk), lambda n, b, h: (b, 0)),
     )
@@ -237,38 +259,49 @@ def forward(plan: Plan, q, k, v, kmask, qseg, kvseg):
 
 
 def backward(plan: Plan, q, k, v, kmask, qseg, kvseg, do, lse, delta):
+    """(dq, dk, dv): the dq kernel over `plan.bq_dq` x `plan.bk_dq` tiles, the dk/dv kernel
+    over `plan.bq_bwd` x `plan.bk_bwd`, each with the segment bounds of its own tiles."""
+    args = (plan, q, k, v, kmask, qseg, kvseg, do, lse, delta)
+    return _dq(*args), *_dkdv(*args)
+
+
+def _dq(plan: Plan, q, k, v, kmask, qseg, kvseg, do, lse, delta):
     b, _, h, _ = q.shape
-    h_kv = k.shape[2]
-    bq, bk = plan.bq_bwd, plan.bk_bwd
+    bq, bk = plan.bq_dq, plan.bk_dq
     sp = _gpu_specs(plan, bq, bk)
-    params = _gpu_params(plan, backward=True)
-    sb = segment_bounds(plan, qseg, kvseg, bq, bk)
-    kv_bounds, kv_bounds_spec = _bounds(sb, sp, "kv")
-    q_bounds, q_bounds_spec = _bounds(sb, sp, "q")
-    dq = pl.pallas_call(
+    bounds, bounds_spec = _bounds(segment_bounds(plan, qseg, kvseg, bq, bk), sp, "kv")
+    return pl.pallas_call(
         functools.partial(_gpu_dq_kernel, plan=plan),
         out_shape=q,
         grid=(plan.t_pad // bq, b, h),
         in_specs=[sp["q_blk"], sp["k_all"], sp["k_all"]]
         + [maybe_spec(x, sp[n]) for x, n in ((kmask, "mask_all"), (qseg, "qseg_blk"))]
-        + [maybe_spec(kvseg, sp["mask_all"]), kv_bounds_spec]
+        + [maybe_spec(kvseg, sp["mask_all"]), bounds_spec]
         + [sp["q_blk"], sp["row_blk"], sp["row_blk"]],
         out_specs=sp["q_blk"],
-        compiler_params=params,
+        compiler_params=_gpu_params(plan, backward=True),
         interpret=plan.interpret,
         name="flash_attention_dq_gpu",
-    )(q, k, v, kmask, qseg, kvseg, kv_bounds, do, lse, delta)
-    dk, dv = pl.pallas_call(
+    )(q, k, v, kmask, qseg, kvseg, bounds, do, lse, delta)
+
+
+def _dkdv(plan: Plan, q, k, v, kmask, qseg, kvseg, do, lse, delta):
+    b, h_kv = q.shape[0], k.shape[2]
+    bq, bk = plan.bq_bwd, plan.bk_bwd
+    sp = _gpu_specs(plan, bq, bk)
+    bounds, bounds_spec = _bounds(segment_bounds(plan, qseg, kvseg, bq, bk), sp, "q")
+    # lse, delta [B, H, T', 1] -> rows [B, H, 1, T']: moving a unit axis copies nothing.
+    rows = [jnp.swapaxes(x, 2, 3) for x in (lse, delta)]
+    return pl.pallas_call(
         functools.partial(_gpu_dkdv_kernel, plan=plan),
         out_shape=(k, v),
         grid=(plan.s_pad // bk, b, h_kv),
         in_specs=[sp["q_group"], sp["k_blk"], sp["k_blk"]]
         + [maybe_spec(x, sp[n]) for x, n in ((kmask, "mask_blk"), (qseg, "qseg_all"))]
-        + [maybe_spec(kvseg, sp["mask_blk"]), q_bounds_spec]
+        + [maybe_spec(kvseg, sp["mask_blk"]), bounds_spec]
         + [sp["q_group"], sp["row_group"], sp["row_group"]],
         out_specs=[sp["k_blk"], sp["k_blk"]],
-        compiler_params=params,
+        compiler_params=_gpu_params(plan, backward=True),
         interpret=plan.interpret,
         name="flash_attention_dkdv_gpu",
-    )(q, k, v, kmask, qseg, kvseg, q_bounds, do, lse, delta)
-    return dq, dk, dv
+    )(q, k, v, kmask, qseg, kvseg, bounds, do, *rows)

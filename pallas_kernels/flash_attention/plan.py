@@ -24,12 +24,18 @@ from pallas_kernels._backend import require_positive_int as _require_positive_in
 from pallas_kernels._backend import round_up as _round_up
 
 LOG2E = math.log2(math.e)
+_REQUIRED = ("block_q", "block_k", "block_q_bwd", "block_k_bwd")
 
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
     """Tile sizes: forward (block_q x block_k), backward (block_q_bwd x block_k_bwd).
 
+    The GPU kernel's dq kernel may take its own tile, `block_q_dq` x `block_k_dq` (None: the
+    backward's, `block_q_bwd` x `block_k_bwd`): the dk/dv kernel holds a key block and steps over
+    queries, the dq kernel holds a query block and steps over keys, so a wide key block with a
+    narrow query step for one wants the transpose for the other (gpu.py's backward). The TPU
+    kernel keeps `block_q_bwd` x `block_k_bwd` for both and ignores them.
     `num_warps` / `num_stages` tune the Triton launch of the forward (GPU kernel only; None: 4
     warps up to a 64-wide head, else 8; 3 stages), `num_warps_bwd` / `num_stages_bwd` that of
     the two backward kernels (None: `num_warps` / `num_stages` when given, else the same warps
@@ -48,12 +54,14 @@ class BlockSizes:
     num_stages: int | None = None
     num_warps_bwd: int | None = None
     num_stages_bwd: int | None = None
+    block_q_dq: int | None = None
+    block_k_dq: int | None = None
 
     def __post_init__(self):
         # Blocks are required; the launch settings may be left to the kernel (None).
         given = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         for name, value in given.items():
-            if name in self.blocks or value is not None:
+            if name in _REQUIRED or value is not None:
                 _require_positive_int(value, f"BlockSizes.{name}")
 
     @classmethod
@@ -63,12 +71,23 @@ class BlockSizes:
 
     @property
     def blocks(self) -> dict[str, int]:
-        return {n: getattr(self, n) for n in ("block_q", "block_k", "block_q_bwd", "block_k_bwd")}
+        """Every tile by field name, the dq kernel's resolved (`dq_blocks`)."""
+        dq = dict(zip(("block_q_dq", "block_k_dq"), self.dq_blocks, strict=True))
+        return {n: getattr(self, n) for n in _REQUIRED} | dq
+
+    @property
+    def dq_blocks(self) -> tuple[int, int]:
+        """(query, key) tile of the GPU dq kernel: `block_q_dq` x `block_k_dq`, each defaulting
+        to the backward's."""
+        q = self.block_q_bwd if self.block_q_dq is None else self.block_q_dq
+        return q, self.block_k_bwd if self.block_k_dq is None else self.block_k_dq
 
 
 def check_blocks(sizes: BlockSizes, kernel: str, interpret: bool) -> None:
-    """The backend's tiling rules (see `BlockSizes`)."""
+    """The backend's tiling rules (see `BlockSizes`); the TPU kernel ignores the dq tile."""
     for name, size in sizes.blocks.items():
+        if kernel != "gpu" and name.endswith("_dq"):
+            continue
         if kernel == "gpu":
             ok = size >= GPU_MIN_TILE and size & (size - 1) == 0
             expected = f"a power of two >= {GPU_MIN_TILE} for the GPU (Triton) kernel"
@@ -102,8 +121,10 @@ class Plan:
     d_pad: int
     bq: int  # forward blocks
     bk: int
-    bq_bwd: int  # backward blocks
+    bq_bwd: int  # backward blocks (the dk/dv kernel; TPU: both backward kernels)
     bk_bwd: int
+    bq_dq: int  # the GPU dq kernel's blocks (TPU: bq_bwd, bk_bwd)
+    bk_dq: int
     num_warps: int | None  # launch settings (GPU kernel), forward then backward
     num_stages: int | None
     num_warps_bwd: int | None
@@ -136,11 +157,15 @@ def _fit(a: int, b: int, n: int, kernel: str) -> tuple[int, int]:
     both stays close to n.
     """
     if kernel == "gpu":
-        cap = max(GPU_MIN_TILE, pl.next_power_of_2(n))
-        return min(a, cap), min(b, cap)
+        return min(a, _gpu_cap(n)), min(b, _gpu_cap(n))
     small = min(a, b, _round_up(n, TPU_SUBLANES))
     big = min(max(a, b), _round_up(n, small))
     return (small, big) if a <= b else (big, small)
+
+
+def _gpu_cap(n: int) -> int:
+    """The largest GPU tile a sequence of n needs: n's power of two (at least the minimum)."""
+    return max(GPU_MIN_TILE, pl.next_power_of_2(n))
 
 
 def _pad_head_dim(d: int, kernel: str) -> int:
@@ -162,6 +187,11 @@ def make_plan(
     (_, t, h, d), (_, s, h_kv, _) = q_shape, k_shape
     bq, bq_bwd = _fit(sizes.block_q, sizes.block_q_bwd, t, kernel)
     bk, bk_bwd = _fit(sizes.block_k, sizes.block_k_bwd, s, kernel)
+    # GPU: the dq tile shrinks like the others (powers of two: every tile divides the largest,
+    # so the lcm below is the largest). TPU: its dq kernel uses the backward tile.
+    bq_dq, bk_dq = (bq_bwd, bk_bwd)
+    if kernel == "gpu":
+        bq_dq, bk_dq = (min(b, _gpu_cap(n)) for b, n in zip(sizes.dq_blocks, (t, s), strict=True))
     return Plan(
         kernel=kernel,
         interpret=interpret,
@@ -174,13 +204,15 @@ def make_plan(
         t=t,
         s=s,
         d=d,
-        t_pad=_round_up(t, math.lcm(bq, bq_bwd)),
-        s_pad=_round_up(s, math.lcm(bk, bk_bwd)),
+        t_pad=_round_up(t, math.lcm(bq, bq_bwd, bq_dq)),
+        s_pad=_round_up(s, math.lcm(bk, bk_bwd, bk_dq)),
         d_pad=_pad_head_dim(d, kernel),
         bq=bq,
         bk=bk,
         bq_bwd=bq_bwd,
         bk_bwd=bk_bwd,
+        bq_dq=bq_dq,
+        bk_dq=bk_dq,
         num_warps=sizes.num_warps,
         num_stages=sizes.num_stages,
         num_warps_bwd=sizes.num_warps_bwd,
