@@ -57,9 +57,9 @@ def test_the_backward_search_weighs_both_layouts(bench):
     assert bench.BWD_FIELDS[:4] == ("block_q_bwd", "block_k_bwd", "block_q_dq", "block_k_dq")
     hopper = defaults.lookup("NVIDIA H200", 128).sizes
     start = tuple(getattr(hopper, f) for f in bench.BWD_FIELDS)
-    assert start == (32, 128, 128, 32, 4, 5)
+    assert start == (32, 128, 128, 32, 8, 5)
     order = bench.ordered(bench.candidates(backward=True), start)
-    assert order[1] == (64, 64, 64, 64, 4, 5)
+    assert order[1] == (64, 64, 64, 64, 8, 5)
 
 
 def test_the_search_writes_table_entries(bench, tmp_path):

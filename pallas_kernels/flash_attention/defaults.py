@@ -74,13 +74,17 @@ _CURRENT = {
 }
 
 # Hopper, head 128 (issue 33 item 2): the forward stays today's; the backward takes the tiles
-# and launch of Triton's tutorial 06 "Fused Attention" (python/tutorials/06-fused-attention.py,
+# and stages of Triton's tutorial 06 "Fused Attention" (python/tutorials/06-fused-attention.py,
 # `_attention.backward`: BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2 = 32, 128, 128, 32 and
-# NUM_WARPS, NUM_STAGES = 4, 5, one setting for every GPU it runs on, Hopper included): dk/dv
-# 32 queries x 128 keys, dq 128 queries x 32 keys, 4 warps, 5 stages (gpu.py's dk/dv kernel
-# says why). Doubtful until measured: at head 128 the two f32 [128, 128] accumulators of dk/dv
-# are 256 registers a thread over 4 warps, so spills are possible; the search tries 8 warps.
-_FA2_LAUNCH = dict(num_warps=8, num_stages=3, num_warps_bwd=4, num_stages_bwd=5)
+# NUM_WARPS, NUM_STAGES = 4, 5, one setting for every GPU and head size it runs): dk/dv 32
+# queries x 128 keys, dq 128 queries x 32 keys, 5 stages (gpu.py's dk/dv kernel says why). Its
+# 4 warps are not taken: at head 128 the dk/dv program holds two f32 [128, 128] accumulators,
+# 32,768 values, which are 256 registers a thread over 4 warps (128 threads), past the 255 a
+# thread may have, so they would spill; over 8 warps they are 128, as today's head-128 launch
+# (8 warps) has them. 5 stages of the streamed q and dO tiles (2 x [32, 128] bf16, 16 KiB a
+# stage) beside k and v (64 KiB) are 144 KiB of shared memory, within Hopper's 227 KiB.
+# Unmeasured: the search also tries 4 warps and other stages.
+_FA2_LAUNCH = dict(num_warps=8, num_stages=3, num_warps_bwd=8, num_stages_bwd=5)
 _FA2_BACKWARD_128 = BlockSizes(128, 64, 32, 128, **_FA2_LAUNCH, block_q_dq=128, block_k_dq=32)
 
 # Issue 33: one H200, jax 0.11.2, bf16, causal, forward+backward, with `_CURRENT`'s sizes (at
