@@ -4,20 +4,18 @@ configs/finetune-llama-qlora.yaml, issue 34 item 3), Alpaca records, and resumin
 Witnesses:
 - the recipes run as written from a directory laid out as docs/fine-tuning.md says (runs/llama
   from `lmjax import-hf` of a tiny chat Llama, chat.jsonl beside it), overriding only
-  train.steps, train.seq_len and logging.plot (no loss.png): adapters on all seven projections
-  of every block, bfloat16 compute, the SFT records from the config, an evaluation, and a
-  sample whose prompt is transformers' `apply_chat_template(..., add_generation_prompt=True)`
-  of the configured user message.
+  train.steps and train.seq_len: adapters on all seven projections of every block, bfloat16
+  compute, the SFT records from the config, an evaluation, and a sample whose prompt is
+  transformers' `apply_chat_template(..., add_generation_prompt=True)` of the configured user
+  message.
 - Alpaca records: ids and masks against transformers' `apply_chat_template` of the documented
   conversation (user = instruction + "\\n\\n" + input, assistant = output), and without a chat
   template against `tok(prompt) + tok(completion, add_special_tokens=False) + eos`.
 - an SFT run resumed without --data: one line whose command then resumes it ("resumed ... from
   step N" on stdout).
 
-Cost: four fine-tunes of a 2-layer, 64-wide model (compile, a few steps, an evaluation and a
-64-token sample each) and two chats: about 59 s of CPU for the module with no compilation
-cache (LMJAX_TEST_COMPILE_CACHE=0), most of it XLA compiling the train, eval, prefill and decode
-steps; about a minute of wall each on the shared 2-core machine.
+Cost: three fine-tunes of a 2-layer, 64-wide model (compile, a few steps, an evaluation and a
+64-token sample each; about a minute each on the shared 2-core machine).
 """
 
 from __future__ import annotations
@@ -45,9 +43,7 @@ RECIPES = {
     "lora": CONFIGS / "finetune-llama-lora.yaml",
     "qlora": CONFIGS / "finetune-llama-qlora.yaml",
 }
-# The only changes to the recipes: fewer steps, shorter rows, and no loss.png (no test reads
-# it; matplotlib's import and the figure were CPU seconds of every run).
-SHORT = ["train.steps=2", "train.seq_len=64", "logging.plot=false"]
+SHORT = ["train.steps=2", "train.seq_len=64"]  # the only changes to the recipes
 COLORS = ("quick", "brown", "red")
 EOS_IDS = (0, 2)  # <|endoftext|>, <|im_end|>: _llama_run's generation_config.json
 
