@@ -236,7 +236,7 @@ def test_finetune_eval_generate_export_on_a_padded_run(padded, capsys, monkeypat
     # The imported base's config names no corpus, so `lmjax eval` scores the bundled one, which
     # lmjax reads from its cache ($XDG_CACHE_HOME/lmjax/shakespeare.txt, this test's own cache)
     # when it is there. A stand-in there: what is checked is that the padded run evaluates, on
-    # any text, and the BPE tokenizer took ~10 s of CPU over the 5 MB corpus.
+    # any text, and the BPE tokenizer took 5 s of CPU over the 5 MB corpus (its main thread).
     stand_in = root / "cache" / "lmjax" / "shakespeare.txt"
     stand_in.parent.mkdir(parents=True, exist_ok=True)
     stand_in.write_text(TEXT * 10)
