@@ -36,8 +36,11 @@ optimizer: {{name: adamw, lr: 0.01}}
 schedule: {{warmup_steps: 2, decay_steps: 8}}
 train: {{steps: 8, batch_size: 4, seq_len: 16, grad_accum: 2, eval_every: 4, eval_batches: 2}}
 checkpoint: {{every: 2, keep: 10}}
-logging: {{every: 1, progress: false, sample_tokens: 0, sample_prompt: S, peak_flops: 1.0e+12}}
+logging: {{every: 1, progress: false, plot: false, sample_tokens: 0, sample_prompt: S,
+          peak_flops: 1.0e+12}}
 """
+# plot: false: only the straight run's loss.png is read (it turns the plot on); drawing it cost
+# each other run about 1 s of CPU (matplotlib's import and two figures a run).
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +74,10 @@ def final_state(run_dir: Path, step: int | None = None):
 @pytest.fixture(scope="module")
 def straight(workspace):
     """8 steps in one process: the reference every interrupted run must reproduce exactly."""
-    done = lmjax(workspace, "train", "tiny.yaml", "run.dir=straight", "logging.sample_tokens=6")
+    done = lmjax(
+        workspace, "train", "tiny.yaml", "run.dir=straight", "logging.sample_tokens=6",
+        "logging.plot=true",
+    )  # fmt: skip
     assert "validation loss:" in done.stdout and "run directory: straight" in done.stdout
     assert "loss.png: straight/loss.png" in done.stdout and "sample:\nS" in done.stdout
     return workspace / "straight"
