@@ -146,25 +146,34 @@ if _COMPILE_CACHE:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", CACHE_MIN_COMPILE_SECONDS)
 
 
-# The longest modules, from make test's `--durations` (2026-12-05), run first: with
-# `--dist loadfile --no-loadscope-reorder` (Makefile) a worker takes whole modules in
-# collection order, and a long one taken last would run alone while the other worker has
-# nothing left (xdist's own order, by number of tests, started test_compile_tpu 13 minutes
-# in). Only the order changes; a stale entry costs a little time, nothing else.
+# The longest modules, from a full run's `--durations=0` (2026-12-05, summed per module, over
+# 40 s each), run first: with `--dist loadfile --no-loadscope-reorder` (Makefile) a worker
+# takes whole modules in collection order, and a long one taken last would run alone while the
+# other worker has nothing left (xdist's own order, by number of tests, started
+# test_compile_tpu 13 minutes in). Only the order changes; a stale entry costs a little time.
 LONG_MODULES = (
-    "test_compile_tpu.py",  # two GPT-2 compiles by libtpu, about 3 min of a core each
+    "test_compile_tpu.py",  # two GPT-2 compiles by libtpu, about 2.5 min of a core each
     "test_multiprocess.py",
     "test_train_run.py",
-    "test_padded_vocab.py",
     "test_flash_attention.py",
-    "test_generate_gqa.py",
-    "test_models.py",
     "test_notebooks.py",
-    "test_train_step.py",
-    "test_sft.py",
+    "test_models.py",
     "test_readme.py",
     "test_recipes.py",
+    "test_ops_gradients.py",
+    "test_attention_cudnn.py",
+    "test_attention_gqa.py",
+    "test_parallel_mesh.py",
+    "test_bad_checkpoints.py",
+    "test_finetune_mesh.py",
+    "test_bench_train_step.py",
+    "test_padded_vocab.py",
+    "test_models_families.py",
+    "test_ops_attention.py",
+    "test_generate.py",
     "test_qlora.py",
+    "test_compile_cache.py",
+    "test_generate_gqa.py",
 )
 
 
