@@ -12,7 +12,7 @@ Three witnesses per case and impl, as for every op (tests/test_ops_gradients.py)
 
 Shapes are tiny (B=2, T, S <= 6, H=4, Dh=4); each (impl, case) compiles one program per
 witness, and the reference's values and VJP are computed once per case for all impls. Cost:
-about 55 s of CPU cold (no compile cache, 2 loaded cores), most of it the interpreted flash
+about 45 s of CPU cold (no compile cache, 2 loaded cores), most of it the interpreted flash
 kernel.
 """
 
@@ -138,8 +138,16 @@ def test_materialized_gradients_match_float64_finite_differences(name):
 def _fd32_error(op, args, seed=0, directions=2) -> float:
     """`finite_difference_error`'s measure in float32, for the kernel (no float64 there)."""
     weights = testing.random_like(seed + 1, jax.eval_shape(op, *args))
-    grads = jax.jit(lambda *a: jax.vjp(op, *a)[1](weights))(*args)
-    loss = jax.jit(lambda *a: jnp.sum(weights * op(*a)))
+
+    @jax.jit  # one program for the gradient and the differenced losses, not one each
+    def loss_and_grads(*a):
+        out, pull = jax.vjp(op, *a)
+        return jnp.sum(weights * out), pull(weights)
+
+    def loss(*a):
+        return loss_and_grads(*a)[0]
+
+    grads = loss_and_grads(*args)[1]
     errors = []
     for k in range(directions):
         step = testing.random_like(seed + 2 + k, args)
@@ -307,10 +315,17 @@ def test_attend_applies_the_configs_sliding_window(ops_set):
     case = CASES["segments_self"]
     q, k, v = _qkv(case, np.random.default_rng(2), jnp.float32)
     ids = case.kwargs["segment_ids"]
-    out = models_attention.attend(cfg, q, k, v, segment_ids=ids)
-    expected = ops.attention_reference(q, k, v, causal=True, window=2, segment_ids=ids)
+
+    @jax.jit  # one program, not an eager compile of every primitive
+    def run(q, k, v):
+        return (
+            models_attention.attend(cfg, q, k, v, segment_ids=ids),
+            ops.attention_reference(q, k, v, causal=True, window=2, segment_ids=ids),
+            ops.attention_reference(q, k, v, causal=True, segment_ids=ids),
+        )
+
+    out, expected, unwindowed = run(q, k, v)
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
-    unwindowed = ops.attention_reference(q, k, v, causal=True, segment_ids=ids)
     assert np.abs(np.asarray(out) - np.asarray(unwindowed)).max() > 1e-3
 
 
