@@ -275,22 +275,34 @@ def _record(monkeypatch) -> list[dict]:
 @pytest.mark.parametrize("name", list(CASES))
 def test_each_feature_becomes_arguments_that_give_the_reference(monkeypatch, name):
     """The arguments cuDNN would get, run by XLA: values and the VJP of a random cotangent
-    equal `attention_reference`'s (its own mask, k and v repeated to H heads; jax.grad)."""
+    equal `attention_reference`'s (its own mask, k and v repeated to H heads; jax.grad).
+
+    One jitted program per case (both values and both VJPs; the recorded call is the one made
+    while tracing), not eager calls that compile every primitive of the two VJPs on its own."""
     t, s, h_kv, kwargs, (is_causal, window, mask_shape) = CASES[name]
     q, k, v = _qkv(t, s, h_kv)
+    cotangent = jnp.asarray(np.random.default_rng(1).standard_normal(q.shape), jnp.float32)
     calls = _record(monkeypatch)
-    out = cudnn_attention(q, k, v, **_pair(kwargs), implementation="xla")
+
+    @jax.jit
+    def both(q, k, v):
+        (out, pull), (ref, ref_pull) = (
+            jax.vjp(f, q, k, v)
+            for f in (
+                lambda *a: cudnn_attention(*a, **_pair(kwargs), implementation="xla"),
+                lambda *a: ops.attention_reference(*a, **kwargs),
+            )
+        )
+        return (out, pull(cotangent)), (ref, ref_pull(cotangent))
+
+    (out, grads), (reference, expected) = both(q, k, v)
     (call,) = calls
     assert call["implementation"] == "xla"
     assert (call["is_causal"], call["local_window_size"]) == (is_causal, window)
     assert (None if call.get("mask") is None else call["mask"].shape) == mask_shape
     assert "bias" not in call and "query_seq_lengths" not in call
-    reference = ops.attention_reference(q, k, v, **kwargs)
     np.testing.assert_allclose(out, reference, rtol=1e-5, atol=1e-6)
-    cotangent = jnp.asarray(np.random.default_rng(1).standard_normal(out.shape), jnp.float32)
-    grads = jax.vjp(lambda *a: cudnn_attention(*a, **_pair(kwargs), implementation="xla"), q, k, v)
-    expected = jax.vjp(lambda *a: ops.attention_reference(*a, **kwargs), q, k, v)
-    for got, want in zip(grads[1](cotangent), expected[1](cotangent), strict=True):
+    for got, want in zip(grads, expected, strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -338,7 +350,8 @@ def _packed_model_logits(attention: str, segments: bool) -> np.ndarray:
     params = models.init(jax.random.key(0), cfg)
     tokens = jnp.asarray(np.random.default_rng(3).integers(0, 32, (2, 16)), jnp.int32)
     ids = jnp.asarray([[1] * 7 + [2] * 9, [3] * 16], jnp.int32) if segments else None
-    return np.asarray(models.forward(params, tokens, cfg, segment_ids=ids), np.float32)
+    # Jitted: one program per config, not an eager compile of each primitive and shape.
+    return np.asarray(jax.jit(models.forward)(params, tokens, cfg, segment_ids=ids), np.float32)
 
 
 def test_a_packed_grouped_query_model_keeps_documents_apart(monkeypatch):

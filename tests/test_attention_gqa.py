@@ -11,11 +11,14 @@ Three witnesses per case and impl, as for every op (tests/test_ops_gradients.py)
 3. torch's `scaled_dot_product_attention(enable_gqa=True)` with a bool mask built in torch.
 
 Shapes are tiny (B=2, T, S <= 6, H=4, Dh=4); each (impl, case) compiles one program per
-witness. Costs about 60 s in all on 2 shared cores, most of it the interpreted flash kernel.
+witness, and the reference's values and VJP are computed once per case for all impls. Cost:
+about 45 s of CPU cold (no compile cache, 2 loaded cores), most of it the interpreted flash
+kernel.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 from typing import NamedTuple
 
@@ -135,8 +138,16 @@ def test_materialized_gradients_match_float64_finite_differences(name):
 def _fd32_error(op, args, seed=0, directions=2) -> float:
     """`finite_difference_error`'s measure in float32, for the kernel (no float64 there)."""
     weights = testing.random_like(seed + 1, jax.eval_shape(op, *args))
-    grads = jax.jit(lambda *a: jax.vjp(op, *a)[1](weights))(*args)
-    loss = jax.jit(lambda *a: jnp.sum(weights * op(*a)))
+
+    @jax.jit  # one program for the gradient and the differenced losses, not one each
+    def loss_and_grads(*a):
+        out, pull = jax.vjp(op, *a)
+        return jnp.sum(weights * out), pull(weights)
+
+    def loss(*a):
+        return loss_and_grads(*a)[0]
+
+    grads = loss_and_grads(*args)[1]
     errors = []
     for k in range(directions):
         step = testing.random_like(seed + 2 + k, args)
@@ -189,23 +200,34 @@ def _torch_sdpa(case: Case, q, k, v, g):
     ]
 
 
+def _out_and_vjp(f, q, k, v, g):
+    """(out, dq, dk, dv) of `f` for the cotangent g: one jitted program."""
+    with jax.default_matmul_precision("highest"), jax.numpy_rank_promotion("raise"):
+        out, pull = jax.vjp(f, q, k, v)
+        return (out, *pull(g))
+
+
+@functools.cache
+def _reference_out_and_vjp(name: str):
+    """The reference's side of `test_values_and_gradients_match_the_reference_and_torch`:
+    computed once per case, not once per impl (three compiles of the same program)."""
+    op_case = _op_case(name, "materialized")  # any impl: only the reference is used
+    q, k, v = op_case.make_args(np.random.default_rng(0), jnp.float32)
+    return jax.jit(functools.partial(_out_and_vjp, op_case.reference))(
+        q, k, v, testing.random_like(1, q)
+    )
+
+
 @pytest.mark.parametrize("name", list(CASES))
 @pytest.mark.parametrize("impl", IMPLS)
 def test_values_and_gradients_match_the_reference_and_torch(impl, name):
-    """One jitted program: the impl's and the reference's values and VJPs of one cotangent."""
+    """The impl's values and VJP of one cotangent (one jitted program) against the
+    reference's (the same inputs, computed once per case) and torch's."""
     op_case, case = _op_case(name, impl), CASES[name]
     q, k, v = op_case.make_args(np.random.default_rng(0), jnp.float32)
     g = testing.random_like(1, q)
-
-    @jax.jit
-    def both(q, k, v, g):
-        (out, pull), (ref, ref_pull) = (
-            jax.vjp(f, q, k, v) for f in (op_case.op, op_case.reference)
-        )
-        return (out, *pull(g)), (ref, *ref_pull(g))
-
-    with jax.default_matmul_precision("highest"), jax.numpy_rank_promotion("raise"):
-        got, want = both(q, k, v, g)
+    got = jax.jit(functools.partial(_out_and_vjp, op_case.op))(q, k, v, g)
+    want = _reference_out_and_vjp(name)
     t_out, t_grads = _torch_sdpa(case, q, k, v, g)
     for what, a, r, t in zip(("out", "dq", "dk", "dv"), got, want, (t_out, *t_grads), strict=True):
         scale = float(np.abs(r).max())
@@ -293,10 +315,17 @@ def test_attend_applies_the_configs_sliding_window(ops_set):
     case = CASES["segments_self"]
     q, k, v = _qkv(case, np.random.default_rng(2), jnp.float32)
     ids = case.kwargs["segment_ids"]
-    out = models_attention.attend(cfg, q, k, v, segment_ids=ids)
-    expected = ops.attention_reference(q, k, v, causal=True, window=2, segment_ids=ids)
+
+    @jax.jit  # one program, not an eager compile of every primitive
+    def run(q, k, v):
+        return (
+            models_attention.attend(cfg, q, k, v, segment_ids=ids),
+            ops.attention_reference(q, k, v, causal=True, window=2, segment_ids=ids),
+            ops.attention_reference(q, k, v, causal=True, segment_ids=ids),
+        )
+
+    out, expected, unwindowed = run(q, k, v)
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
-    unwindowed = ops.attention_reference(q, k, v, causal=True, segment_ids=ids)
     assert np.abs(np.asarray(out) - np.asarray(unwindowed)).max() > 1e-3
 
 

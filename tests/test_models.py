@@ -37,6 +37,11 @@ CONFIGS = {
 }
 
 
+# Jitted: one program per config (configs are static pytrees) where a test only needs the
+# model's values; test_remat_is_bit_identical_op_by_op runs it eagerly on purpose.
+forward = jax.jit(models.forward)
+
+
 def tokens_for(cfg: models.ModelConfig, seed: int = 0, batch: int = 2) -> jnp.ndarray:
     rng = np.random.default_rng(seed)
     return jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, cfg.context_length)), jnp.int32)
@@ -261,7 +266,7 @@ def test_embedding_adds_the_configured_positions(positions):
 
     def last_logits(p, c):
         orders = jnp.array([[5, 7, 3], [7, 5, 3]], jnp.int32)
-        return np.asarray(models.forward(p, orders, c)[:, -1])
+        return np.asarray(forward(p, orders, c)[:, -1])
 
     ours = last_logits(models.init(jax.random.key(0), one), one)
     # The control: learned positions of zero are such a model, equal to float32 rounding.
@@ -301,7 +306,7 @@ def test_causality_through_gradients(name):
     assert np.abs(np.asarray(g_late[v_future])).max() > 0, "the check can see a dependency"
     # And by value: changing every token after t leaves the logits at or before t unchanged.
     changed = tokens.at[:, t + 1 :].set((tokens[:, t + 1 :] + 1) % cfg.vocab_size)
-    a, b = models.forward(params, tokens, cfg), models.forward(params, changed, cfg)
+    a, b = forward(params, tokens, cfg), forward(params, changed, cfg)
     np.testing.assert_array_equal(a[:, : t + 1], b[:, : t + 1])
     assert not np.array_equal(a[:, t + 1 :], b[:, t + 1 :])
 
@@ -314,7 +319,7 @@ def test_causality_of_learned_positions_through_gradients():
         p = {**params, "position_embedding": {"weight": pos_table}}
         return jnp.sum(models.forward(p, tokens, cfg)[:, : t + 1])
 
-    g = np.asarray(jax.grad(early)(params["position_embedding"]["weight"]))
+    g = np.asarray(jax.jit(jax.grad(early))(params["position_embedding"]["weight"]))
     assert not g[t + 1 :].any()
     assert (np.abs(g[: t + 1]).max(axis=1) > 0).all()
 
@@ -359,7 +364,7 @@ def test_attention_impls_agree_inside_the_model():
 def test_bf16_compute_with_f32_master_weights():
     (loss32, grad32), (loss16, grad16) = losses_and_grads(CONFIGS["llama"], dtype="bfloat16")
     mixed, tokens = CONFIGS["llama"].replace(dtype="bfloat16"), tokens_for(CONFIGS["llama"])
-    logits = jax.jit(models.forward)(models.init(jax.random.key(0), mixed), tokens, mixed)
+    logits = forward(models.init(jax.random.key(0), mixed), tokens, mixed)
     assert logits.dtype == jnp.float32  # jit needs no static_argnames: configs are static
     assert {g.dtype for g in jax.tree.leaves(grad16)} == {jnp.dtype(jnp.float32)}
     np.testing.assert_allclose(loss16, loss32, rtol=BF16_RTOL)

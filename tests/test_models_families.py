@@ -351,14 +351,15 @@ def _log_prob_3(logits_BTV):
 
 
 def _loss_and_logits(p, tokens_1T, cfg, segment_ids_1T, start, end):
-    logits = models.forward(p, tokens_1T, cfg, segment_ids=segment_ids_1T)[:, start:end]
-    return _log_prob_3(logits), logits
+    """The loss on positions start..end-1, and the logits at every position (aux)."""
+    logits = models.forward(p, tokens_1T, cfg, segment_ids=segment_ids_1T)
+    return _log_prob_3(logits[:, start:end]), logits
 
 
-# Three compiles a case: the packed row's loss and gradient (its logits as aux), document B's
-# alone, and document A's forward alone. Every impl with both families (GPT-2's learned
-# positions and Llama's RoPE restart per document); flash (interpreted on CPU, ~15 s a case)
-# is marked slow.
+# Three compiles a case: the packed row's loss and gradient (its logits as aux: documents A's
+# and B's, so no packed forward of its own), document B's alone, and document A's forward
+# alone. Every impl with both families (GPT-2's learned positions and Llama's RoPE restart per
+# document); flash (interpreted on CPU, ~15 s a case) is marked slow.
 _PACKING_CASES = [
     ("llama", "materialized"),
     ("llama", "xla"),
@@ -377,13 +378,14 @@ def test_packed_documents_equal_each_document_alone(name, impl):
     tokens_1T, segment_ids_1T = _packed_row(cfg)
     (_, a_start, a_end), (_, start, end) = _DOCS
     grad_fn = jax.jit(jax.value_and_grad(_loss_and_logits, has_aux=True), static_argnums=(2, 4, 5))
-    (_, packed_b), packed_grads = grad_fn(p, tokens_1T, cfg, segment_ids_1T, start, end)
+    (_, packed), packed_grads = grad_fn(p, tokens_1T, cfg, segment_ids_1T, start, end)
     (_, alone_b), alone_grads = grad_fn(p, tokens_1T[:, start:end], cfg, None, 0, end - start)
+    packed_b = packed[:, start:end]
     # Two programs of other shapes sum in other orders: float32 bounds derived in lmjax.testing
     # (any CPU), over the 16 positions; the gradient's chain is the forward, the log-softmax and
     # the mean, then the backward.
     np.testing.assert_allclose(packed_b, alone_b, atol=testing.logits_atol(cfg, alone_b, t=16))
-    packed_a = _forward(p, tokens_1T, cfg, segment_ids=segment_ids_1T)[:, a_start:a_end]
+    packed_a = packed[:, a_start:a_end]
     alone_a = _forward(p, tokens_1T[:, a_start:a_end], cfg)
     np.testing.assert_allclose(packed_a, alone_a, atol=testing.logits_atol(cfg, alone_a, t=16))
     # The gradients of a loss on document B: through the packed row they are B's alone.

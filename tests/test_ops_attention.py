@@ -72,7 +72,7 @@ def test_masked_probabilities_and_gradients_are_exactly_zero():
         out, p = ops.attention(q, k, v, causal=True, offset=2, mask=mask, return_probabilities=True)
         return (out * out).sum() + (p * p).sum(), p
 
-    (_, p), (dq, dk, dv) = jax.value_and_grad(loss, (0, 1, 2), has_aux=True)(q, k, v)
+    (_, p), (dq, dk, dv) = jax.jit(jax.value_and_grad(loss, (0, 1, 2), has_aux=True))(q, k, v)
     keep = _causal_keep(2, 2, 4, 6, 2) & mask
     assert np.all(np.asarray(p)[~keep] == 0.0)
     np.testing.assert_allclose(np.asarray(p).sum(-1), 1.0, rtol=1e-6)
@@ -80,18 +80,20 @@ def test_masked_probabilities_and_gradients_are_exactly_zero():
     assert np.all(np.asarray(dk)[0, 1] == 0) and np.all(np.asarray(dv)[0, 1] == 0)
     assert np.all(np.asarray(dk)[1, 4:] == 0) and np.all(np.asarray(dv)[1, 4:] == 0)
     # Query 0 sees keys 0..2 only: its loss leaves keys 3.. untouched.
-    dk0 = jax.grad(lambda k: ops.attention(q, k, v, causal=True, offset=2)[:, 0].sum())(k)
+    dk0 = jax.jit(jax.grad(lambda k: ops.attention(q, k, v, causal=True, offset=2)[:, 0].sum()))(k)
     assert np.all(np.asarray(dk0)[:, 3:] == 0)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_rows_with_no_visible_key_are_zero_with_finite_gradients(impl):
     q, k, v = _qkv(4, 4, seed=3)
-    # offset -2: queries 0 and 1 see no key at all.
-    out = attention(q, k, v, causal=True, offset=-2, impl=impl)
-    grads = jax.grad(
-        lambda *a: (attention(*a, causal=True, offset=-2, impl=impl) ** 2).sum(), (0, 1, 2)
-    )(q, k, v)
+
+    def loss(*a):  # offset -2: queries 0 and 1 see no key at all.
+        out = attention(*a, causal=True, offset=-2, impl=impl)
+        return (out**2).sum(), out
+
+    # One jitted program (the output as aux), not an eager compile of every primitive.
+    grads, out = jax.jit(jax.grad(loss, (0, 1, 2), has_aux=True))(q, k, v)
     assert np.all(np.asarray(out)[:, :2] == 0.0)
     assert all(np.isfinite(np.asarray(g)).all() for g in grads)
     assert np.all(np.asarray(grads[0])[:, :2] == 0.0)
@@ -103,15 +105,17 @@ def test_xla_impl_matches_materialized_values_and_gradients():
     mask[1, ..., -1] = False
     g = jnp.asarray(np.random.default_rng(5).standard_normal((2, 3, 2, 4)), jnp.float32)
 
-    def run(impl):
-        return jax.vjp(
+    def run(impl, q, k, v, g):
+        out, pull = jax.vjp(
             lambda *a: ops.attention(*a, causal=True, offset=2, mask=mask, impl=impl), q, k, v
         )
+        return out, pull(g)
 
-    out_m, pull_m = run("materialized")
-    out_x, pull_x = run("xla")
+    # One program for both impls' values and VJPs, not an eager compile of every primitive.
+    both = jax.jit(lambda *a: [run(impl, *a) for impl in ("materialized", "xla")])
+    (out_m, grads_m), (out_x, grads_x) = both(q, k, v, g)
     np.testing.assert_allclose(out_x, out_m, rtol=1e-5, atol=1e-6)
-    for a, b in zip(pull_x(g), pull_m(g), strict=True):
+    for a, b in zip(grads_x, grads_m, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
@@ -258,6 +262,7 @@ def test_long_causal_self_attention_takes_the_query_block_path(monkeypatch):
     assert calls == [2]
     np.testing.assert_allclose(out, _np_attention(q, k, v, _causal_keep(2, 2, 5, 5, 0)), 1e-5, 1e-6)
     mask = np.ones((2, 1, 1, 5), bool)
+    # The path is chosen while tracing (static shapes and arguments): tracing them is enough.
     for kwargs in (
         dict(causal=False),
         dict(causal=True, offset=1),
@@ -265,9 +270,10 @@ def test_long_causal_self_attention_takes_the_query_block_path(monkeypatch):
         dict(causal=True, return_probabilities=True),
         dict(causal=True, impl="xla"),
     ):
-        ops.attention(q, k, v, **kwargs)
-    ops.attention(q[:, :2], k[:, :2], v[:, :2], causal=True)  # T = 2: one block, nothing to skip
-    ops.attention(q[:, :3], k, v, causal=True)  # cross-attention shapes (T != S)
+        jax.eval_shape(lambda: ops.attention(q, k, v, **kwargs))  # noqa: B023 (called here)
+    # T = 2: one block, nothing to skip; then cross-attention shapes (T != S).
+    jax.eval_shape(lambda: ops.attention(q[:, :2], k[:, :2], v[:, :2], causal=True))
+    jax.eval_shape(lambda: ops.attention(q[:, :3], k, v, causal=True))
     assert calls == [2], "only causal self-attention with offset 0 and no mask is blocked"
 
 
@@ -286,7 +292,10 @@ def test_query_blocks_equal_the_full_form_at_the_reference_block_size():
 
     full = loss(lambda q, k, v: module._attention_materialized(q, k, v, keep)[0])
     blocked = loss(lambda q, k, v: ops.attention(q, k, v, causal=True))
-    (lf, gf), (lb, gb) = (jax.value_and_grad(f, (0, 1, 2))(q, k, v) for f in (full, blocked))
+    # Jitted (one program each), not an eager compile of every primitive of the two VJPs.
+    (lf, gf), (lb, gb) = (
+        jax.jit(jax.value_and_grad(f, (0, 1, 2)))(q, k, v) for f in (full, blocked)
+    )
     np.testing.assert_allclose(lb, lf, rtol=1e-6)
     for a, b in zip(gb, gf, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
