@@ -10,9 +10,8 @@ Two witnesses for every custom VJP:
   `(L(x + h v) - L(x - h v)) / 2h`, for a few random directions v.
 
 `OP_CASES` lists every primitive with small inputs (rank 3 and rank 4 where the op cares);
-the test suite and `lmjax gradcheck` both run over it. Inputs and cotangents are drawn with
-numpy from integer seeds: `jax.random` would compile a program per shape, which would dominate
-the cost of checking dozens of tiny ops.
+the test suite and `lmjax gradcheck` both run over it. Inputs, cotangents and directions come
+from numpy (integer seeds): eager jax ops would compile a program per shape, per tiny op.
 """
 
 from __future__ import annotations
@@ -158,14 +157,12 @@ def _strict_numerics():
         yield
 
 
-# The reference's (value, VJP) per (reference, arguments, argnums, seed, dtype): a case is
-# compared through several transforms (chex's variants), and the yardstick is the same each time.
-_REFERENCE_RESULTS: dict = {}
+_REFERENCE_RESULTS: dict = {}  # a case's yardstick, the same under every transform compared
 
 
 def _reference_result(case, seed, dtype, args):
-    """The reference's value and VJP, jitted (it is only the yardstick, and eager dispatch of
-    its many small ops costs more compile time than one fused program), computed once."""
+    """The reference's value and VJP, computed once, jitted: eager dispatch of its many small
+    ops costs more compile time than one fused program."""
     key = (case.reference, case.make_args, tuple(case.argnums), seed, jnp.dtype(dtype).name)
     if key not in _REFERENCE_RESULTS:
         vjp = jax.jit(lambda *a: vjp_of(case.reference, a, case.argnums, seed + 1))
@@ -204,8 +201,6 @@ def finite_difference_error(
             pairs = zip(jax.tree.leaves(weights), jax.tree.leaves(result), strict=True)
             return sum(jnp.sum(w * o) for w, o in pairs)
 
-        # The directions and the perturbed points in numpy, float64 as in jax: one compiled
-        # loss, not an eagerly compiled add and multiply per argument shape.
         base = jax.tree.map(np.asarray, tuple(args[i] for i in case.argnums))
         analytic, numeric = [], []
         for k in range(directions):
