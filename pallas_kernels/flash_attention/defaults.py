@@ -84,7 +84,7 @@ _CURRENT = {
 # (8 warps) has them. 5 stages of the streamed q and dO tiles (2 x [32, 128] bf16, 16 KiB a
 # stage) beside k and v (64 KiB) are 144 KiB of shared memory, within Hopper's 227 KiB.
 # Unmeasured: the search also tries 4 warps and other stages.
-_FA2_LAUNCH = dict(num_warps=8, num_stages=3, num_warps_bwd=8, num_stages_bwd=5)
+_FA2_LAUNCH = _launch(8) | {"num_stages_bwd": 5}  # today's head-128 launch, 5 backward stages
 _FA2_BACKWARD_128 = BlockSizes(128, 64, 32, 128, **_FA2_LAUNCH, block_q_dq=128, block_k_dq=32)
 
 # Issue 33: one H200, jax 0.11.2, bf16, causal, forward+backward, with `_CURRENT`'s sizes (at

@@ -157,7 +157,8 @@ def _fit(a: int, b: int, n: int, kernel: str) -> tuple[int, int]:
     both stays close to n.
     """
     if kernel == "gpu":
-        return min(a, _gpu_cap(n)), min(b, _gpu_cap(n))
+        cap = _gpu_cap(n)
+        return min(a, cap), min(b, cap)
     small = min(a, b, _round_up(n, TPU_SUBLANES))
     big = min(max(a, b), _round_up(n, small))
     return (small, big) if a <= b else (big, small)
