@@ -77,8 +77,8 @@ test-fast: $(STAMP)
 # float32 sums round differently with and without AVX-512. ISA is XLA's --xla_cpu_max_isa
 # (SSE4_2, AVX, AVX2, AVX512); the flag is added to XLA_FLAGS and reaches the subprocesses these
 # tests start (tests/_xla_flags.py). `make test-portable ISA=SSE4_2` goes further down.
-# It compiles at XLA's default optimization level, the code users run (`make test` turns
-# LLVM's passes off to compile faster: tests/conftest.py).
+# It compiles with XLA's default settings, the code users run (`make test` turns LLVM's passes
+# off and uses XLA's older CPU emitter, to compile faster: tests/conftest.py).
 ISA ?= AVX2
 PORTABLE_TESTS := $(addprefix tests/,test_parallel_mesh.py test_parallel.py \
 	test_flash_on_a_mesh.py test_multiprocess.py test_flash_attention.py test_flash_gqa.py \
