@@ -144,12 +144,16 @@ def abstract_step(cfg):
 
 def audit(cfg) -> dict:
     """The report for a RunConfig (see the module docstring)."""
+    from lmjax import compat
+
     step, state, batch = abstract_step(cfg)
     start = time.perf_counter()
     # Traced for a GPU: the kernels (and `auto` attention) follow the default device's platform,
-    # which a string sets without a GPU here (pallas_kernels._backend.platform).
-    with jax.default_device("gpu"):
-        traced = step.trace(state, batch)
+    # which a string sets without a GPU here (pallas_kernels._backend.platform), but only while
+    # tracing (jax 0.12 would look for a real GPU while lowering); for an abstract H100 where
+    # this jax's Triton lowering asks for one (lmjax.compat.lowering_for).
+    traced, lowered = compat.lowering_for(step, state, batch, platform="cuda", trace_device="gpu")
+    text = lowered.as_text()
     report = {
         "flops_by_dtype": collections.Counter(),
         "f32_converts": collections.Counter(),
@@ -158,7 +162,6 @@ def audit(cfg) -> dict:
         "large": [],
     }
     total = walk(traced.jaxpr.jaxpr, report)
-    text = traced.lower(lowering_platforms=("cuda",)).as_text()
     largest = sorted(set(map(tuple, (tuple(x[:2]) + (tuple(x[2]), x[3]) for x in report["large"]))))
     model = cfg.model_config()
     return {

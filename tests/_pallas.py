@@ -8,6 +8,8 @@ import os
 import jax
 import pytest
 
+from lmjax import compat
+
 # LMJAX_PALLAS_INTERPRET=0 (scripts/gpu_check.sh on a GPU) runs the kernels compiled.
 INTERPRET = os.environ.get("LMJAX_PALLAS_INTERPRET", "1") != "0"
 PLATFORM = jax.default_backend()
@@ -37,16 +39,10 @@ def skip_unless_runnable(kernel: str) -> None:
         pytest.skip(reason)
 
 
-def lowered_text(traced, platform: str) -> str:
-    """The StableHLO text of `traced` (a `jax.jit(...).trace(...)`) lowered for `platform`.
-
-    Skips the test where this jax cannot lower Triton without a local GPU: jax >= 0.11 asks
-    the device for its compute capability before emitting Triton IR (scripts/gpu_check.sh
-    runs the kernels compiled on a GPU instead).
-    """
-    try:
-        return traced.lower(lowering_platforms=(platform,)).as_text()
-    except RuntimeError as err:
-        if "No supported GPU devices" not in str(err):
-            raise
-        pytest.skip(f"this jax {jax.__version__} needs a GPU to lower Triton: {err}")
+def lowered_text(fn, *args, platform: str, device: str | None = None) -> str:
+    """The StableHLO text of `jax.jit(fn)(*args)` (`fn` may be jitted already) traced with
+    `device` as the default device (None: this host's; "gpu" picks the GPU kernels) and lowered
+    for `platform` on this host, on every supported jax (`lmjax.compat.lowering_for`)."""
+    jitted = fn if hasattr(fn, "trace") else jax.jit(fn)
+    _, lowered = compat.lowering_for(jitted, *args, platform=platform, trace_device=device)
+    return lowered.as_text()

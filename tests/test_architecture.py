@@ -67,7 +67,7 @@ LAZY_THIRD_PARTY = {
 # trained (finetune); the command line is on top. The root `lmjax/__init__.py` loads its four
 # public subpackages lazily by name and is in no tier.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("lmjax.errors",),
+    ("lmjax.errors", "lmjax.compat"),
     ("lmjax.checks", "lmjax.files", "lmjax.params", "lmjax.hostmem"),
     ("lmjax.ops", "lmjax.testing"),
     ("lmjax.quant",),

@@ -19,7 +19,7 @@ import optax
 import pytest
 from _cudnn import FMHA_CALL, fake_cudnn  # noqa: F401 (fake_cudnn is a fixture)
 
-from lmjax import models, ops
+from lmjax import compat, models, ops
 from lmjax.config import RunConfig
 from lmjax.errors import ConfigError
 from lmjax.models import attention_choice
@@ -383,7 +383,7 @@ def test_a_packed_grouped_query_train_step_lowers_to_cudnn_for_cuda(fake_cudnn):
     tokens = np.zeros((1, 2, 16), np.int32)
     batch = {"inputs": tokens, "targets": tokens, "segment_ids": ids}
     step = make_train_step(cfg, tx, lr)
-    text = step.trace(state, batch).lower(lowering_platforms=("cuda",)).as_text()
+    text = compat.lowering_for(step, state, batch, platform="cuda")[1].as_text()
     calls = re.findall(r"custom_call @(__cudnn\$fmha\w+)\(", text)
     assert calls and all(c.startswith(FMHA_CALL) for c in calls)
     layers = cfg.n_layers

@@ -152,9 +152,8 @@ def test_every_entry_lowers_to_triton_with_its_launch(monkeypatch, gen, d):
     def loss(q, k, v):
         return fa.flash_attention(q, k, v, causal=True).astype(jnp.float32).sum()
 
-    with jax.default_device("gpu"):
-        traced = jax.jit(jax.grad(loss, (0, 1, 2))).trace(x, x, x)
-    calls = _triton_calls(lowered_text(traced, "cuda"))
+    grad = jax.grad(loss, (0, 1, 2))
+    calls = _triton_calls(lowered_text(grad, x, x, x, platform="cuda", device="gpu"))
     assert calls == {
         "flash_attention_fwd_gpu": dict(
             grid_x=t // sizes.block_q, num_warps=sizes.num_warps, num_stages=sizes.num_stages

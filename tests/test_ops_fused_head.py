@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lmjax import ops, testing
+from lmjax import compat, ops, testing
 from lmjax.errors import ShapeError, TokenError
 from lmjax.testing import F32_RTOL, FD_RTOL, OpCase
 
@@ -140,7 +140,7 @@ def test_bad_inputs_are_named():
 
 
 def _lowered(fn, args, platform: str) -> str:
-    return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+    return compat.lowering_for(jax.jit(fn), *args, platform=platform)[1].as_text()
 
 
 def test_the_chunk_and_the_weight_gradient_are_chosen_for_the_platform_lowered_for():
