@@ -1,18 +1,18 @@
 # Every target bootstraps .venv on first use; a stamp makes later runs a no-op until
 # pyproject.toml changes. The demo needs only the runtime install (RUNTIME_STAMP); the other
-# targets install the test extra too (STAMP), which includes libtpu and torch.
+# targets install the test extra and jax's own tpu extra too (STAMP): torch, libtpu and friends.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 RUNTIME_STAMP := $(VENV)/.installed-runtime-stamp
 
-.PHONY: venv demo test test-fast test-portable bench lint strip-notebooks clean
+.PHONY: venv venv-next demo test test-next test-gpu-line test-fast test-portable bench lint strip-notebooks clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,tpu]'
 	@touch $(STAMP) $(RUNTIME_STAMP)
 
 $(RUNTIME_STAMP): pyproject.toml
@@ -68,6 +68,52 @@ XDIST = $(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist loadfile --no-loadscop
 test: $(STAMP)
 	$(PY) -m pytest -q $(XDIST) --durations=25
 
+# The second suite: the whole suite again on the newest line users get. Its own venv on the
+# newest Python found (3.13, else 3.12: scripts/newest_python.sh; NEXT_PYTHON=3.12 picks one)
+# with the newest jax the pins admit together with jax's tpu extra, whose libtpu must be
+# published for that jax (so a jax whose libtpu is not on PyPI yet is passed over). NEXT_JAX pins
+# a release instead, in a venv of its own: `make test-next NEXT_JAX=0.11.2 NEXT_PYTHON=3.12` is
+# the GPU machine's line. A jax whose libtpu is not published installs with NEXT_EXTRAS=test
+# (`make test-next NEXT_JAX=0.12.1 NEXT_EXTRAS=test`): the tests that need libtpu are then
+# reported NOT RUN (tests/conftest.py, LMJAX_TEST_WITHOUT), not passed. TESTS narrows the run
+# (pytest arguments). The versions it runs on are printed first.
+NEXT_PYTHON ?=
+NEXT_JAX    ?=
+NEXT_EXTRAS ?= test,tpu
+TESTS       ?=
+NEXT_WITHOUT := $(if $(findstring tpu,$(NEXT_EXTRAS)),,libtpu)
+NEXT_VENV   := .venv-next$(if $(NEXT_JAX),-$(NEXT_JAX))$(if $(NEXT_PYTHON),-py$(NEXT_PYTHON))$(if $(NEXT_WITHOUT),-notpu)
+NEXT_PY     := $(NEXT_VENV)/bin/python
+NEXT_STAMP  := $(NEXT_VENV)/.installed-stamp
+NEXT_PINS   := $(if $(NEXT_JAX),'jax==$(NEXT_JAX)' 'jaxlib==$(NEXT_JAX)')
+
+$(NEXT_STAMP): pyproject.toml
+	@test -x $(NEXT_PY) || "$$(scripts/newest_python.sh $(NEXT_PYTHON))" -m venv $(NEXT_VENV)
+	$(NEXT_PY) -m pip install -q --upgrade pip
+	$(NEXT_PY) -m pip install -q -e '.[$(NEXT_EXTRAS)]' $(NEXT_PINS)
+	@touch $(NEXT_STAMP)
+
+venv-next: $(NEXT_STAMP)
+
+test-next: $(NEXT_STAMP)
+	@$(NEXT_PY) -c "import sys, jax, jaxlib; print('test-next: Python', sys.version.split()[0], 'jax', jax.__version__, 'jaxlib', jaxlib.__version__)"
+	$(if $(NEXT_WITHOUT),LMJAX_TEST_WITHOUT=$(NEXT_WITHOUT) )$(NEXT_PY) -m pytest -q $(XDIST) --durations=25 $(TESTS)
+
+# The GPU machine's line (jax 0.11.2, Python 3.12), pinned: every test that lowers a program
+# for CUDA on this host (the kernels, the train and decode steps, cuDNN attention, the structure
+# audit) and scripts/gpu_check.sh's dry run, so what the GPU check runs is known to build there.
+GPU_LINE_JAX    := 0.11.2
+GPU_LINE_PYTHON := 3.12
+GPU_LINE_TESTS  := tests/test_gpu_lowering.py tests/test_gpu_structure.py \
+	tests/test_flash_gpu_defaults.py tests/test_attention_cudnn.py tests/test_compat.py \
+	tests/test_flash_attention.py::test_compiled_kernels_lower_for_their_platform \
+	tests/test_flash_attention.py::test_gqa_window_segments_lower_for_their_platform \
+	tests/test_nf4_matmul.py::test_compiled_kernels_lower_for_their_platform \
+	tests/test_ops_fused_head.py::test_the_chunk_and_the_weight_gradient_are_chosen_for_the_platform_lowered_for \
+	tests/test_bench_train_step.py::test_gpu_check_dry_run_of_the_train_step_benchmark
+test-gpu-line:
+	$(MAKE) test-next NEXT_JAX=$(GPU_LINE_JAX) NEXT_PYTHON=$(GPU_LINE_PYTHON) TESTS="$(GPU_LINE_TESTS)"
+
 test-fast: $(STAMP)
 	$(PY) -m pytest -q $(XDIST) -m "not slow"
 
@@ -105,4 +151,4 @@ strip-notebooks: $(STAMP)
 	$(PY) notebooks/strip_outputs.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) .venv-next* .pytest_cache .ruff_cache *.egg-info

@@ -46,6 +46,8 @@ import importlib.metadata
 import os
 from pathlib import Path
 
+import pytest
+
 # jax/_src/hardware_utils.py's tests, without importing jax (which reads JAX_PLATFORMS).
 _NVIDIA_DEVICE_FILES = ("/dev/nvidia0", "/dev/nvidiactl", "/dev/dxg")
 _GOOGLE_PCI_VENDOR = "0x1ae0"
@@ -119,10 +121,18 @@ OPT_LEVEL_FLAG = "--xla_backend_optimization_level"
 # element-wise LLVM IR emitter they replace (`--xla_cpu_use_fusion_emitters=false`), and one
 # module is emitted in one piece instead of several compiled on a thread each (the parallel
 # split only spends CPU on a 2-core machine running two workers). Together: test_models.py 57.7
-# -> 30.6 s of CPU at level 0. jaxlib aborts on a flag it does not know, so they are added only
-# for the jaxlib releases checked to have them (their names are in the library's own flag list).
-CODEGEN_FLAGS = ("--xla_cpu_use_fusion_emitters=false", "--xla_cpu_parallel_codegen_split_count=1")
-CODEGEN_FLAGS_JAXLIB = ("0.10.", "0.11.")
+# -> 30.6 s of CPU at level 0. jaxlib aborts on a flag it does not know, so each is added only
+# for the jaxlib releases checked to have it (a run with the flag set: jaxlib 0.11.2 and
+# 0.12.0.1 have no fusion-emitter flag, "Unknown flag in XLA_FLAGS", and abort).
+CODEGEN_FLAGS = {
+    "--xla_cpu_use_fusion_emitters=false": ("0.10.",),
+    "--xla_cpu_parallel_codegen_split_count=1": ("0.10.", "0.11.2", "0.12.0"),
+}
+
+
+def codegen_flags(jaxlib_version: str) -> list[str]:
+    """The flags of `CODEGEN_FLAGS` this jaxlib release is known to have."""
+    return [flag for flag, known in CODEGEN_FLAGS.items() if jaxlib_version.startswith(known)]
 
 
 def fast_compile_flags(flags: str, jaxlib_version: str) -> str:
@@ -131,8 +141,7 @@ def fast_compile_flags(flags: str, jaxlib_version: str) -> str:
     already or `LMJAX_TEST_FAST_COMPILE=0` asks for XLA's defaults."""
     if os.environ.get("LMJAX_TEST_FAST_COMPILE") == "0" or OPT_LEVEL_FLAG in flags:
         return flags
-    codegen = CODEGEN_FLAGS if jaxlib_version.startswith(CODEGEN_FLAGS_JAXLIB) else ()
-    return " ".join([*flags.split(), f"{OPT_LEVEL_FLAG}=0", *codegen])
+    return " ".join([*flags.split(), f"{OPT_LEVEL_FLAG}=0", *codegen_flags(jaxlib_version)])
 
 
 if "JAX_PLATFORMS" not in os.environ and not _accelerator_attached():
@@ -193,11 +202,50 @@ LONG_MODULES = (
 )
 
 
+# A package that some installs cannot have: libtpu for a jax whose own libtpu is not published
+# (jax 0.12.1's 0.0.53 is not on PyPI). Tests that need one carry `pytest.mark.needs(name)`;
+# `LMJAX_TEST_WITHOUT=libtpu` (comma-separated) says this install lacks it on purpose, and those
+# tests are skipped with NOT_RUN in the reason and counted in the summary, never as passed.
+# Without it, a missing package fails the tests that need it.
+NOT_RUN = "not run: this install has no"
+WITHOUT = {name for name in os.environ.get("LMJAX_TEST_WITHOUT", "").split(",") if name}
+_not_run: dict[str, int] = {}
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "needs(package): the test needs `package`; see LMJAX_TEST_WITHOUT (conftest)"
+    )
+
+
 def pytest_collection_modifyitems(session, config, items):
     """Move the modules of `LONG_MODULES` to the front, in that order; the sort is stable, so
-    the tests of a module and the other modules keep their order."""
+    the tests of a module and the other modules keep their order. Skip the tests that need a
+    package of `WITHOUT`."""
     rank = {name: i for i, name in enumerate(LONG_MODULES)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+    for item in items:
+        lacking = sorted({m.args[0] for m in item.iter_markers("needs")} & WITHOUT)
+        if lacking:
+            why = f"{NOT_RUN} {', '.join(lacking)} (LMJAX_TEST_WITHOUT)"
+            item.add_marker(pytest.mark.skip(reason=why))
+
+
+def pytest_runtest_logreport(report):
+    """Count the tests skipped for `WITHOUT` (here, or as pytest-xdist's controller)."""
+    if report.skipped and report.when == "setup" and NOT_RUN in str(report.longrepr):
+        package = str(report.longrepr).split(NOT_RUN, 1)[1].split("(")[0].strip()
+        _not_run[package] = _not_run.get(package, 0) + 1
+
+
+def pytest_terminal_summary(terminalreporter):
+    for package, count in sorted(_not_run.items()):
+        terminalreporter.write_line(
+            f"NOT RUN: {count} tests that need {package} (LMJAX_TEST_WITHOUT); they are not "
+            "passes: run them where it installs (make test)",
+            yellow=True,
+            bold=True,
+        )
 
 
 def pytest_collection_finish(session):
@@ -211,6 +259,8 @@ def pytest_collection_finish(session):
     selected: dict = {}
     for item in session.items:
         module = getattr(item, "module", None)
+        if any(m.name == "skip" for m in item.iter_markers()):
+            continue
         if module is not None and hasattr(module, "start_in_background"):
             selected.setdefault(module, set()).add(item.originalname)
     for module, names in selected.items():

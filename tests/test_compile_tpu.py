@@ -33,6 +33,9 @@ from lmjax.parallel import memory
 from lmjax.train import optim, tpu_compile
 from tests._background import Worker
 
+# libtpu is the compiler here (a few tests do without it, but the module is one unit: a jax
+# whose own libtpu is not published runs none of it; tests/conftest.py, LMJAX_TEST_WITHOUT).
+pytestmark = pytest.mark.needs("libtpu")
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = str(ROOT / "configs" / "tpu-gpt2-124m.yaml")
 TINY = [str(ROOT / "configs" / "tiny-shakespeare.yaml"), "model.vocab_size=84"]

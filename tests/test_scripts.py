@@ -17,7 +17,12 @@ import pytest
 ROOT = Path(__file__).parent.parent
 TPU = ROOT / "scripts" / "tpu" / "tpu.sh"
 GPU = ROOT / "scripts" / "gpu" / "train.sh"
-OURS = sorted(p for d in ("tpu", "gpu", "lib") for p in (ROOT / "scripts" / d).glob("*.sh"))
+OURS = [
+    *sorted(p for d in ("tpu", "gpu", "lib") for p in (ROOT / "scripts" / d).glob("*.sh")),
+    ROOT / "scripts" / "newest_python.sh",
+    ROOT / ".ci" / "run",
+]
+NEWEST_PYTHON = ROOT / "scripts" / "newest_python.sh"
 
 
 def dry(script: Path, *args: str, **env: str) -> list[list[str]]:
@@ -50,6 +55,50 @@ def test_shellcheck():
     subprocess.run([_shellcheck(), *map(str, OURS)], check=True)
     # gpu_check.sh (another issue's) has one info-level note (ls in a summary line).
     subprocess.run([_shellcheck(), "-S", "warning", str(ROOT / "scripts/gpu_check.sh")], check=True)
+
+
+def _fake_pythons(tmp_path: Path, on_path: dict[str, int], under_pyenv: dict[str, int]) -> dict:
+    """A PATH with `pythonX.Y` commands exiting with the given codes (a pyenv shim of a version
+    not selected exits non-zero) and a pyenv whose root holds the given full versions."""
+    bin_dir, root = tmp_path / "bin", tmp_path / "pyenv"
+    bin_dir.mkdir()
+    for name, code in on_path.items():
+        (bin_dir / name).write_text(f"#!/bin/sh\nexit {code}\n")
+    for version, code in under_pyenv.items():
+        exe = root / "versions" / version / "bin" / f"python{version.rsplit('.', 1)[0]}"
+        exe.parent.mkdir(parents=True)
+        exe.write_text(f"#!/bin/sh\nexit {code}\n")
+    versions = "\\n".join(under_pyenv)
+    (bin_dir / "pyenv").write_text(
+        f'#!/bin/sh\ncase "$1" in root) echo {root};; versions) printf "{versions}\\n";; esac\n'
+    )
+    for exe in [*bin_dir.iterdir(), *root.rglob("python*")]:
+        exe.chmod(0o755)
+    return {"PATH": f"{bin_dir}:/usr/bin:/bin"}
+
+
+def test_newest_python_takes_the_newest_that_runs(tmp_path):
+    """`make test-next`'s interpreter: 3.13 before 3.12; a shim that refuses (pyenv's, for a
+    version not selected) is passed over for pyenv's own copy; the newest patch release."""
+    env = _fake_pythons(
+        tmp_path, {"python3.13": 127}, {"3.12.1": 0, "3.12.10": 0, "3.13.0": 0, "3.13.1": 1}
+    )
+
+    def newest(*versions):
+        cmd = ["bash", str(NEWEST_PYTHON), *versions]
+        return subprocess.run(cmd, env=env, capture_output=True, text=True)
+
+    assert newest().stdout.strip() == str(tmp_path / "pyenv/versions/3.13.0/bin/python3.13")
+    assert newest("3.12").stdout.strip() == str(tmp_path / "pyenv/versions/3.12.10/bin/python3.12")
+    missing = newest("3.14", "3.15")
+    assert missing.returncode == 1 and missing.stdout == ""
+    assert "no Python 3.14 3.15 found" in missing.stderr
+
+
+def test_newest_python_prefers_a_command_on_path(tmp_path):
+    env = _fake_pythons(tmp_path, {"python3.13": 0}, {"3.13.0": 0})
+    done = subprocess.run(["bash", str(NEWEST_PYTHON)], env=env, capture_output=True, text=True)
+    assert done.stdout.strip() == str(tmp_path / "bin" / "python3.13")
 
 
 def test_tpu_all_creates_installs_launches_streams_fetches_and_deletes():
@@ -373,7 +422,7 @@ def test_tpu_install_builds_the_venv_on_a_python_lmjax_supports(tmp_path):
     version = venv[venv.index("--python") + 1]
     assert tuple(map(int, version.split("."))) >= (3, 11), venv
     install = next(line for line in uv if line.startswith("uv pip install"))
-    assert "jax[tpu]>=0.10.2,<0.12" in install and install.endswith("-e .")
+    assert "jax[tpu]>=0.10.2,<0.13" in install and install.endswith("-e .")
     assert (home / "lmjax" / ".venv" / "bin" / "lmjax").exists()
     assert not list(tmp_path.glob("lmjax-src-*.tar.gz"))
 

@@ -20,13 +20,22 @@ def defaults(monkeypatch):
     monkeypatch.delenv("LMJAX_TEST_FAST_COMPILE", raising=False)
 
 
-@pytest.mark.parametrize("jaxlib", ["0.10.2", "0.11.2"])
-def test_checked_jaxlib_releases_get_level_0_and_the_older_emitter(defaults, jaxlib):
-    flags = conftest.fast_compile_flags("--xla_force_host_platform_device_count=8", jaxlib).split()
-    assert flags == ["--xla_force_host_platform_device_count=8", LEVEL_0, *conftest.CODEGEN_FLAGS]
+def test_jaxlib_0_10_gets_level_0_and_the_older_emitter(defaults):
+    flags = conftest.fast_compile_flags("--xla_force_host_platform_device_count=8", "0.10.2")
+    assert flags.split() == [
+        "--xla_force_host_platform_device_count=8",
+        LEVEL_0,
+        *conftest.CODEGEN_FLAGS,
+    ]
 
 
-@pytest.mark.parametrize("jaxlib", ["0.12.0", "1.0.1", "0.9.2"])
+@pytest.mark.parametrize("jaxlib", ["0.11.2", "0.12.0.1"])
+def test_later_checked_releases_get_the_one_codegen_flag_they_have(defaults, jaxlib):
+    split = "--xla_cpu_parallel_codegen_split_count=1"
+    assert conftest.fast_compile_flags("", jaxlib).split() == [LEVEL_0, split]
+
+
+@pytest.mark.parametrize("jaxlib", ["0.11.1", "0.12.1", "1.0.1", "0.9.2"])
 def test_other_releases_get_only_level_0(defaults, jaxlib):
     assert conftest.fast_compile_flags("", jaxlib).split() == [LEVEL_0]
 
@@ -49,7 +58,5 @@ def test_this_run_has_them_when_it_compiles_for_the_cpu():
     if LEVEL_0 not in flags:
         pytest.skip("XLA_FLAGS set an optimization level of their own")
     jaxlib = importlib.metadata.version("jaxlib")
-    if jaxlib.startswith(conftest.CODEGEN_FLAGS_JAXLIB):
-        assert set(conftest.CODEGEN_FLAGS) <= set(flags), flags
-    else:
-        assert not set(conftest.CODEGEN_FLAGS) & set(flags), flags
+    ours = set(conftest.codegen_flags(jaxlib))
+    assert set(conftest.CODEGEN_FLAGS) & set(flags) == ours, flags

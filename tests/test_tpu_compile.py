@@ -46,6 +46,7 @@ from pallas_kernels.nf4_matmul import BlockSizes as NF4Blocks
 from pallas_kernels.nf4_matmul import nf4_matmul, nf4_matmul_reference
 from pallas_kernels.nf4_matmul import pallas as nm
 
+pytestmark = pytest.mark.needs("libtpu")  # tests/conftest.py: LMJAX_TEST_WITHOUT
 TOPOLOGIES = {"v4": "v4:2x2x1", "v5e": "v5e:2x2", "v6e": "v6e:2x2"}
 DEVICE_KIND = {"v4": "TPU v4", "v5e": "TPU v5 lite", "v6e": "TPU v6 lite"}
 FLASH_KERNELS = ("flash_attention_fwd_tpu", "flash_attention_dq_tpu", "flash_attention_dkdv_tpu")

@@ -49,7 +49,7 @@ if [[ "$INSTALL" == "1" || ! -x "$VENV/bin/lmjax" ]]; then
     fi
     run "$PYTHON" -m venv "$VENV"
     run "$VENV/bin/pip" install -q -U pip
-    run "$VENV/bin/pip" install -q 'jax[cuda12]>=0.10.2,<0.12' -e .
+    run "$VENV/bin/pip" install -q 'jax[cuda12]>=0.10.2,<0.13' -e .
 fi
 run "$VENV/bin/lmjax" inspect "$config" --mesh "$MESH"
 if [[ "$DRY_RUN" == "1" ]]; then

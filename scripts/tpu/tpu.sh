@@ -93,7 +93,7 @@ install() {
     setup+=' && export PATH="$HOME/.local/bin:$PATH"'
     setup+=" && { command -v uv > /dev/null || curl -LsSf https://astral.sh/uv/install.sh | sh; }"
     setup+=" && rm -rf .venv && uv venv -q --python $PYTHON_VERSION .venv"
-    setup+=" && uv pip install -q --python .venv/bin/python 'jax[tpu]>=0.10.2,<0.12' -e ."
+    setup+=" && uv pip install -q --python .venv/bin/python 'jax[tpu]>=0.10.2,<0.13' -e ."
     gcloud_tpu ssh "$TPU_NAME" --worker=all --command="$setup"
     run rm -f "$archive"
 }
