@@ -16,6 +16,7 @@ from lmjax.checks import require
 from lmjax.errors import CheckpointError
 from lmjax.train.checkpoint.integrity import (
     DamagedCheckpointError,
+    check_index,
     check_structure,
     digest,
     error_text,
@@ -203,6 +204,7 @@ class Checkpoints:
         return target.name
 
     def _stored_leaves(self, step: int) -> dict[str, tuple]:
+        check_index(self.directory / str(step), self.directory / str(step) / "state")
         try:
             with quiet():
                 meta = self._manager.item_metadata(step)["state"]

@@ -6,6 +6,12 @@ import contextlib
 import gc
 import logging
 import sys
+import time
+
+# After a failed read, how long no abandoned read may report before lmjax goes on, and the most
+# it waits (the same settling as a failed save's, `Checkpoints._remove_failed_save`).
+SETTLE_S, SETTLE_LIMIT_S = 0.2, 5.0
+_last_report = [0.0]  # time.monotonic() of the newest "Event loop is closed" report
 
 
 @contextlib.contextmanager
@@ -16,16 +22,22 @@ def quiet():
     reported by the asyncio logger and `sys.unraisablehook` (hundreds of lines, some after the
     error is raised), and absl logs each missing metadata file. The error lmjax raises says
     it all in one line.
+
+    Those pending reads run on in tensorstore's threads and call back into orbax's event loop,
+    closed by then; a process crashed once in a background thread while they did (Python
+    3.12.1, jax 0.12.0.1, issue 43). So after a failure this waits until they are over: until
+    no report has come for `SETTLE_S` (at most `SETTLE_LIMIT_S`), and only then raises.
     """
     loggers = [logging.getLogger(name) for name in ("asyncio", "absl")]
     disabled, hook = [g.disabled for g in loggers], sys.unraisablehook
     for g in loggers:
         g.disabled = True
-    sys.unraisablehook = lambda unraisable: None
+    sys.unraisablehook = _dropped
     try:
         yield
     except BaseException:
         gc.collect()  # the failed read's leftovers are reported now, while silenced
+        _settle()
         # ... or later, when the pending reads end: keep dropping those reports.
         if not any(isinstance(f, _OrbaxLeftovers) for f in loggers[0].filters):
             loggers[0].addFilter(_OrbaxLeftovers())
@@ -38,6 +50,27 @@ def quiet():
             g.disabled = was
 
 
+def _closed_loop(unraisable) -> bool:
+    err = unraisable.exc_value
+    return isinstance(err, RuntimeError) and str(err) == "Event loop is closed"
+
+
+def _dropped(unraisable) -> None:
+    """The hook while silenced: drops every report, noting when an abandoned read's came."""
+    if _closed_loop(unraisable):
+        _last_report[0] = time.monotonic()
+
+
+def _settle() -> None:
+    """Wait until the abandoned reads have stopped reporting (see `quiet`)."""
+    start = time.monotonic()
+    while True:
+        now = time.monotonic()
+        if now - max(start, _last_report[0]) >= SETTLE_S or now - start >= SETTLE_LIMIT_S:
+            return
+        time.sleep(0.02)
+
+
 class _ClosedLoopHook:
     """`sys.unraisablehook` after a failed orbax call: tensorstore threads finishing the
     abandoned reads call back into orbax's event loop, closed by then, and each report lands
@@ -48,8 +81,7 @@ class _ClosedLoopHook:
         self.previous = previous
 
     def __call__(self, unraisable) -> None:
-        err = unraisable.exc_value
-        if isinstance(err, RuntimeError) and str(err) == "Event loop is closed":
+        if _closed_loop(unraisable):
             return
         self.previous(unraisable)
 
