@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import time
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,7 @@ from lmjax.train.checkpoint.integrity import (
     unreadable,
     verify,
 )
-from lmjax.train.checkpoint.quiet import quiet
+from lmjax.train.checkpoint.quiet import quiet, settle
 
 # orbax logs every save and restore at INFO through absl; a progress bar is enough for users.
 logging.getLogger("absl").setLevel(logging.WARNING)
@@ -69,20 +68,14 @@ class Checkpoints:
                 removed.append(path.name)
         return removed
 
-    def _remove_failed_save(self, step: int, settle_s: float = 0.2, limit_s: float = 5.0):
+    def _remove_failed_save(self, step: int):
         """Remove a failed save's temporary directory, once its abandoned writes are over.
 
         When one array's write fails, tensorstore's writes of the others go on in the
         background and recreate their folders (seen once in a few runs): remove until nothing
-        reappears for `settle_s`.
+        reappears for `quiet.SETTLE_S`.
         """
-        start = quiet_since = time.monotonic()
-        while time.monotonic() - start < limit_s:
-            if self.remove_temporary(step):
-                quiet_since = time.monotonic()
-            elif time.monotonic() - quiet_since >= settle_s:
-                return
-            time.sleep(0.02)
+        settle(lambda: bool(self.remove_temporary(step)))
 
     def steps(self) -> list[int]:
         return list(self._manager.all_steps())

@@ -7,11 +7,12 @@ import gc
 import logging
 import sys
 import time
+from collections.abc import Callable
 
-# After a failed read, how long no abandoned read may report before lmjax goes on, and the most
-# it waits (the same settling as a failed save's, `Checkpoints._remove_failed_save`).
+# After a failed read or write, how long the work orbax abandoned must show no sign of life
+# before lmjax goes on, and the most it waits.
 SETTLE_S, SETTLE_LIMIT_S = 0.2, 5.0
-_last_report = [0.0]  # time.monotonic() of the newest "Event loop is closed" report
+_reports = [0]  # "Event loop is closed" reports dropped so far
 
 
 @contextlib.contextmanager
@@ -37,7 +38,7 @@ def quiet():
         yield
     except BaseException:
         gc.collect()  # the failed read's leftovers are reported now, while silenced
-        _settle()
+        settle(_reported_since())
         # ... or later, when the pending reads end: keep dropping those reports.
         if not any(isinstance(f, _OrbaxLeftovers) for f in loggers[0].filters):
             loggers[0].addFilter(_OrbaxLeftovers())
@@ -56,17 +57,32 @@ def _closed_loop(unraisable) -> bool:
 
 
 def _dropped(unraisable) -> None:
-    """The hook while silenced: drops every report, noting when an abandoned read's came."""
+    """The hook while silenced: drops every report, counting an abandoned read's."""
     if _closed_loop(unraisable):
-        _last_report[0] = time.monotonic()
+        _reports[0] += 1
 
 
-def _settle() -> None:
-    """Wait until the abandoned reads have stopped reporting (see `quiet`)."""
-    start = time.monotonic()
-    while True:
-        now = time.monotonic()
-        if now - max(start, _last_report[0]) >= SETTLE_S or now - start >= SETTLE_LIMIT_S:
+def _reported_since() -> Callable[[], bool]:
+    """A poll for `settle`: whether an abandoned read has reported since the previous call."""
+    seen = _reports[0]
+
+    def reported() -> bool:
+        nonlocal seen
+        new, seen = _reports[0] != seen, _reports[0]
+        return new
+
+    return reported
+
+
+def settle(active: Callable[[], bool], settle_s=SETTLE_S, limit_s=SETTLE_LIMIT_S) -> None:
+    """Poll `active()` (True: the abandoned work did something since the last poll) until it
+    has been False for `settle_s`, at most `limit_s` in all: after a failed read (`quiet`) and
+    a failed save (`Checkpoints._remove_failed_save`)."""
+    start = quiet_since = time.monotonic()
+    while time.monotonic() - start < limit_s:
+        if active():
+            quiet_since = time.monotonic()
+        elif time.monotonic() - quiet_since >= settle_s:
             return
         time.sleep(0.02)
 
