@@ -58,7 +58,8 @@ def from_hf(state: dict, cfg: models.ModelConfig) -> dict:
         if k.startswith(prefix)
     }
     flat = hf_gpt2.to_lmjax(arrays, cfg)
-    return ptree.unflatten({name: jax.numpy.asarray(a) for name, a in flat.items()})
+    # The importer's per-layer names, stacked as lmjax stores the blocks.
+    return ptree.stack(ptree.unflatten({name: jax.numpy.asarray(a) for name, a in flat.items()}))
 
 
 def run_lmjax(params, cfg, prompts, new_tokens):

@@ -76,8 +76,7 @@ def frozen_base(cfg, method: str, seed: int = 0) -> dict:
 
     from lmjax import models
     from lmjax import params as ptree
-    from lmjax.quant.nf4 import quantize
-    from lmjax.quant.params import LINEAR_WEIGHTS
+    from lmjax.quant.params import is_linear_weight, quantize_leaf
 
     leaves = {}
     for i, (name, spec) in enumerate(ptree.flatten(models.abstract_params(cfg)).items()):
@@ -86,8 +85,8 @@ def frozen_base(cfg, method: str, seed: int = 0) -> dict:
             continue
         key = jax.random.fold_in(jax.random.key(seed), i)
         leaf = (0.02 * jax.random.normal(key, spec.shape, jnp.float32)).astype(spec.dtype)
-        quantized = method == "qlora" and ptree.matches(name, LINEAR_WEIGHTS)
-        leaves[name] = jax.block_until_ready(quantize(leaf) if quantized else leaf)
+        quantized = method == "qlora" and is_linear_weight(name, leaf)
+        leaves[name] = jax.block_until_ready(quantize_leaf(name, leaf) if quantized else leaf)
     return ptree.unflatten(leaves)
 
 

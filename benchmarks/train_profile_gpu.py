@@ -9,6 +9,9 @@ then takes `--profile-steps` more steps under `jax.profiler.trace`, and the Perf
 reduced to the kernels that took the device's time: per kernel name, total time, calls and share of
 the device's busy time, the top `--top` of them. Writes DIR/gpu_profile.json (rewritten after
 every attention, so a run stopped at its limit keeps what it measured) and prints the tables.
+Then the first attention that ran is timed once more with its blocks unrolled
+(`model.scan_layers=false`; the runs above scan them, the default): compile and step time of
+the scan against the loop on this GPU (issue 44; `--no-unrolled` skips it).
 
 On a CPU (`--allow-cpu`, the dry run of scripts/gpu_check.sh) the kernels are XLA's host
 threads' ops, so the script can be checked without a GPU; without a GPU and without
@@ -81,6 +84,7 @@ def main(argv=None) -> int:
     p.add_argument("--results-dir", default=str(ROOT / "benchmarks" / "results"))
     p.add_argument("--budget-s", type=float, default=1e9, help="no new attention after this")
     p.add_argument("--allow-cpu", action="store_true", help="run on a CPU (a dry run)")
+    p.add_argument("--no-unrolled", action="store_true", help="skip the unrolled-blocks run")
     p.add_argument("--require-gpu", action="store_true", help="exit 1 without a GPU")
     args = p.parse_args(argv)
     code = no_gpu_exit("train_profile_gpu", args.require_gpu, args.allow_cpu)
@@ -92,11 +96,13 @@ def main(argv=None) -> int:
     result = {"config": Path(args.config).name, "overrides": args.overrides,
               "device_kind": jax.devices()[0].device_kind, "jax": jax.__version__,
               "runs": [], "profile": None}  # fmt: skip
-    for attention in args.attention:
+    plan = [(attention, True) for attention in args.attention]
+    for attention, scan in plan:
         if time.perf_counter() - start > args.budget_s:
-            result["runs"].append({"attention": attention, "error": "skipped: budget spent"})
+            result["runs"].append({"attention": attention, "scan_layers": scan,
+                                   "error": "skipped: budget spent"})  # fmt: skip
             continue
-        model = run_config_model(run).replace(attention=attention)
+        model = run_config_model(run).replace(attention=attention, scan_layers=scan)
         # The first attention that runs is profiled.
         trace_dir = tempfile.mkdtemp(prefix="lmjax-profile-") if result["profile"] is None else None
         try:
@@ -106,11 +112,17 @@ def main(argv=None) -> int:
                 profile_dir=trace_dir, profile_steps=args.profile_steps,
             )  # fmt: skip
         except Exception as e:  # one attention failing must not lose the others' figures
-            result["runs"].append({"attention": attention, "error": error_text(e)})
+            result["runs"].append(
+                {"attention": attention, "scan_layers": scan, "error": error_text(e)}
+            )
             write_json(out, result)
             continue
         keep = ("compile_s", "median_step_s", "tokens_per_s", "mfu", "peak_flops_source")
-        result["runs"].append({"attention": attention, **{k: timed[k] for k in keep}})
+        result["runs"].append(
+            {"attention": attention, "scan_layers": scan, **{k: timed[k] for k in keep}}
+        )
+        if scan and not args.no_unrolled and not any(not s for _, s in plan):
+            plan.append((attention, False))  # the first that ran, once more unrolled
         if trace_dir is not None:
             table = kernel_table(Path(trace_dir), args.top)
             result["profile"] = {"attention": attention, "steps": args.profile_steps, **table}
@@ -123,10 +135,11 @@ def main(argv=None) -> int:
 def _print(result: dict) -> None:
     print(f"train step, {result['config']} on {result['device_kind']} (jax {result['jax']}):")
     for r in result["runs"]:
+        name = r["attention"] + ("" if r.get("scan_layers", True) else " unrolled")
         if "error" in r:
-            print(f"  {r['attention']:>6}: {r['error']}")
+            print(f"  {name:>15}: {r['error']}")
         else:
-            print(f"  {r['attention']:>6}: {r['tokens_per_s']:12,.0f} tokens/s, step "
+            print(f"  {name:>15}: {r['tokens_per_s']:12,.0f} tokens/s, step "
                   f"{r['median_step_s'] * 1e3:8.1f} ms, MFU {r['mfu']:.1%}, compile "
                   f"{r['compile_s']:.1f} s")  # fmt: skip
     prof = result["profile"]

@@ -9,6 +9,12 @@ AdamW) three ways, alternating so that machine noise hits every system alike:
   torch.compile  the same module under `torch.compile` (default mode), loss included in the
                  compiled region; optimizer and clipping stay eager
 
+and lmjax's step once more with its blocks unrolled (`model.scan_layers=false`; "lmjax" is the
+default, scanned): `ratios["lmjax_scanned/lmjax_unrolled"]` is issue 44's step-time cost of
+the scan (target: within 3% on these CPUs). Under the default `model.remat: auto` the scanned
+side also recomputes (dots_no_batch) where the unrolled one keeps everything (none);
+`--remat none` compares the two at the same policy.
+
 Fairness. The torch model is built from the lmjax config alone (not by calling lmjax), with the
 same parameter names, shapes and count (asserted), and starts from lmjax's initial weights. Both
 sides use AdamW with the same lr (constant), betas, eps and weight decay, the same no-decay set
@@ -179,6 +185,12 @@ def torch_name(lmjax_name: str) -> str:
     return lmjax_name[: -len(".scale")] + ".weight" if lmjax_name.endswith(".scale") else lmjax_name
 
 
+def _stored_name(name: str) -> str:
+    """`blocks.3.x` -> `blocks.x`: the stacked leaf a per-layer name lives in."""
+    parts = name.split(".")
+    return ".".join(parts[:1] + parts[2:]) if parts[0] == "blocks" else name
+
+
 def build_torch(cfg: ModelConfig, flat: dict[str, np.ndarray], opt: OptimizerConfig, decay):
     """The torch model holding `flat` (lmjax names -> arrays) and its AdamW (same groups)."""
     model = TorchGPT(cfg)
@@ -314,6 +326,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (physical cores)")
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+    ap.add_argument("--remat", default=None, help="model.remat for lmjax (default: auto)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--scaling", action="store_true", help="lmjax alone over T and presets")
     ap.add_argument(
@@ -419,6 +432,8 @@ def main(argv=None) -> dict:
     machine = machine_info(threads)
 
     cfg = float32_preset("gpt", shapes, context_length=shapes["seq"])
+    if args.remat is not None:  # both lmjax sides (scanned and unrolled) run this policy
+        cfg = cfg.replace(remat=args.remat)
     b, t = shapes["batch"], shapes["seq"]
     tokens_per_step = b * t
     opt = OptimizerConfig(name="adamw", lr=args.lr)
@@ -444,8 +459,10 @@ def main(argv=None) -> dict:
 
     # lmjax state, and the torch models from the same initial weights.
     state = init_state(jax.random.PRNGKey(args.seed), cfg, tx)
-    flat0 = {n: np.array(a) for n, a in ptree.flatten(state.params).items()}
-    decay = ptree.flatten(optim.decay_mask(state.params, opt.no_decay))
+    # Per-layer names (the torch model's layers), sliced from lmjax's stacked blocks.
+    flat0 = {n: np.array(a) for n, a in ptree.flatten(ptree.unstack(state.params)).items()}
+    decay_stacked = ptree.flatten(optim.decay_mask(state.params, opt.no_decay))
+    decay = {n: decay_stacked[_stored_name(n)] for n in flat0}
     train_step = make_train_step(cfg, tx, lr)
 
     systems: dict[str, dict] = {}
@@ -464,13 +481,28 @@ def main(argv=None) -> dict:
     state, m1 = train_step(state, x0j)
     jax.block_until_ready((state, m1))
     first_step = {"lmjax": time.perf_counter() - start}
-    flat1 = {n: np.array(ptree.flatten(state.params)[n]) for n in WITNESS_PARAMS}
+    flat1 = {n: np.array(ptree.flatten(ptree.unstack(state.params))[n]) for n in WITNESS_PARAMS}
     state, m2 = train_step(state, x0j)
     jax.block_until_ready((state, m2))
     witness["lmjax"] = {
         "loss_step1": float(m1["loss"]),
         "loss_step2": float(m2["loss"]),
         "grad_norm_step1": float(m1["grad_norm"]),
+    }
+    # The same model with its blocks unrolled (model.scan_layers=false, issue 44), from the
+    # same initial weights: same losses to float32 rounding, timed in the same rounds.
+    unrolled_cfg = cfg.replace(scan_layers=False)
+    unrolled_step = make_train_step(unrolled_cfg, tx, lr)
+    state_u = init_state(jax.random.PRNGKey(args.seed), unrolled_cfg, tx)
+    start = time.perf_counter()
+    state_u, u1 = unrolled_step(state_u, x0j)
+    jax.block_until_ready((state_u, u1))
+    first_step["lmjax_unrolled"] = time.perf_counter() - start
+    state_u, u2 = unrolled_step(state_u, x0j)
+    witness["lmjax_unrolled"] = {
+        "loss_step1": float(u1["loss"]),
+        "loss_step2": float(u2["loss"]),
+        "loss_step2_rel_diff_from_scanned": rel(float(u2["loss"]), float(m2["loss"])),
     }
     for name in list(systems):
         step = systems[name]["step"]
@@ -527,6 +559,14 @@ def main(argv=None) -> dict:
         jax.block_until_ready((state, metrics))
         return time.perf_counter() - start
 
+    def run_unrolled(n: int, offset: int) -> float:
+        nonlocal state_u
+        start = time.perf_counter()
+        for i in range(n):
+            state_u, metrics = unrolled_step(state_u, jax_batches[(offset + i) % N_BATCHES])
+        jax.block_until_ready((state_u, metrics))
+        return time.perf_counter() - start
+
     def run_torch(step, n: int, offset: int) -> float:
         start = time.perf_counter()
         for i in range(n):
@@ -534,7 +574,7 @@ def main(argv=None) -> dict:
         float(loss)
         return time.perf_counter() - start
 
-    names = ["lmjax", *systems]
+    names = ["lmjax", "lmjax_unrolled", *systems]
     per_round: dict[str, list[float]] = {n: [] for n in names}
     # Process CPU seconds per step too: on a shared machine they move much less than the wall
     # clock (waiting for a core costs no CPU time), though spin-waiting threads still add some.
@@ -548,6 +588,7 @@ def main(argv=None) -> dict:
     for r in range(rounds):
         offset = r * steps
         timed("lmjax", run_lmjax, steps, offset)
+        timed("lmjax_unrolled", run_unrolled, steps, offset)
         for name, sys_ in systems.items():
             timed(name, run_torch, sys_["step"], steps, offset)
         print(
@@ -570,6 +611,7 @@ def main(argv=None) -> dict:
     if "torch_compile" in tokens_s:
         ratios["lmjax/torch_compile"] = tokens_s["lmjax"] / tokens_s["torch_compile"]
     ratios["lmjax/torch_eager"] = tokens_s["lmjax"] / tokens_s["torch_eager"]
+    ratios["lmjax_scanned/lmjax_unrolled"] = tokens_s["lmjax"] / tokens_s["lmjax_unrolled"]
     if "torch_compile" in tokens_s:
         ratios["torch_compile/torch_eager"] = tokens_s["torch_compile"] / tokens_s["torch_eager"]
 

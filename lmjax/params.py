@@ -13,6 +13,15 @@ This is not `jax.tree.leaves` order (JAX sorts keys as strings, so `blocks.10` p
 `flatten(p).values()` with `jax.tree.leaves(p)`. An empty sub-dict has no leaves, so it has no
 flat name and `unflatten(flatten(t))` drops it; `mask` and `map_with_names` keep the structure
 exactly.
+
+Stacked layers. A model's blocks are stored as one sub-tree, `blocks`, whose leaves carry a
+leading layer axis: `blocks.attention.query.weight [N, out, in]` holds layer i's weight at
+index i (so one `lax.scan` runs them all; docs/models.md). Their *per-layer names* are the
+names with the index after `blocks`, `blocks.3.attention.query.weight`: what users read and
+write in globs (LoRA targets, freezing, quantization), in `lmjax inspect` and in Hugging Face
+files. `layer_names` gives them, `layer_matches` matches a glob against them, and
+`stack` / `unstack` convert a whole tree between the two layouts (`unstack` is a per-layer
+view for tools; programs use the stacked tree).
 """
 
 from __future__ import annotations
@@ -22,6 +31,10 @@ import math
 import re
 from collections.abc import Iterable, Mapping
 from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
 
 from lmjax.errors import ShapeError
 
@@ -100,8 +113,12 @@ def _leaf_prefix_error(leaf: str, name: str) -> ShapeError:
 
 
 def count(params: Tree) -> int:
-    """Total number of scalars over all leaves (works on `jax.eval_shape` output)."""
-    return sum(math.prod(leaf.shape) for leaf in flatten(params).values())
+    """Total number of scalars over all leaves (works on `jax.eval_shape` output). A leaf with a
+    `lead_shape` (a stacked NF4 weight, whose `shape` is one layer's) counts every layer."""
+    return sum(
+        math.prod(leaf.shape) * math.prod(getattr(leaf, "lead_shape", ()))
+        for leaf in flatten(params).values()
+    )
 
 
 def matches(name: str, patterns: str | Iterable[str]) -> bool:
@@ -118,14 +135,17 @@ def matches(name: str, patterns: str | Iterable[str]) -> bool:
 def mask(params: Tree, patterns: str | Iterable[str], *, require_match: bool = False) -> dict:
     """Pytree of bools with the structure of `params`: True where the leaf name matches.
 
-    With `require_match=True` a pattern that selects nothing raises `ShapeError` naming it,
-    which catches typos in user configs (a misspelt LoRA target would otherwise train nothing).
+    A stacked leaf (see the module docstring) matches by its per-layer names, and must match
+    in every layer or in none: a glob that picks some layers of it raises `ShapeError` (use
+    `layer_matches` where a per-layer choice is meant, as freezing does). With
+    `require_match=True` a pattern that selects nothing raises `ShapeError` naming it, which
+    catches typos in user configs (a misspelt LoRA target would otherwise train nothing).
     """
     patterns = (patterns,) if isinstance(patterns, str) else tuple(patterns)
     flat = flatten(params)
     if require_match:
         for pattern in patterns:
-            if not any(fnmatch.fnmatchcase(name, pattern) for name in flat):
+            if not any(any(_as_tuple(layer_matches(n, a, pattern))) for n, a in flat.items()):
                 raise ShapeError.describe(
                     "pattern",
                     pattern,
@@ -133,7 +153,26 @@ def mask(params: Tree, patterns: str | Iterable[str], *, require_match: bool = F
                     f"(e.g. {next(iter(flat), '<none>')!r})",
                     "check the spelling against lmjax.params.flatten(params).keys()",
                 )
-    return map_with_names(lambda name, _: matches(name, patterns), params)
+    return map_with_names(
+        lambda name, leaf: _whole(name, layer_matches(name, leaf, patterns)), params
+    )
+
+
+def _as_tuple(chosen) -> tuple[bool, ...]:
+    return chosen if isinstance(chosen, tuple) else (chosen,)
+
+
+def _whole(name: str, chosen) -> bool:
+    """One bool for a leaf: every layer or none of a stacked leaf."""
+    if not isinstance(chosen, tuple) or all(chosen) or not any(chosen):
+        return bool(all(_as_tuple(chosen)))
+    picked = [i for i, c in enumerate(chosen) if c]
+    raise ShapeError.describe(
+        f"pattern over {name} (stacked layers)",
+        f"layers {picked} of {len(chosen)}",
+        "every layer or none",
+        f"match the layers by a glob such as {STACKED}.*.{name.removeprefix(STACKED + '.')}",
+    )
 
 
 def map_with_names(fn, params: Tree, prefix: str = "") -> dict:
@@ -147,4 +186,110 @@ def map_with_names(fn, params: Tree, prefix: str = "") -> dict:
     return out
 
 
-__all__ = ["flatten", "unflatten", "count", "mask", "map_with_names", "matches", "natural_key"]
+# ---- stacked layers ----------------------------------------------------------------------------
+
+STACKED = "blocks"  # the sub-tree whose leaves carry a leading layer axis
+
+
+def stacked_size(leaf) -> int:
+    """N, the layer count of a stacked leaf: the leading axis of its (first) array.
+
+    A leaf may be a pytree such as an NF4 `QuantizedWeight`, whose arrays all lead with N."""
+    return int(jax.tree.leaves(leaf)[0].shape[0])
+
+
+def is_stacked(name: str) -> bool:
+    """Whether the flat name is a stacked block leaf (`blocks.x`, not a per-layer `blocks.3.x`)."""
+    parts = name.split(".")
+    return len(parts) > 1 and parts[0] == STACKED and not parts[1].isdecimal()
+
+
+def layer_names(name: str, n: int) -> list[str]:
+    """Per-layer names of stacked leaf `name`: `blocks.x` -> `[blocks.0.x .. blocks.{n-1}.x]`."""
+    rest = name.removeprefix(STACKED + ".")
+    return [f"{STACKED}.{i}.{rest}" for i in range(n)]
+
+
+def layer_matches(name: str, leaf, patterns: str | Iterable[str]) -> tuple[bool, ...] | bool:
+    """`matches` for any leaf: a plain leaf gives one bool; a stacked leaf gives one bool per
+    layer, matching each per-layer name (or the stacked name itself, which selects every layer:
+    `blocks.attention.query.weight` and `blocks.*.attention.query.weight` mean the same)."""
+    if not is_stacked(name):
+        return matches(name, patterns)
+    n = stacked_size(leaf)
+    if matches(name, patterns):
+        return (True,) * n
+    return tuple(matches(each, patterns) for each in layer_names(name, n))
+
+
+def stack(params: Tree) -> dict:
+    """Per-layer blocks `{"blocks": {"0": t0, "1": t1, ...}}` -> stacked `{"blocks": t}`, each
+    leaf of `t` the layers' leaves stacked on a new leading axis (numpy stays numpy; abstract
+    `jax.ShapeDtypeStruct`s stay abstract). The layers must have the same structure and shapes;
+    a tree without per-layer blocks is returned as it is."""
+    blocks = params.get(STACKED)
+    if not isinstance(blocks, Mapping) or not blocks or not all(k.isdecimal() for k in blocks):
+        return dict(params)
+    n = len(blocks)
+    if sorted(blocks, key=int) != [str(i) for i in range(n)]:
+        raise ShapeError.describe(
+            "per-layer blocks",
+            sorted(blocks, key=natural_key)[:4],
+            f"blocks 0 .. {n - 1}, each once",
+            "pass every layer of the model",
+        )
+    layers = [blocks[str(i)] for i in range(n)]
+    names = [set(flatten(layer)) for layer in layers]
+    for i, layer_set in enumerate(names):
+        if layer_set != names[0]:
+            odd = sorted(layer_set ^ names[0], key=natural_key)[0]
+            raise ShapeError.describe(
+                f"blocks.{i}", odd, "the same parameters in every layer", "pass complete layers"
+            )
+
+    def one(*leaves):
+        if all(isinstance(a, np.ndarray) for a in leaves):
+            return np.stack(leaves)
+        if all(isinstance(a, jax.ShapeDtypeStruct) for a in leaves):
+            return jax.ShapeDtypeStruct((n, *leaves[0].shape), leaves[0].dtype)
+        return jnp.stack(leaves)
+
+    return {**params, STACKED: jax.tree.map(one, *layers)}
+
+
+def unstack(params: Tree) -> dict:
+    """The inverse of `stack`: stacked `{"blocks": t}` -> `{"blocks": {"0": t[0], ...}}`, each
+    layer's leaves sliced from the stacked ones (a per-layer view for tools and files)."""
+    blocks = params.get(STACKED)
+    leaves = jax.tree.leaves(blocks) if isinstance(blocks, Mapping) else []
+    if not leaves or all(k.isdecimal() for k in blocks):
+        return dict(params)
+    n = int(leaves[0].shape[0])
+
+    def take(i):
+        def one(a):
+            if isinstance(a, jax.ShapeDtypeStruct):
+                return jax.ShapeDtypeStruct(a.shape[1:], a.dtype)
+            return a[i]
+
+        return jax.tree.map(one, blocks)
+
+    return {**params, STACKED: {str(i): take(i) for i in range(n)}}
+
+
+__all__ = [
+    "STACKED",
+    "is_stacked",
+    "layer_matches",
+    "layer_names",
+    "stack",
+    "stacked_size",
+    "unstack",
+    "flatten",
+    "unflatten",
+    "count",
+    "mask",
+    "map_with_names",
+    "matches",
+    "natural_key",
+]

@@ -373,9 +373,11 @@ def test_a_packed_grouped_query_model_keeps_documents_apart(monkeypatch):
 def test_a_packed_grouped_query_train_step_lowers_to_cudnn_for_cuda(fake_cudnn):  # noqa: F811
     """The train step of a packed bf16 Llama (4 query heads, 2 key/value heads) with
     model.attention=cudnn, lowered for CUDA on this CPU host: cuDNN's fused attention forward
-    and backward, with its causal mask and a bias (the documents' keep mask), once per layer."""
+    and backward, with its causal mask and a bias (the documents' keep mask), once per layer
+    (unrolled here, so each layer's call shows; the scanned default's one call in the loop body
+    is tests/test_gpu_structure.py's)."""
     cfg = models.preset("llama", vocab_size=32, n_heads=4, n_kv_heads=2, dtype="bfloat16")
-    cfg = cfg.replace(attention="cudnn")
+    cfg = cfg.replace(attention="cudnn", scan_layers=False)
     lr = optax.constant_schedule(1e-3)
     tx = optax.adamw(lr)
     state = init_state(jax.random.key(0), cfg, tx)

@@ -31,11 +31,11 @@ import numpy as np
 import pytest
 from _runs import assert_same_state, losses
 
-from lmjax import cli, train
+from lmjax import cli, models, train
 from lmjax import data as pipeline
 from lmjax.errors import CheckpointError, TokenError
 from lmjax.train import optim
-from lmjax.train.checkpoint import Checkpoints, DamagedCheckpointError
+from lmjax.train.checkpoint import Checkpoints, DamagedCheckpointError, check_same_model
 from lmjax.train.step import init_state
 
 ROOT = Path(__file__).parent.parent
@@ -337,6 +337,23 @@ def test_a_foreign_newest_checkpoint_is_refused_everywhere(straight, case):
         code, _, err = lmjax("train", "tiny.yaml", f"run.dir={run}", "--resume", "train.steps=12")
         one_line_error(code, err, "checkpoints", words)
     assert tree(run) == before
+
+
+def test_the_model_check_compares_what_the_blocks_compute_not_how_they_run():
+    """How the blocks run (`remat`, `scan_layers`) is no architecture: a step saved with other
+    values restores; a field the step's meta lacks (added since, as `scan_layers` was) has its
+    default there; a size that differs is named."""
+    model = models.preset("gpt")
+    saved = model.to_dict()
+    check_same_model({"model": {**saved, "remat": "block", "scan_layers": False}}, model, "s")
+    del saved["scan_layers"]
+    check_same_model({"model": saved}, model, "s")
+    with pytest.raises(CheckpointError, match=r"architecture: d_model=16 \(expected 32\)"):
+        check_same_model({"model": {**saved, "d_model": 16}}, model, "s")
+    # A missing field is its default, not a wildcard.
+    del saved["sliding_window"]
+    with pytest.raises(CheckpointError, match=r"architecture: sliding_window=None \(expected 8\)"):
+        check_same_model({"model": saved}, model.replace(sliding_window=8), "s")
 
 
 def test_a_run_whose_only_checkpoint_is_damaged_is_refused_untouched(straight):

@@ -42,8 +42,13 @@ def test_quick_run_writes_json_with_agreeing_witness(tmp_path):
         "ratios",
     ):
         assert key in data, key
-    assert set(data["tokens_per_s"]) == {"lmjax", "torch_eager"}  # --quick skips torch.compile
+    # --quick skips torch.compile; lmjax runs scanned (its default) and unrolled (issue 44).
+    assert set(data["tokens_per_s"]) == {"lmjax", "lmjax_unrolled", "torch_eager"}
     assert data["ratios"]["lmjax/torch_eager"] > 0
+    assert data["ratios"]["lmjax_scanned/lmjax_unrolled"] > 0
+    # Scanned and unrolled from the same weights: the loss after one update agrees to float32
+    # round-off (the same tolerance as the torch witness below).
+    assert data["witness"]["lmjax_unrolled"]["loss_step2_rel_diff_from_scanned"] < 1e-5
     assert data["peak_flops"]["used"] > 0
     assert data["config"]["n_params"] > 0
     # Identical weights and batch: step-1 loss (same weights) and step-2 loss (after one AdamW

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -54,6 +55,25 @@ def test_inspect_help_and_a_real_run():
     proc = _run("inspect", "llama", "dtype=bfloat16")
     assert proc.returncode == 0, proc.stderr
     assert "21,664" in proc.stdout and "activations kept for grad (bfloat16)" in proc.stdout
+    # Names per layer, leaves stacked, and how the layers run (model.scan_layers).
+    assert "blocks.1.feed_forward.gate.weight" in proc.stdout
+    assert "layers: 2, stored stacked (each blocks.* leaf [2, ...]), run as one lax.scan" in (
+        proc.stdout
+    )
+    scanned = _run("inspect", "llama", "dtype=bfloat16", "remat=none")
+    unrolled = _run("inspect", "llama", "dtype=bfloat16", "remat=none", "scan_layers=false")
+    assert unrolled.returncode == 0, unrolled.stderr
+    assert "21,664" in unrolled.stdout and "run unrolled" in unrolled.stdout
+    # One remat policy: unrolled layers read slices of the stacked weights, which the estimate
+    # does not count as copies (they would add the 2 layers' bf16 weights, N P 2 = 40 KiB);
+    # what an unrolled layer rebuilds for itself (its causal mask, its positions) is kept per
+    # layer where the scan keeps it once, a few KiB.
+    kept = [
+        float(re.search(r"activations kept for grad \(bfloat16\)\s+([\d.]+) KiB", out)[1])
+        for out in (scanned.stdout, unrolled.stdout)
+    ]
+    weights_kib = 2 * (4 * 32 * 32 + 3 * 32 * 64) * 2 / 1024
+    assert 0 <= kept[1] - kept[0] < weights_kib, kept
 
 
 def test_gradcheck_relu_passes():

@@ -126,7 +126,8 @@ def _worker(root: Path) -> dict:
         # The step-0 state, shared: LoRA's adapters with B drawn (B = 0 would zero A's gradient).
         _, frozen = finetune.sharded_parts(cfg, spec, base_run.params)  # one device: as loaded
         if full:
-            trained0, loss = partition(base_run.params, spec.freeze)[0], full_objective(model)
+            trained0 = partition(base_run.params, spec.freeze)[0]
+            loss = full_objective(model, spec.freeze)
         else:
             adapters = lora.init(jax.random.PRNGKey(1), frozen, spec.lora)
             trained0 = ptree.map_with_names(
@@ -262,16 +263,15 @@ def test_the_frozen_base_is_sharded_over_fsdp(report, kind):
     flat axis over fsdp, the double-quantization scales replicated. LoRA's adapters are
     replicated; a full fine-tune's trained leaves follow the rules."""
     frozen, trained = report["frozen_specs"][kind], report["trained_specs"][kind]
-    query = "['blocks']['{}']['attention']['query']['weight']"
+    query = "['blocks']['attention']['query']['weight']"  # stacked: [layers, heads, embed]
     assert frozen["['token_embedding']['weight']"] == [None, "fsdp"], frozen
-    if kind == "qlora":
-        q = query.format(1)
-        assert frozen[q + ".packed"] == ["fsdp"] and frozen[q + ".qabsmax"] == ["fsdp"]
-        assert frozen[q + ".absmax2"] == [] and frozen[q + ".offset"] == []
+    if kind == "qlora":  # each layer's flat axis split, the layer axis whole
+        assert frozen[query + ".packed"] == [None, "fsdp"] == frozen[query + ".qabsmax"]
+        assert frozen[query + ".absmax2"] == [] and frozen[query + ".offset"] == []
     else:
-        assert frozen[query.format(0)] == [None, "fsdp"], frozen
-    if kind == "full":
-        assert query.format(0) not in trained and trained[query.format(1)] == [None, "fsdp"]
+        assert frozen[query] == [None, None, "fsdp"], frozen
+    if kind == "full":  # blocks.0.* froze layer 0 of it: it trains whole, sharded by the rules
+        assert trained[query] == [None, None, "fsdp"]
         assert "['token_embedding']['weight']" not in trained
     else:
         assert trained and all(s == [] for s in trained.values()), trained

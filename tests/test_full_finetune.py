@@ -1,12 +1,15 @@
 """Full fine-tuning with parameters frozen by name (`lmjax finetune --full --freeze GLOBS`).
 
 - The step (lmjax.finetune.full.full_objective over lmjax.train.finetuned.partition of a tiny
-  GQA Llama-shaped model): the optimizer state has no leaf for a frozen parameter; after two
-  steps the frozen values are bit-identical and every trained leaf moved; each step's loss and
-  new parameters equal a plain reference (jax.grad of a written-out cross-entropy of
-  models.forward over the whole tree; the gradient of the trained names alone through the same
-  optax transformation), and the
-  reference gradient of the frozen leaves is nonzero (so freezing is what kept them).
+  GQA Llama-shaped model, `blocks.0.*` freezing layer 0 of every stacked block leaf): the
+  optimizer state has no leaf for a wholly frozen parameter; after two steps the frozen values
+  (per layer) are bit-identical and every trained one moved; each step's loss and new
+  parameters equal a plain reference over per-layer leaves, the layout before the blocks were
+  stacked (jax.grad of a written-out cross-entropy of models.forward over the whole tree; the
+  gradient of the trained per-layer names alone through the same optax transformation, global
+  norm clipping included), and the reference gradient of the frozen leaves is nonzero (so
+  freezing is what kept them). AdamW's weight decay leaves a partly frozen leaf's frozen slice
+  alone, and decays by layer where a `no_decay` glob exempts some layers.
 - The command line on an imported Llama (tests/_llama_run.py): the loss goes down; merged/
   holds the frozen tensors bit for bit and changed trained ones; finetune.yaml records it;
   load_run(RUN) gives merged/'s parameters; bad flags are one line, exit 2, nothing written.
@@ -16,6 +19,7 @@ Cost: about 40 s on 2 CPU cores (the CLI run ~25 s; the step test ~5 s).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -60,48 +64,103 @@ def _cross_entropy(params, inputs_BT, targets_BT):
 _reference_grad = jax.jit(jax.value_and_grad(_cross_entropy))
 
 
+def _per_layer(tree) -> dict:
+    """`{per-layer name: array}` (`blocks.1.attention.key.weight`): the layout each layer's
+    leaves had before the blocks were stacked."""
+    return ptree.flatten(ptree.unstack(tree))
+
+
 def test_frozen_leaves_get_no_gradient_no_state_and_stay_bit_identical():
+    """`blocks.0.*` freezes layer 0 of every stacked block leaf: each step equals the old
+    semantics, where every layer's leaf trained or froze on its own (a reference over per-layer
+    leaves: jax.grad of the whole model, the trained per-layer names' part through the same
+    optax transformation, clipping by their global norm included)."""
     base = models.init(jax.random.PRNGKey(0), MODEL)
     spec = FinetuneSpec("b", "b", False, None, full=True, freeze=FREEZE)
     init, frozen = parts(spec, base)
-    frozen_names = set(ptree.flatten(frozen))
-    trained_names = set(ptree.flatten(base)) - frozen_names
-    assert "token_embedding.weight" in frozen_names and "blocks.1.attention.key.weight" in (
-        trained_names
+    per_layer = _per_layer(base)
+    frozen_names = {n for n in per_layer if ptree.matches(n, FREEZE)}  # as a user reads them
+    trained_names = set(per_layer) - frozen_names
+    assert "token_embedding.weight" in frozen_names and "blocks.0.attention.key.weight" in (
+        frozen_names
     )
-    tx = optax.sgd(0.1, momentum=0.9)  # has state per leaf; linear in the gradient
+    assert "blocks.1.attention.key.weight" in trained_names
+    # Whole leaves frozen: no gradient, no state. Leaves frozen in layer 0 only: in both trees.
+    stacked = {n for n in ptree.flatten(base) if ptree.is_stacked(n)}
+    assert set(ptree.flatten(frozen)) == {"token_embedding.weight"} | stacked
+    # A small clip: the norm of the trained slices alone decides each step's scale.
+    tx = optax.chain(optax.clip_by_global_norm(0.05), optax.sgd(0.1, momentum=0.9))
     state = init_state(jax.random.PRNGKey(1), MODEL, tx, init)
-    assert _names(state.opt_state) == trained_names  # the momentum: trained names only
-    assert _names(state.params) == trained_names
-    step = make_train_step(MODEL, tx, lambda s: 0.1, loss=full_objective(MODEL))
+    trained_leaves = set(ptree.flatten(base)) - {"token_embedding.weight"}
+    assert _names(state.opt_state) == trained_leaves == _names(state.params)
+    step = make_train_step(MODEL, tx, lambda s: 0.1, loss=full_objective(MODEL, FREEZE))
 
-    ref_params = {k: v for k, v in ptree.flatten(base).items() if k in trained_names}
+    ref_params = {k: v for k, v in per_layer.items() if k in trained_names}
     ref_opt = tx.init(ref_params)
     rng = np.random.default_rng(0)
     for _ in range(2):
         tokens = jnp.asarray(rng.integers(0, MODEL.vocab_size, (1, 3, MODEL.context_length + 1)))
         batch = {"inputs": tokens[..., :-1], "targets": tokens[..., 1:]}
         # the reference: plain jax.grad over the whole model, then the trained names' part
-        whole = join(ptree.unflatten(ref_params), frozen)
+        whole = ptree.stack(ptree.unflatten(ref_params | {n: per_layer[n] for n in frozen_names}))
         ref_loss, grads = _reference_grad(whole, batch["inputs"][0], batch["targets"][0])
-        flat_grads = ptree.flatten(grads)
+        flat_grads = _per_layer(grads)
         assert all(float(jnp.abs(flat_grads[n]).max()) > 0 for n in frozen_names)
         trained_grads = {k: v for k, v in flat_grads.items() if k in trained_names}
+        assert optax.tree.norm(trained_grads) > 0.05  # so the clip acts
         updates, ref_opt = tx.update(trained_grads, ref_opt, ref_params)
         ref_params = optax.apply_updates(ref_params, updates)
 
         state, metrics = step(state, batch, frozen)
         np.testing.assert_allclose(float(metrics["loss"]), float(ref_loss), rtol=1e-6)
-        ours = ptree.flatten(state.params)
+        ours = _per_layer(state.params)
         for name in trained_names:
             np.testing.assert_allclose(ours[name], ref_params[name], rtol=1e-5, atol=1e-6)
+        for name in frozen_names - {"token_embedding.weight"}:  # the trained copy's zeros
+            assert not np.asarray(ours[name]).any(), name
 
-    after = ptree.flatten(join(state.params, frozen))
-    before = ptree.flatten(base)
+    after = _per_layer(join(state.params, frozen, FREEZE))
     for name in frozen_names:
-        assert np.array_equal(np.asarray(after[name]), np.asarray(before[name])), name
+        assert np.array_equal(np.asarray(after[name]), np.asarray(per_layer[name])), name
     for name in trained_names:
-        assert not np.array_equal(np.asarray(after[name]), np.asarray(before[name])), name
+        assert not np.array_equal(np.asarray(after[name]), np.asarray(per_layer[name])), name
+
+
+def test_adamw_weight_decay_leaves_partly_frozen_slices_alone():
+    """lmjax's AdamW (weight decay on block weights, clipping) over a leaf frozen in layer 0:
+    the trained copy's frozen slice stays exactly zero, the model's stays the base's; with
+    `blocks.0.*` in `no_decay` instead, layer 0 trains undecayed (decay by layer)."""
+    from lmjax.config import OptimizerConfig
+    from lmjax.train import optim
+
+    base = models.init(jax.random.PRNGKey(0), MODEL)
+    spec = FinetuneSpec("b", "b", False, None, full=True, freeze=("blocks.0.*",))
+    init, frozen = parts(spec, base)
+    opt = OptimizerConfig(lr=1e-2, weight_decay=0.5)
+    tx = optim.optimizer(opt, lambda s: 1e-2)
+    state = init_state(jax.random.PRNGKey(1), MODEL, tx, init)
+    step = make_train_step(MODEL, tx, lambda s: 1e-2, loss=full_objective(MODEL, spec.freeze))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (1, 2, 17)))
+    batch = {"inputs": tokens[..., :-1], "targets": tokens[..., 1:]}
+    for _ in range(2):
+        state, _ = step(state, batch, frozen)
+    key = "blocks.attention.key.weight"
+    ours, before = ptree.flatten(state.params)[key], ptree.flatten(base)[key]
+    assert not np.asarray(ours[0]).any() and not np.array_equal(ours[1], before[1])
+    joined = ptree.flatten(join(state.params, frozen, spec.freeze))[key]
+    assert np.array_equal(joined[0], before[0]) and np.array_equal(joined[1], ours[1])
+
+    # Decay by layer: with zero gradients, AdamW moves a weight by -lr * wd * w exactly where
+    # it decays, and not at all where a no_decay glob exempts the layer.
+    params = {"blocks": {"attention": {"key": {"weight": before}}}}
+    exempt = optim.optimizer(
+        dataclasses.replace(opt, no_decay=("blocks.0.*",), clip_norm=None), lambda s: 1e-2
+    )
+    zero = jax.tree.map(jnp.zeros_like, params)
+    updates, _ = exempt.update(zero, exempt.init(params), params)
+    u = updates["blocks"]["attention"]["key"]["weight"]
+    assert not np.asarray(u[0]).any()
+    np.testing.assert_array_equal(u[1], -1e-2 * (0.5 * before[1]))
 
 
 @pytest.fixture(scope="module")

@@ -257,7 +257,7 @@ def test_cache_memory_matches_the_documented_figures():
     cfg = models.preset("gpt2")
     assert G.cache_bytes(cfg, 1) == 72 * 1024
     contiguous = jax.eval_shape(lambda: G.init_cache(cfg, 8, 1024))
-    assert sum(a.size * a.dtype.itemsize for a in contiguous.keys + contiguous.values) == (
+    assert sum(a.size * a.dtype.itemsize for a in (contiguous.keys, contiguous.values)) == (
         G.cache_bytes(cfg, 8 * 1024)
     )
     assert G.cache_bytes(cfg, 8 * 1024) == 576 * 2**20
@@ -267,7 +267,7 @@ def test_cache_memory_matches_the_documented_figures():
         pages.ensure(row, n)
     assert pages.in_use == sum(math.ceil(n / 16) for n in final_lengths) == 140
     pool = jax.eval_shape(lambda: G.init_paged_cache(cfg, 8, 140, 16, 1024))
-    pool_bytes = sum(a.size * a.dtype.itemsize for a in pool.keys + pool.values)
+    pool_bytes = sum(a.size * a.dtype.itemsize for a in (pool.keys, pool.values))
     assert pool_bytes == G.cache_bytes(cfg, 140 * 16) == 157.5 * 2**20
     assert pool.page_table.shape == (8, 64)
 
@@ -368,6 +368,9 @@ def test_bad_cache_input_raises_a_clear_error(params):
             make()
     with pytest.raises(ShapeError, match="lengths"):
         G.prefill(p, [[1, 2, 3]], cfg, G.init_cache(cfg, 1), lengths=[4])
+    deeper = G.init_cache(cfg.replace(n_layers=cfg.n_layers + 1), 1)
+    with pytest.raises(ShapeError, match=r"cache layers \(keys.shape\[0\]\) = 3; expected 2"):
+        G.prefill(p, [[1, 2, 3]], cfg, deeper)
     with pytest.raises(ShapeError, match="capacity 8"):
         G.prefill(p, [[1] * 9], cfg, G.init_cache(cfg, 1, 8))
     _, cache = G.prefill(p, [[1] * 8], cfg, G.init_cache(cfg, 1, 8))

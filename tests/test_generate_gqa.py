@@ -15,7 +15,7 @@ import pytest
 from _decoding import F32_TOL, check_padded_decode, greedy_witness, padded_forward, paged_cache
 
 from lmjax import generate as G
-from lmjax import models
+from lmjax import models, testing
 from lmjax.errors import ShapeError
 from lmjax.generate import kv_cache, loop
 
@@ -39,7 +39,7 @@ def params():
 
 
 def nbytes(cache) -> int:
-    return sum(a.size * a.dtype.itemsize for a in cache.keys + cache.values)
+    return sum(a.size * a.dtype.itemsize for a in (cache.keys, cache.values))
 
 
 # ---- what the caches hold -------------------------------------------------------------------
@@ -50,17 +50,19 @@ def test_caches_store_the_kv_heads_and_cache_bytes_counts_them():
     mha = cfg.replace(n_kv_heads=None)
     for c in (cfg, mha):
         contiguous = jax.eval_shape(lambda c=c: G.init_cache(c, 3, 16))
-        assert contiguous.keys[0].shape == (3, 16, c.kv_heads, 12)
+        assert contiguous.keys.shape == (c.n_layers, 3, 16, c.kv_heads, 12)  # stacked: [N, ...]
         assert nbytes(contiguous) == G.cache_bytes(c, 3 * 16)
         pool = jax.eval_shape(lambda c=c: G.init_paged_cache(c, 3, 10, 4, 16))
-        assert pool.values[1].shape == (10, 4, c.kv_heads, 12)
+        assert pool.values.shape == (c.n_layers, 10, 4, c.kv_heads, 12)
         assert nbytes(pool) == G.cache_bytes(c, 10 * 4)
     assert G.cache_bytes(mha, 8) == (mha.n_heads // cfg.kv_heads) * G.cache_bytes(cfg, 8)
     assert G.cache_bytes(cfg, 1) == 2 * 2 * (2 * 12) * 4  # 2 (k, v) x N x Hkv Dh x float32
 
 
-def test_decoding_attends_over_the_kv_heads_without_a_repeated_copy(monkeypatch):
-    cfg = CONFIGS["mqa-window5"]
+@pytest.mark.parametrize("scan", [True, False], ids=["scanned", "unrolled"])
+def test_decoding_attends_over_the_kv_heads_without_a_repeated_copy(monkeypatch, scan):
+    """Scanned, the step traces one layer's attention (the scan's body); unrolled, N."""
+    cfg = CONFIGS["mqa-window5"].replace(scan_layers=scan)
     seen = []
 
     def spy(cfg, q, k, v, **kwargs):
@@ -71,7 +73,7 @@ def test_decoding_attends_over_the_kv_heads_without_a_repeated_copy(monkeypatch)
     p = models.abstract_params(cfg)
     cache = G.init_cache(cfg, 2, 8)
     jax.eval_shape(lambda p, t, c: kv_cache.decode_logits(p, t, cfg, c), p, np.zeros(2, int), cache)
-    assert seen == [((2, 1, 4, 8), (2, 8, 1, 8), (2, 8, 1, 8))] * cfg.n_layers
+    assert seen == [((2, 1, 4, 8), (2, 8, 1, 8), (2, 8, 1, 8))] * (1 if scan else cfg.n_layers)
 
 
 # ---- prefill + decode equals the full forward pass ------------------------------------------
@@ -157,3 +159,92 @@ def test_a_windowed_stream_holds_at_most_its_ring(params):
     steps = list(G.stream(p, PROMPTS, cfg, max_new_tokens=13, cache="paged", page_size=2))
     assert [[int(s.tokens[b]) for s in steps] for b in range(3)] == contiguous
     assert max(s.pages_in_use for s in steps) == 3 * 4
+
+
+# ---- scanned and unrolled layers (issue 44) --------------------------------------------------
+
+
+def decode_all(p, cfg, cache, tokens_BC, lengths):
+    """Prefill right-padded rows of `lengths`, then decode every row up to C: the logits of
+    each row's real positions, in order, `[B, C - t0, V]` per step stacked after the prompt's."""
+    t = int(max(lengths))
+    prompt_BT = tokens_BC[:, :t].copy()
+    prompt_BT[0, lengths[0] :] = 0
+    logits_BTV, cache = G.prefill(p, prompt_BT, cfg, cache, lengths)
+    steps = [np.asarray(logits_BTV[b, : lengths[b]]) for b in range(2)]
+    for step in range(cfg.context_length - t):
+        pos_B = np.asarray(lengths) + step
+        logits_BV, cache = G.decode_step(p, tokens_BC[[0, 1], pos_B], cfg, cache)
+        steps = [np.concatenate([s, np.asarray(logits_BV[b])[None]]) for b, s in enumerate(steps)]
+    return steps, cache
+
+
+@pytest.mark.parametrize("cache_kind", ["contiguous", "paged"])
+@pytest.mark.parametrize("name", ["gqa2", "gqa2-qknorm-dh12-window6"])
+def test_scanned_and_unrolled_decoding_give_the_same_logits_and_caches(params, name, cache_kind):
+    """The same decode, layers as one `lax.scan` (the default) and as a Python loop: logits
+    within f32_rtol of the model's rounding chain (the two programs fuse, hence round, apart),
+    with attention over the cache's S slots; the caches hold the same keys and values."""
+    scanned = CONFIGS[name]
+    unrolled, p = scanned.replace(scan_layers=False), params[name]
+    s = scanned.context_length if scanned.sliding_window is None else 8  # a ring with a window
+    tokens_BC = np.random.default_rng(11).integers(0, scanned.vocab_size, (2, 24)).astype(np.int32)
+    runs = []
+    for cfg in (scanned, unrolled):
+        cache = G.init_cache(cfg, 2, s) if cache_kind == "contiguous" else paged_cache(cfg, 2, s)
+        runs.append(decode_all(p, cfg, cache, tokens_BC, [3, 9]))
+    (logits_s, cache_s), (logits_u, cache_u) = runs
+    for a, b in zip(logits_s, logits_u, strict=True):
+        np.testing.assert_allclose(a, b, rtol=0, atol=testing.logits_atol(scanned, b, t=s))
+        np.testing.assert_array_equal(a.argmax(-1), b.argmax(-1))
+    scale = float(np.abs(cache_u.keys).max())
+    for x, y in ((cache_s.keys, cache_u.keys), (cache_s.values, cache_u.values)):
+        np.testing.assert_allclose(x, y, rtol=0, atol=testing.logits_atol(scanned, [[scale]], t=s))
+    np.testing.assert_array_equal(cache_s.lengths, cache_u.lengths)
+
+
+@pytest.mark.parametrize("name", ["gqa2", "mqa-window5"])
+def test_scanned_and_unrolled_generate_the_same_greedy_tokens(params, name):
+    """Batched prompts, contiguous and paged caches, both layer loops, and the full-forward
+    witness: one list of tokens."""
+    cfg, p = CONFIGS[name], params[name]
+    n = cfg.context_length - len(PROMPTS[2])
+    witness = [greedy_witness(p, prompt, cfg, n) for prompt in PROMPTS]
+    for c in (cfg, cfg.replace(scan_layers=False)):
+        assert G.generate(p, PROMPTS, c, max_new_tokens=n) == witness, c.scan_layers
+        paged = G.generate(p, PROMPTS, c, max_new_tokens=n, cache="paged", page_size=4)
+        assert paged == witness, c.scan_layers
+
+
+def _lowered_decode(cfg, cache):
+    """The jitted decode step (cache donated, as `decode_step`'s) lowered for `cfg`."""
+    token = jax.ShapeDtypeStruct((cache.lengths.shape[0],), jnp.int32)
+    return kv_cache._decode_jit.lower(models.abstract_params(cfg), token, cfg, cache)
+
+
+@pytest.mark.parametrize("cache_kind", ["contiguous", "paged"])
+def test_a_scanned_decode_step_is_one_loop_updating_its_donated_cache_in_place(cache_kind):
+    """The step's program holds one layer whatever N is (a while loop; the unrolled one grows
+    with N), the donated cache is the output's buffer, and with 8 layers the step's scratch
+    memory stays below half the cache's (layer slices as the scan's xs and ys would allocate a
+    second cache: the whole cache, copied each step)."""
+
+    def make(scan, n_layers):  # a cache (2 MiB at 8 layers) far larger than the activations
+        c = CONFIGS["gqa2"].replace(n_layers=n_layers, scan_layers=scan, context_length=256)
+        if cache_kind == "contiguous":
+            return c, jax.eval_shape(lambda: G.init_cache(c, 8, 256))
+        return c, jax.eval_shape(lambda: G.init_paged_cache(c, 8, 8 * 256 // 16, 16, 256))
+
+    lines = {
+        (scan, n): _lowered_decode(*make(scan, n)).as_text().count("\n")
+        for scan in (True, False)
+        for n in (2, 8)
+    }
+    assert lines[True, 8] <= lines[True, 2] + 20, lines  # only shapes change
+    assert lines[False, 8] > 2 * lines[False, 2], lines
+    cfg, cache = make(True, 8)
+    assert "stablehlo.while" in _lowered_decode(cfg, cache).as_text()
+    cache_bytes = sum(a.size * a.dtype.itemsize for a in (cache.keys, cache.values))
+    memory = _lowered_decode(cfg, cache).compile().memory_analysis()
+    assert memory.alias_size_in_bytes >= cache_bytes
+    assert memory.temp_size_in_bytes < cache_bytes / 2, (memory.temp_size_in_bytes, cache_bytes)

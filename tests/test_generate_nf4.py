@@ -83,7 +83,8 @@ def test_quantize_nf4_decodes_the_dequantized_model(ws, capsys):
     run = load_run(ws / "base", quantize="nf4")
     flat = ptree.flatten(run.params)
     quantized = {name for name, leaf in flat.items() if _is_nf4(leaf)}
-    assert quantized and quantized == {n for n in flat if ptree.matches(n, LINEAR_WEIGHTS)}
+    linear = ptree.flatten(ptree.mask(run.params, LINEAR_WEIGHTS))  # by per-layer names
+    assert quantized and quantized == {n for n, chosen in linear.items() if chosen}
     witness_params = dequantized(quantize_params(base.params))  # quantized here, independently
     for name in quantized:  # NF4 changed every weight it kept: the check below is not vacuous
         original = np.asarray(ptree.flatten(base.params)[name])
@@ -110,8 +111,10 @@ def test_qlora_run_decodes_its_nf4_base_with_adapters(ws, qlora_run, capsys):
     assert not is_qlora(ws / "base")
     run = load_run(qlora_run, quantize="nf4")
     flat = ptree.flatten(run.params)
-    assert sum(_is_nf4(leaf) for leaf in flat.values()) == 2 * 7  # 7 projections a block
-    assert sum(isinstance(leaf, lora.Adapter) for leaf in flat.values()) == 2 * 7
+    # 7 projections a block, each stacked over both blocks with its adapter.
+    assert sum(_is_nf4(leaf) for leaf in flat.values()) == 7
+    assert all(leaf.lead_shape == (2,) for leaf in flat.values() if _is_nf4(leaf))
+    assert sum(isinstance(leaf, lora.Adapter) for leaf in flat.values()) == 7
     adapters, lcfg = lora.load_adapters(qlora_run / "adapters.safetensors")
     assert any(np.asarray(b).any() for _, b in lora.adapter_layers(adapters).values())
     frozen = quantize_params(load_run(ws / "base").params)  # the NF4 base, quantized here

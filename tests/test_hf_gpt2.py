@@ -313,7 +313,9 @@ def test_names_and_shapes_are_checked_before_any_tensor_is_read(hf_dir, tmp_path
 def test_export_refuses_params_whose_dtype_differs_from_the_config(imported, tmp_path):
     params, cfg = imported  # float32 config
     bf16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), params)
-    with pytest.raises(ShapeError, match=r"parameter blocks\.0\..* dtype = dtype\(bfloat16\)"):
+    # The first leaf in natural order, named as stored (stacked: every layer at once).
+    match = r"parameter blocks\.attention\.key\.bias dtype = dtype\(bfloat16\)"
+    with pytest.raises(ShapeError, match=match):
         hf_gpt2.save(bf16, cfg, tmp_path / "out")
     assert not (tmp_path / "out" / "model.safetensors").exists()
 

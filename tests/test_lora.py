@@ -9,6 +9,7 @@ weight `W + s B A` (plain `jax.grad`) for the adapter gradients.
 
 from __future__ import annotations
 
+import json
 import math
 
 import jax
@@ -240,7 +241,7 @@ def test_adapters_file_round_trip_and_bad_files(tiny, tmp_path):
     safetensors.save(adapters, tmp_path / "plain.safetensors")
     with pytest.raises(FileFormatError, match="lmjax-lora"):
         lora.load_adapters(tmp_path / "plain.safetensors")
-    wrong = jax.tree.map(lambda x: jnp.zeros((x.shape[0] + 1, x.shape[1])), adapters)
+    wrong = jax.tree.map(lambda x: jnp.zeros((*x.shape[:-1], x.shape[-1] + 1)), adapters)
     with pytest.raises(Exception, match="shape|mismatch"):
         lora.load_adapters(path, expected=wrong)
     with pytest.raises(ShapeError):
@@ -250,8 +251,114 @@ def test_adapters_file_round_trip_and_bad_files(tiny, tmp_path):
                           n_layers=N_LAYERS, d_ff=2 * D)  # fmt: skip
     other = jax.eval_shape(models.init, jax.random.PRNGKey(0), wider)
     for fold in (lora.merge, lora.unmerge):
-        with pytest.raises(ShapeError, match="blocks.0.attention.key"):
+        with pytest.raises(ShapeError, match="blocks.attention.key"):
             fold(other, adapters, lcfg)
+
+
+def _per_layer(layers) -> dict:
+    """`{layer: (A, B)}` -> adapters under per-layer names, as they were stored before the blocks
+    were stacked (`blocks.0.attention.query.lora_a [r, in]`)."""
+    flat = {f"{layer}.lora_a": a for layer, (a, _) in layers.items()}
+    return ptree.unflatten(flat | {f"{layer}.lora_b": b for layer, (_, b) in layers.items()})
+
+
+def test_adapters_file_written_per_layer_loads_stacked(tiny, tmp_path):
+    """A file of per-layer names (`blocks.{i}.….lora_a`, as adapters were saved before the
+    blocks were stacked) loads into the stacked tree `init` makes: given N by `expected`, or kept
+    per layer without it, which `attach` and `merge` stack themselves."""
+    cfg, params, lcfg, adapters = tiny
+    from lmjax.io import safetensors
+
+    per_layer = _per_layer(lora.adapter_layers(adapters))
+    old = tmp_path / "old.safetensors"
+    safetensors.save(
+        per_layer, old, metadata={"format": "lmjax-lora", "lora": json.dumps(lcfg.to_dict())}
+    )
+    assert "blocks.0.attention.query.lora_a" in safetensors.read_header(old)[0]
+    back, back_cfg = lora.load_adapters(old, expected=jax.eval_shape(lambda: adapters))
+    assert back_cfg == lcfg
+    assert jax.tree.structure(back) == jax.tree.structure(adapters)
+    for name, leaf in ptree.flatten(adapters).items():
+        np.testing.assert_array_equal(ptree.flatten(back)[name], leaf, err_msg=name)
+    as_named, _ = lora.load_adapters(old)  # N unknown: the file's names
+    assert "blocks.1.attention.query.lora_a" in ptree.flatten(as_named)
+    np.testing.assert_array_equal(
+        models.forward(lora.attach(params, as_named, lcfg), TOKENS, cfg),
+        models.forward(lora.attach(params, adapters, lcfg), TOKENS, cfg),
+    )
+
+
+def test_a_target_in_some_layers_is_gated_off_in_the_others(tiny, tmp_path):
+    """`blocks.0.attention.value` and `blocks.1.attention.key` stack over both layers; the
+    skipped layers add nothing (even with nonzero A and B there), get zero gradient, are not
+    counted, saved or merged, and A starts as each layer's old per-layer draw."""
+    cfg, params, _, _ = tiny
+    lcfg = lora.LoraConfig(r=R, alpha=8, targets=["blocks.0.attention.value", "blocks.1.*.key"])
+    fresh = lora.init(jax.random.PRNGKey(7), cfg, lcfg)
+    assert set(ptree.flatten(fresh)) == {
+        f"blocks.attention.{p}.lora_{w}" for p in ("key", "value") for w in "ab"
+    }
+    # Per layer, the values of the old per-layer init: fold_in(key, k), k in name order.
+    chosen = ["blocks.0.attention.value", "blocks.1.attention.key"]
+    assert list(lora.target_layers(cfg, lcfg)) == chosen
+    for k, name in enumerate(chosen):
+        bound = lora.kaiming_bound(D)
+        old = jax.random.uniform(
+            jax.random.fold_in(jax.random.PRNGKey(7), k), (R, D), jnp.float32, -bound, bound
+        )
+        np.testing.assert_array_equal(lora.adapter_layers(fresh, lcfg)[name][0], old)
+    value_a = ptree.flatten(fresh)["blocks.attention.value.lora_a"]
+    assert not np.asarray(value_a[1]).any()  # the skipped layer: A = 0
+    assert lora.count(fresh, lcfg) == 2 * R * (D + D) < lora.count(fresh)
+
+    k = iter(jax.random.split(jax.random.PRNGKey(8), 8))
+    noisy = jax.tree.map(lambda x: x + 0.1 * jax.random.normal(next(k), x.shape), fresh)
+    noisy_flat = ptree.flatten(noisy)
+    only = _per_layer(lora.adapter_layers(noisy, lcfg))  # the targeted layers alone
+    logits = models.forward(lora.attach(params, noisy, lcfg), TOKENS, cfg)
+    unrolled = cfg.replace(scan_layers=False)  # the gate's cond, scanned and not: same logits
+    atol = testing.logits_atol(cfg, logits, extra=4 * R)
+    np.testing.assert_allclose(
+        models.forward(lora.attach(params, noisy, lcfg), TOKENS, unrolled),
+        logits,
+        atol=atol,
+        rtol=0,
+    )
+    np.testing.assert_array_equal(
+        models.forward(lora.attach(params, only, lcfg), TOKENS, cfg), logits
+    )
+    grads = ptree.flatten(
+        jax.grad(lambda ad: models.forward(lora.attach(params, ad, lcfg), TOKENS, cfg).std())(noisy)
+    )
+    for name, skipped, used in (("value", 1, 0), ("key", 0, 1)):
+        for w in "ab":
+            g = grads[f"blocks.attention.{name}.lora_{w}"]
+            assert not np.asarray(g[skipped]).any() and np.asarray(g[used]).any(), (name, w)
+
+    merged = ptree.flatten(lora.merge(params, noisy, lcfg))
+    base = ptree.flatten(params)
+    for name, skipped in (("value", 1), ("key", 0)):
+        w = f"blocks.attention.{name}.weight"
+        np.testing.assert_array_equal(merged[w][skipped], base[w][skipped])
+        assert not np.array_equal(merged[w][1 - skipped], base[w][1 - skipped])
+    atol = testing.logits_atol(cfg, logits, extra=4 * R)
+    np.testing.assert_allclose(
+        models.forward(ptree.unflatten(merged), TOKENS, cfg), logits, atol=atol, rtol=0
+    )
+
+    path = tmp_path / "some.safetensors"
+    lora.save_adapters(path, noisy, lcfg)
+    from lmjax.io import safetensors
+
+    assert set(safetensors.read_header(path)[0]) == {
+        f"{layer}.lora_{w}" for layer in chosen for w in "ab"
+    }
+    back, _ = lora.load_adapters(path)  # N from the file's metadata
+    assert ptree.flatten(back).keys() == noisy_flat.keys()
+    for name, leaf in ptree.flatten(back).items():
+        gate = lora.targeted(name.rpartition(".")[0], N_LAYERS, lcfg)
+        for i, on in enumerate(gate):  # the skipped layers come back zero
+            np.testing.assert_array_equal(leaf[i], noisy_flat[name][i] if on else 0.0)
 
 
 def test_training_moves_only_adapters(tiny):
@@ -311,8 +418,9 @@ def test_lora_flops_equal_the_compiled_steps_dot_flops(preset, targets):
     weight gradients and the gradient into block 0's frozen input are dead code there)."""
     from lmjax.train.metrics import flops_per_token, lora_flops_per_token
 
+    # Unrolled, so every layer's dots are in the module once (a scan's body would count once).
     cfg = models.preset(preset, vocab_size=V, context_length=C, d_model=D, n_heads=4,
-                        n_layers=N_LAYERS, d_ff=2 * D)  # fmt: skip
+                        n_layers=N_LAYERS, d_ff=2 * D, scan_layers=False)  # fmt: skip
     params = jax.eval_shape(models.init, jax.random.PRNGKey(0), cfg)
     lcfg = lora.LoraConfig(r=R, alpha=8, targets=targets)
     tx = optax.sgd(1e-2)
@@ -324,7 +432,7 @@ def test_lora_flops_equal_the_compiled_steps_dot_flops(preset, targets):
     batch["targets"] = batch["inputs"]
     text = step.lower(state, batch, params).compile().as_text()
     per_token = _hlo_dot_flops(text) / (4 * C)
-    ours = lora_flops_per_token(cfg, C, lora.adapter_shapes(state.params))
+    ours = lora_flops_per_token(cfg, C, lora.adapter_shapes(state.params, lcfg))
     assert ours == per_token
     assert ours < 0.8 * flops_per_token(cfg, C)  # what MFU counted before
 
@@ -334,7 +442,7 @@ def test_dropout_acts_on_the_adapter_input_only_and_only_with_a_key(tiny):
     whole input); with B != 0 it changes y; without a key (what evaluation and sampling attach)
     y = x W^T + b + s (x A^T) B^T exactly. The objective attaches keys only when given one."""
     cfg, params, _, adapters = tiny
-    layer = params["blocks"]["0"]["attention"]["query"]
+    layer = ptree.unstack(params)["blocks"]["0"]["attention"]["query"]  # layer 0's, as a scan step
     a, b = lora.adapter_layers(adapters)["blocks.0.attention.query"]
     x = jax.random.normal(jax.random.PRNGKey(3), (2, 5, D))
     key = jax.random.PRNGKey(9)

@@ -194,13 +194,19 @@ def _with_weights(model, weights: dict[str, torch.Tensor]):
     return out
 
 
+def layer_of(qw, i: int):
+    """Layer i of a stacked NF4 weight (what the scan over the blocks hands the kernel)."""
+    return jax.tree.map(lambda a: a[i], qw)
+
+
 def test_qlora_equals_lora_over_the_dequantized_base(base, adapted):
     model, params, cfg = base
     _, adapters, lcfg = adapted
     frozen = quantize_params(params)
     flat = ptree.flatten(frozen)
     quantized = {k: v for k, v in flat.items() if isinstance(v, nf4.QuantizedWeight)}
-    assert len(quantized) == 2 * 7  # every projection of both blocks is NF4
+    # every projection is NF4, stacked over both blocks (each layer quantized on its own)
+    assert len(quantized) == 7 and all(v.lead_shape == (2,) for v in quantized.values())
     dense = ptree.unflatten(
         {k: nf4.dequantize(v) if k in quantized else v for k, v in flat.items()}
     )
@@ -208,9 +214,10 @@ def test_qlora_equals_lora_over_the_dequantized_base(base, adapted):
     dense_logits = _lmjax_logits(lora.attach(dense, adapters, lcfg), cfg)
     np.testing.assert_allclose(ours, dense_logits, atol=_atol(cfg, dense_logits), rtol=0)
     # The outside witness: peft over bitsandbytes' reading of the same NF4 bytes.
-    witness = {
-        k.removesuffix(".weight"): torch.from_numpy(bnb_dequantized(v))
+    witness = {  # per layer: layer i of a stacked NF4 weight is a QuantizedWeight of its own
+        layer.removesuffix(".weight"): torch.from_numpy(bnb_dequantized(layer_of(v, i)))
         for k, v in quantized.items()
+        for i, layer in enumerate(ptree.layer_names(k, v.lead_shape[0]))
     }
     wrapped = _peft_model(_with_weights(model, witness), TARGET_SETS["all-linear"])
     lcfg_all = lora.LoraConfig(r=R, alpha=ALPHA, targets=("all-linear",))

@@ -8,6 +8,7 @@ from future positions, remat as identical outputs and gradients, the custom-VJP 
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -132,8 +133,17 @@ def spec_names(n_layers: int, *, swiglu: bool, biases: bool, norm_bias: bool, he
 def test_parameter_names_are_the_spec_list(name, expected):
     cfg = CONFIGS[name]
     params = jax.eval_shape(lambda k: models.init(k, cfg), jax.random.key(0))
-    assert sorted(ptree.flatten(params)) == spec_names(cfg.n_layers, **expected)
+    per_layer = spec_names(cfg.n_layers, **expected)
+    assert sorted(ptree.flatten(ptree.unstack(params))) == per_layer
     assert list(ptree.flatten(params)) == list(models.declare(cfg)), "init follows the declaration"
+    # Stored stacked: each block leaf once, its per-layer shapes behind a leading N axis.
+    stacked = sorted({re.sub(r"^blocks\.\d+\.", "blocks.", n) for n in per_layer})
+    assert sorted(ptree.flatten(params)) == stacked
+    layer_shapes = {n: a.shape for n, a in ptree.flatten(ptree.unstack(params)).items()}
+    for name, leaf in ptree.flatten(params).items():
+        if name.startswith("blocks."):
+            each = ptree.layer_names(name, cfg.n_layers)
+            assert leaf.shape == (cfg.n_layers, *layer_shapes[each[0]]), name
 
 
 def _eval_count(cfg) -> int:
@@ -184,8 +194,10 @@ def test_init_is_deterministic_and_follows_the_declaration():
     a, b = models.init(jax.random.key(3), cfg), models.init(jax.random.key(3), cfg)
     c = models.init(jax.random.key(4), cfg)
     jax.tree.map(np.testing.assert_array_equal, a, b)
-    flat_a, flat_c = ptree.flatten(a), ptree.flatten(c)
-    for name, spec in models.declare(cfg).items():
+    assert list(ptree.flatten(a)) == list(models.declare(cfg))
+    # Per layer (the stacked leaves sliced), each layer's leaf follows its own declaration.
+    flat_a, flat_c = ptree.flatten(ptree.unstack(a)), ptree.flatten(ptree.unstack(c))
+    for name, spec in models.declare_layers(cfg).items():
         leaf = np.asarray(flat_a[name])
         assert leaf.shape == spec.shape and leaf.dtype == np.float32, name
         if spec.init == "zeros":
@@ -204,8 +216,9 @@ def test_init_is_deterministic_and_follows_the_declaration():
 
 def test_init_keys_by_name_so_other_leaves_do_not_move():
     # Adding a layer must not change the existing layers' initial values.
-    two = ptree.flatten(models.init(jax.random.key(0), CONFIGS["llama"]))
-    three = ptree.flatten(models.init(jax.random.key(0), CONFIGS["llama"].replace(n_layers=3)))
+    two = ptree.flatten(ptree.unstack(models.init(jax.random.key(0), CONFIGS["llama"])))
+    three = models.init(jax.random.key(0), CONFIGS["llama"].replace(n_layers=3))
+    three = ptree.flatten(ptree.unstack(three))
     for name, leaf in two.items():
         np.testing.assert_array_equal(leaf, three[name], err_msg=name)
 
@@ -326,7 +339,7 @@ def test_causality_of_learned_positions_through_gradients():
 
 @pytest.mark.parametrize("policy", ["block", "dots", "dots_no_batch"])
 def test_remat_gives_the_same_outputs_and_gradients_under_jit(policy):
-    cfg = CONFIGS["llama"]
+    cfg = CONFIGS["llama"].replace(remat="none")
     (loss0, grad0), (loss1, grad1) = losses_and_grads(cfg, remat=policy)
     remat = cfg.replace(remat=policy)
     # jit fuses the recomputed graph differently, so its sums may run in another order.
@@ -339,7 +352,7 @@ def test_remat_gives_the_same_outputs_and_gradients_under_jit(policy):
 def test_remat_is_bit_identical_op_by_op():
     # Without jit every primitive runs on its own, so recomputation repeats exactly the same
     # float operations on the same inputs: outputs and gradients must match bit for bit.
-    cfg = CONFIGS["gpt"]
+    cfg = CONFIGS["gpt"].replace(remat="none")
     params, tokens = models.init(jax.random.key(0), cfg), tokens_for(cfg)
     remat = cfg.replace(remat="block")
     # The inputs loss_fn feeds the model, so the gradients' forward pass reuses the programs

@@ -148,7 +148,7 @@ def test_explicit_head_dim_needs_no_divisible_width():
 
 def test_layout_of_grouped_heads_biases_and_qk_norm():
     cfg = tiny("qwen3", qkv_bias=True)  # H 4, Hkv 2, Dh 12, D 32
-    shapes = {name: spec.shape for name, spec in models.declare(cfg).items()}
+    shapes = {name: spec.shape for name, spec in models.declare_layers(cfg).items()}
     attn = "blocks.1.attention"
     assert shapes[f"{attn}.query.weight"] == (48, 32) and shapes[f"{attn}.query.bias"] == (48,)
     assert shapes[f"{attn}.key.weight"] == (24, 32) and shapes[f"{attn}.value.bias"] == (24,)
@@ -157,9 +157,9 @@ def test_layout_of_grouped_heads_biases_and_qk_norm():
     assert shapes[f"{attn}.query_norm.scale"] == shapes[f"{attn}.key_norm.scale"] == (12,)
     assert "language_model_head.weight" not in shapes  # tied
     specs = param_specs(cfg, {"data": 1, "fsdp": 2, "model": 2})
-    assert specs[f"{attn}.key.weight"] == PartitionSpec("model", "fsdp")
-    assert specs[f"{attn}.output.weight"] == PartitionSpec("fsdp", "model")
-    assert specs[f"{attn}.key_norm.scale"] == PartitionSpec(None)
+    assert specs["blocks.attention.key.weight"] == PartitionSpec(None, "model", "fsdp")
+    assert specs["blocks.attention.output.weight"] == PartitionSpec(None, "fsdp", "model")
+    assert specs["blocks.attention.key_norm.scale"] == PartitionSpec(None, None)
 
 
 # ---- RoPE scaling against transformers ----------------------------------------------------------
@@ -288,8 +288,8 @@ def hf_model_and_params(cfg: models.ModelConfig):
         for p in model.parameters():
             p.add_(0.1 * torch.randn_like(p))
     state = model.state_dict()
-    flat = {name: jnp.asarray(state[_hf_name(name)].numpy()) for name in models.declare(cfg)}
-    return model, params.unflatten(flat)
+    flat = {name: state[_hf_name(name)].numpy() for name in models.declare_layers(cfg)}
+    return model, jax.tree.map(jnp.asarray, params.stack(params.unflatten(flat)))
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

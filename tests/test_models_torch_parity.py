@@ -2,9 +2,10 @@
 
 `torch_forward` below is written from the SPEC equations with plain tensors and
 `torch.nn.functional`; it never calls lmjax (it only reads the config's fields and the parameter
-names). Both sides get the same weights (lmjax's `init`, flattened with `lmjax.params.flatten`,
-then shifted by seeded noise so that no bias is zero and no norm scale is one: otherwise a bias
-added in the wrong place or a scale/bias mix-up would be invisible). We compare
+names). Both sides get the same weights (lmjax's `init`, flattened per layer with
+`lmjax.params.unstack` and `flatten`, then shifted by seeded noise so that no bias is zero and no
+norm scale is one: otherwise a bias added in the wrong place or a scale/bias mix-up would be
+invisible); lmjax runs them stacked again (`lmjax.params.stack`, its blocks scanned). We compare
 
 - the logits `[B, T, V]` of `lmjax.models.forward` against the torch model, and
 - for EVERY parameter name, `jax.grad` of `lmjax.ops.cross_entropy(forward(...), targets)`
@@ -166,11 +167,15 @@ def torch_forward(p: dict, tokens_BT: torch.Tensor, cfg) -> torch.Tensor:
 
 
 def make_case(cfg, seed: int = SEED):
-    """Flat float32 numpy weights (lmjax init + seeded noise), tokens and targets `[B, C]`."""
+    """Flat float32 numpy weights (lmjax init + seeded noise), tokens and targets `[B, C]`.
+
+    The weights are named per layer (`blocks.{i}.…`, `ptree.unstack`), as the torch side reads
+    them; lmjax gets them stacked (`lmjax_outputs`)."""
     rng = np.random.default_rng(seed)
+    init = lmjax.models.init(jax.random.key(seed), cfg)
     flat = {
         name: np.asarray(leaf, np.float32)
-        for name, leaf in ptree.flatten(lmjax.models.init(jax.random.key(seed), cfg)).items()
+        for name, leaf in ptree.flatten(ptree.unstack(init)).items()
     }
     for name, a in flat.items():
         # Biases away from 0, scales away from 1, everything else nudged by ~10% of its spread.
@@ -183,7 +188,7 @@ def make_case(cfg, seed: int = SEED):
 
 
 def lmjax_outputs(flat: dict, tokens: np.ndarray, targets: np.ndarray, cfg):
-    params = ptree.unflatten({name: jnp.asarray(a) for name, a in flat.items()})
+    params = ptree.stack(ptree.unflatten({name: jnp.asarray(a) for name, a in flat.items()}))
     tokens_j, targets_j = jnp.asarray(tokens), jnp.asarray(targets)
 
     def loss_fn(prm):
@@ -194,7 +199,7 @@ def lmjax_outputs(flat: dict, tokens: np.ndarray, targets: np.ndarray, cfg):
     lmjax.models.check_tokens(tokens_j, cfg)
     (loss, logits), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(params)
     assert logits.dtype == jnp.float32
-    flat_grads = {name: np.asarray(g) for name, g in ptree.flatten(grads).items()}
+    flat_grads = {name: np.asarray(g) for name, g in ptree.flatten(ptree.unstack(grads)).items()}
     return np.asarray(logits), float(loss), flat_grads
 
 
@@ -296,7 +301,7 @@ def test_configs_are_what_the_test_claims():
 def test_every_parameter_is_used_and_named_as_declared(cases, name):
     cfg, flat, tokens, targets, jax_out = cases[name]
     _, _, grads_t = torch_outputs(flat, tokens, targets, cfg)
-    assert list(flat) == list(lmjax.models.declare(cfg))
+    assert list(flat) == list(lmjax.models.declare_layers(cfg))
     # The torch model reaches every leaf (a leaf it ignored would have no .grad) ...
     assert list(grads_t) == list(flat)
     # ... and every leaf moves the loss on both sides (no dead parameter), except the key bias,

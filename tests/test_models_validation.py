@@ -167,15 +167,17 @@ def test_params_that_do_not_match_the_config_are_named():
     params = ptree.flatten(models.init(jax.random.key(0), GPT))
     tokens = jnp.zeros((1, 4), jnp.int32)
     missing = dict(params)
-    del missing["blocks.1.feed_forward.expand.bias"]
-    extra = {**params, "blocks.0.attention.query.lora_a": params["final_norm.scale"]}
+    del missing["blocks.feed_forward.expand.bias"]
+    extra = {**params, "blocks.attention.query.lora_a": params["final_norm.scale"]}
+    one_layer = {**params, "blocks.attention.query.bias": params["blocks.attention.query.bias"][:1]}
     wrong = {**params, "final_norm.scale": jnp.ones(31)}
     scalar = {**params, "final_norm.scale": 1.0}
     ints = {**params, "final_norm.scale": jnp.ones(32, jnp.int32)}
     for flat, parts in (
         (scalar, ("final_norm.scale.shape", "()")),
         (ints, ("final_norm.scale.dtype", "int32", "float")),
-        (missing, ("missing parameter", "blocks.1.feed_forward.expand.bias")),
+        (missing, ("missing parameter", "blocks.feed_forward.expand.bias")),
+        (one_layer, ("blocks.attention.query.bias.shape", "(1, 32)", "(2, 32)")),
         (extra, ("unexpected parameter", "lora_a")),
         (wrong, ("final_norm.scale.shape", "(31,)", "(32,)")),
     ):
@@ -223,7 +225,8 @@ def test_inspect_prints_the_table_and_total(capsys):
     assert main(["inspect", "gpt", "--batch-size", "2"]) == 0
     out = capsys.readouterr().out
     rows = dict(re.findall(r"^(\S+)\s+\[[\d, ]+\]\s+([\d,]+)$", out, re.M))
-    expected = {name: f"{spec.size:,}" for name, spec in models.declare(GPT).items()}
+    # Per layer, as users read them (the model stores them stacked).
+    expected = {name: f"{spec.size:,}" for name, spec in models.declare_layers(GPT).items()}
     assert rows == expected
     assert re.search(r"^total\s+19,419$", out, re.M)
     assert "AdamW state" in out and "batch 2, sequence 16" in out

@@ -47,9 +47,9 @@ def spec_bytes(n: int) -> int:
 def test_gpt2_124m_nf4_bytes_match_the_formula():
     cfg = models.preset("gpt2")
     mem = finetune.memory(cfg, lora.LoraConfig(), True, optax.adamw(1e-3))
-    linear = {
+    linear = {  # per layer: each layer of a stacked weight is quantized on its own
         name: spec.size
-        for name, spec in models.declare(cfg).items()
+        for name, spec in models.declare_layers(cfg).items()
         if name.startswith("blocks.") and name.endswith(".weight") and len(spec.shape) == 2
     }
     assert mem["nf4_weights"] == sum(linear.values()) == 12 * 12 * 768 * 768
@@ -58,7 +58,7 @@ def test_gpt2_124m_nf4_bytes_match_the_formula():
     assert abs(bits - 4.127) < 0.001, bits
     assert abs(mem["frozen_nf4"] / mem["frozen_nf4_as_float"] - 4.127 / 32) < 1e-4
     # What is not a block projection stays float32: embeddings, norms, biases.
-    rest = sum(s.size for n, s in models.declare(cfg).items() if n not in linear)
+    rest = sum(s.size for n, s in models.declare_layers(cfg).items() if n not in linear)
     assert mem["frozen"] == mem["frozen_nf4"] + 4 * rest
 
 

@@ -300,28 +300,45 @@ def test_quantize_params_replaces_only_block_projections():
     flat, before = ptree.flatten(quantized), ptree.flatten(params)
     assert flat.keys() == before.keys()
     nf4_names = sorted(n for n, leaf in flat.items() if isinstance(leaf, QuantizedWeight))
-    assert nf4_names == sorted(n for n in before if ptree.matches(n, LINEAR_WEIGHTS))
-    assert len(nf4_names) == 2 * 6  # q, k, v, output, expand, project per block
+    linear = ptree.flatten(ptree.mask(params, LINEAR_WEIGHTS))  # by per-layer names
+    assert nf4_names == sorted(n for n, chosen in linear.items() if chosen)
+    assert len(nf4_names) == 6  # q, k, v, output, expand, project, each stacked over 2 blocks
     for name, leaf in flat.items():
         if name not in nf4_names:
             assert leaf is before[name]  # embeddings, norms, biases, head: untouched
+    # Stacked: one layer's shape, arrays leading with the layers, each layer the bytes it had
+    # as a weight of its own.
+    for name in nf4_names:
+        qw = flat[name]
+        assert qw.shape == before[name].shape[1:] and qw.lead_shape == (cfg.n_layers,)
+        for i in range(cfg.n_layers):
+            alone = quantize(before[name][i])
+            for array, own in zip(jax.tree.leaves(qw), jax.tree.leaves(alone), strict=True):
+                np.testing.assert_array_equal(array[i], own, err_msg=f"{name} layer {i}")
+        np.testing.assert_array_equal(dequantize(qw)[1], dequantize(quantize(before[name][1])))
     sizes = weight_bytes(quantized)
     n_quant = sum(before[n].size for n in nf4_names)
     assert sizes["quantized_params"] == n_quant
-    assert sizes["quantized"] == sum(storage_bytes(before[n].size) for n in nf4_names)
+    per_layer = sum(cfg.n_layers * storage_bytes(before[n][0].size) for n in nf4_names)
+    assert sizes["quantized"] == per_layer
     assert sizes["quantized_as_float"] == 4 * n_quant
     assert sizes["float"] == 4 * (ptree.count(params) - n_quant)
     assert ptree.count(quantized) == ptree.count(params)  # counts see the original shapes
 
 
 def test_quantize_params_rejects_patterns_that_miss_or_hit_non_linear_leaves():
-    params = {"blocks": {"0": {"attention": {"query": {"weight": jnp.ones((4, 64))}}}}}
+    params = {"blocks": {"attention": {"query": {"weight": jnp.ones((2, 4, 64))}}}}
     with pytest.raises(ShapeError, match="pattern = 'blocks.*.attn.*'"):
         quantize_params(params, ["blocks.*.attn.*"])
+    # One stacked NF4 weight holds every layer: a glob over some of them is refused.
+    with pytest.raises(ShapeError, match=r"layers \[1\] of 2.*'blocks\.\*\.attention"):
+        quantize_params(params, ["blocks.1.attention.query.weight"])
+    both = quantize_params(params, ["blocks.attention.query.weight"])  # the stacked name: all
+    assert isinstance(both["blocks"]["attention"]["query"]["weight"], QuantizedWeight)
     params["token_embedding"] = {"weight": jnp.ones((8, 64))}
     with pytest.raises(ShapeError, match="quantize_params patterns"):
         quantize_params({"token_embedding": params["token_embedding"]})
-    bias = {"blocks": {"0": {"attention": {"query": {"bias": jnp.ones((4,))}}}}}
+    bias = {"blocks": {"attention": {"query": {"bias": jnp.ones((2, 4))}}}}
     with pytest.raises(ShapeError, match="2-D"):
         quantize_params(bias, ["*.bias"])
     with pytest.raises(ShapeError, match="not quantized yet"):

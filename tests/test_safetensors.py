@@ -70,8 +70,8 @@ def test_bf16_and_adapter_trees_round_trip(tmp_path):
 
 def test_load_names_every_mismatch_against_the_model(params, tmp_path):
     flat = dict(ptree.flatten(params))
-    del flat["blocks.0.attention.query.bias"]  # missing
-    flat["blocks.1.attention.key.weight"] = jnp.zeros((3, 8))  # wrong shape
+    del flat["blocks.attention.query.bias"]  # missing
+    flat["blocks.attention.key.weight"] = jnp.zeros((2, 3, 8))  # wrong shape
     flat["final_norm.scale"] = flat["final_norm.scale"].astype(jnp.float16)  # wrong dtype
     flat["language_model_head.weight"] = jnp.zeros((50, 8))  # unexpected (the head is tied)
     path = tmp_path / "bad.safetensors"
@@ -81,10 +81,55 @@ def test_load_names_every_mismatch_against_the_model(params, tmp_path):
     message = str(err.value)
     assert str(path) in message and "4 parameter mismatches" in message
     for expected in (
-        "missing blocks.0.attention.query.bias (8,)",
-        "blocks.1.attention.key.weight shape (3, 8) (expected (8, 8))",
+        "missing blocks.attention.query.bias (2, 8)",
+        "blocks.attention.key.weight shape (2, 3, 8) (expected (2, 8, 8))",
         "final_norm.scale dtype float16 (expected float32)",
         "unexpected language_model_head.weight",
+    ):
+        assert expected in message
+    assert "\n" not in message and "per layer" not in message
+
+
+# ---- files written before the blocks were stacked: per-layer names ---------------------------
+
+
+def _per_layer(params) -> dict:
+    """The flat per-layer view (`blocks.{i}.…`) a model file held before the stacking."""
+    return dict(ptree.flatten(ptree.unstack(params)))
+
+
+def test_a_per_layer_file_loads_stacked(params, tmp_path):
+    path = tmp_path / "old.safetensors"
+    st.save(ptree.unflatten(_per_layer(params)), path)
+    assert "blocks.1.attention.query.weight" in st.read_header(path)[0]
+    for expected in (CFG, jax.eval_shape(lambda: params)):  # a config or a tree
+        assert st.is_per_layer(path, expected)
+        back = st.load(path, expected=expected)
+        assert list(ptree.flatten(back)) == list(models.declare(CFG))
+        for name, leaf in ptree.flatten(params).items():
+            np.testing.assert_array_equal(np.asarray(ptree.flatten(back)[name]), np.asarray(leaf))
+    # Without `expected` the tree is the file's, as named; a stacked file is not converted.
+    assert set(st.load(path)["blocks"]) == {"0", "1"}
+    st.save(params, tmp_path / "new.safetensors")
+    assert not st.is_per_layer(tmp_path / "new.safetensors", CFG)
+
+
+def test_a_per_layer_file_is_checked_layer_by_layer(params, tmp_path):
+    flat = _per_layer(params)
+    del flat["blocks.0.attention.query.bias"]  # missing in one layer only
+    flat["blocks.1.attention.key.weight"] = jnp.zeros((3, 8))  # wrong shape in one layer
+    flat["blocks.2.attention.key.weight"] = jnp.zeros((8, 8))  # a layer the model lacks
+    path = tmp_path / "bad.safetensors"
+    st.save(ptree.unflatten(flat), path)
+    with pytest.raises(CheckpointError) as err:
+        st.load(path, expected=CFG)
+    message = str(err.value)
+    assert "3 parameter mismatches" in message and "\n" not in message
+    for expected in (
+        "missing blocks.0.attention.query.bias (8,)",
+        "blocks.1.attention.key.weight shape (3, 8) (expected (8, 8))",
+        "unexpected blocks.2.attention.key.weight",
+        "(per layer: the file holds blocks.{i}.* names, saved before they were stacked)",
     ):
         assert expected in message
 

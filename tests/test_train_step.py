@@ -43,8 +43,9 @@ def test_llama_decay_mask_exempts_rms_scales_and_decays_the_untied_head():
     params = models.abstract_params(models.preset("llama"))
     mask = ptree.flatten(optim.decay_mask(params, run_cfg().optimizer.no_decay))
     exempt = {name for name, decayed in mask.items() if not decayed}
+    # The blocks are stored stacked (lmjax.params): one leaf, so one mask entry, for all layers.
     expected = {"token_embedding.weight", "final_norm.scale"} | {
-        f"blocks.{i}.{n}_norm.scale" for i in range(2) for n in ("attention", "feed_forward")
+        f"blocks.{n}_norm.scale" for n in ("attention", "feed_forward")
     }
     assert exempt == expected and mask["language_model_head.weight"]
 
@@ -57,10 +58,10 @@ def test_default_decay_mask_exempts_biases_norm_scales_and_embeddings():
         for n, d in ptree.flatten(optim.decay_mask(params, run_cfg().optimizer.no_decay)).items()
         if d
     }
-    # Expected from SPEC section 3's names: every linear weight and the head, nothing else.
+    # Expected from SPEC section 3's names: every linear weight and the head, nothing else
+    # (each stacked block leaf once, for all its layers).
     expected = {
-        f"blocks.{i}.{m}.weight"
-        for i in range(2)
+        f"blocks.{m}.weight"
         for m in (
             "attention.query",
             "attention.key",
@@ -275,3 +276,61 @@ def test_bf16_compute_with_f32_master_weights_trains():
     assert all(math.isfinite(x) for x in losses)
     # 30 Adam steps memorise most of a 64-token batch even in bf16 (float32 gets about 1.0).
     assert losses[-1] < 0.5 * losses[0]
+
+
+def _step_flops(model, accum: int, micro: int):
+    """`metrics.xla_flops` of MODEL's train step on abstract `[accum, micro, 16]` batches."""
+    from lmjax.train.metrics import xla_flops
+
+    tx, lr = optim.from_config(run_cfg())
+    state = jax.eval_shape(lambda: init_state(jax.random.PRNGKey(0), model, tx))
+    tokens = jax.ShapeDtypeStruct((accum, micro, 16), jnp.int32)
+    args = (state, {"inputs": tokens, "targets": tokens})
+    traced = make_train_step(model, tx, lr).trace(*args)
+    return xla_flops(traced, args, traced.lower().compile(), model.n_layers)
+
+
+def test_xla_flops_count_every_layer_of_a_scanned_step():
+    """XLA's cost analysis counts a `while` body once: the scanned step's own figure holds one
+    layer of four. `xla_flops` makes it whole (one layer from a second compile with two layers a
+    trip), and it then agrees with the unrolled step's figure, which XLA counts whole itself.
+
+    Tolerance, derived: both programs do the same per-layer work and differ only in how the
+    layers' gradients reach the stacked [N, ...] leaves. The scan writes layer i's slice in
+    place (no FLOPs); the unrolled backward pads each layer's gradient slice to [N, ...] and
+    adds it in, at most 2 N P element-wise FLOPs a layer (P: one layer's parameters), so
+    |unrolled - whole| <= 2 N^2 P (32 P here; measured 22 P). Counting the loop's body once
+    falls short by about 3 layers' work (hundreds of P), so the check can fail. Two
+    micro-batches: the layer loops sit inside the accumulation loop. One remat policy for both
+    (none: "auto" picks another for a scan)."""
+    n = 4
+    model = MODEL.replace(n_layers=n, remat="none")
+    scanned, unrolled = (_step_flops(model.replace(scan_layers=s), 2, 2) for s in (True, False))
+    p_layer = sum(
+        spec.size
+        for name, spec in models.declare_layers(model).items()
+        if name.startswith("blocks.0.")
+    )
+    assert unrolled.per_layer is None and unrolled.whole == unrolled.counted  # no layer loop
+    assert scanned.per_layer is not None and scanned.per_layer > 0
+    tolerance = 2 * n * n * p_layer
+    assert abs(unrolled.whole - scanned.whole) <= tolerance, (unrolled, scanned, p_layer)
+    assert unrolled.whole - scanned.counted > 2 * scanned.per_layer > 10 * tolerance
+    assert scanned.whole == scanned.outside_layers + n * scanned.per_layer
+
+
+def test_layers_per_trip_keeps_a_loop_of_whole_trips():
+    from lmjax.train.metrics import layers_per_trip
+
+    # u divides N and leaves >= 2 trips; else N (no loop left to count once); 1 for one layer.
+    assert [layers_per_trip(n) for n in (1, 2, 3, 4, 6, 9, 12, 13, 32)] == [
+        1,
+        2,
+        3,
+        2,
+        2,
+        3,
+        2,
+        13,
+        2,
+    ]

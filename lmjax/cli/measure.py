@@ -151,7 +151,9 @@ def add_compile(sub) -> None:
         "over a mesh of TOPOLOGY's devices, and compile it with the real TPU compiler (libtpu: "
         "pip install 'lmjax[tpu]'); nothing is allocated or run, so any machine will do. Prints "
         "the compiled step's per-device memory (arguments, outputs, temporaries, generated "
-        "code) against the HBM a device may use, its FLOPs and the compile time. Exits 0 only "
+        "code) against the HBM a device may use, its FLOPs (XLA's cost analysis, every layer "
+        "counted: a scanned model's one layer from a second compile, see --no-flops; and the "
+        "6N model FLOPs) and the compile time. Exits 0 only "
         "if the step compiled and fits: check a config this way before creating a TPU VM. "
         "A fine-tune config (configs/finetune-*.yaml) compiles lmjax finetune's step: the "
         "base's model (its config.yaml alone is read), LoRA adapters or the unfrozen leaves "
@@ -169,6 +171,13 @@ def add_compile(sub) -> None:
         comp,
         "the device mesh (default: the config's parallel.mesh, else fsdp over every "
         "device); its product must be the topology's device count",
+    )
+    comp.add_argument(
+        "--no-flops",
+        action="store_true",
+        help="skip XLA's FLOP count of a scanned model (model.scan_layers): XLA counts the "
+        "layer loop's body once, so the count compiles the step a second time with more "
+        "layers a trip (about as long again); without it no XLA FLOPs are printed",
     )
     add_output(comp, "report")
     comp.set_defaults(run=run_compile)
@@ -191,7 +200,9 @@ def run_compile(args: argparse.Namespace) -> int:
     if args.output:
         check_output_file(args.output)
     run, trainable, kind = _compile_config(args.config, args.overrides)
-    report = tpu_compile.compile_train_step(run, args.topology, mesh, trainable, kind)
+    report = tpu_compile.compile_train_step(
+        run, args.topology, mesh, trainable, kind, count_layers=not args.no_flops
+    )
     print(f"{args.config}: " + tpu_compile.format_report(report))
     if args.output:
         write_json(args.output, report.to_dict())

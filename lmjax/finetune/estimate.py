@@ -34,7 +34,7 @@ def memory(model, lcfg: LoraConfig, qlora: bool, tx) -> dict[str, int]:
             "frozen_nf4_as_float": counts["quantized_as_float"],
             "nf4_weights": counts["quantized_params"],
         }
-    out["adapter_params"] = sum(a.size for a in jax.tree.leaves(adapters))
+    out["adapter_params"] = lora.count(adapters, lcfg)  # the targeted layers' (lora: gates)
     out["total"] = out["params"] + out["gradients"] + out["optimizer"] + out["frozen"]
     return out
 

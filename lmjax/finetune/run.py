@@ -12,9 +12,10 @@ or, for full fine-tuning (`--full`, `--freeze GLOB,...`; no lora section, no qlo
 
     finetune: {base: RUN, full: true, freeze: ["token_embedding.*", "blocks.0.*"]}
 
-where every base parameter trains except those whose name matches a `freeze` glob
-(`lmjax.params.mask`): those get no gradient and no optimizer state (they are the step's frozen
-argument, not part of the trained state) and are bit-identical in the result.
+where every base parameter trains except those whose name matches a `freeze` glob (per-layer
+names, `lmjax.finetune.full`): those get no gradient and no optimizer state (they are the step's
+frozen argument, not part of the trained state) and are bit-identical in the result; a stacked
+block leaf frozen in some layers only trains with a zero gradient on those (`full`).
 
 The model is the base run's (only `model.dropout`, `dtype`, `remat`, `attention` and `ops` may be
 set); the corpus is encoded with the base run's own tokenizer (`with_base_tokenized_data`), so
@@ -82,7 +83,8 @@ def trainable(cfg: RunConfig, spec: FinetuneSpec, frozen: dict):
     """The loop's `Trainable` for LoRA over `frozen`."""
     model, lcfg = cfg.model_config(), spec.lora
     init = lambda key: lora.init(key, frozen, lcfg)  # noqa: E731
-    shapes = lora.adapter_shapes(jax.eval_shape(init, jax.random.PRNGKey(0)))
+    # Per layer, the targeted layers only: a gated-off layer's adapter does no work to count.
+    shapes = lora.adapter_shapes(jax.eval_shape(init, jax.random.PRNGKey(0)), lcfg)
     return loop.Trainable(
         init_params=init,
         flops_per_token=lambda model_cfg, seq_len: lora_flops_per_token(model_cfg, seq_len, shapes),

@@ -31,6 +31,15 @@ Both caches (this contiguous one and `paged.PagedKVCache`) are pytrees with `len
 [0, capacity) is dropped) and `read(layer) -> (k_BSHK, v_BSHK)` (slot order), so one
 `prefill` / `decode_step` serves both.
 
+Layers. The caches are stacked like the blocks (`lmjax.params`): one `keys` and one `values`
+array whose leading axis is the layer, `[N, B, S, Hkv, Dh]` (pages `[N, P, page, Hkv, Dh]`).
+Prefill and each decode step run the layers through `models.transformer.run_layers`: one
+`lax.scan` with `cfg.scan_layers` (the default), a Python loop otherwise, with the same values.
+The whole cache rides in the loop's carry and layer i writes its rows in place (`store(i,
+...)`, i a traced index in the scan), so a step writes only the new tokens' slots; had the
+layers' slices gone in as the scan's xs and come back as its ys, the ys would be a second
+cache-sized buffer, and every step would copy every layer's slab into it.
+
 Contiguous memory: `2 * N * B * S * Hkv * Dh * itemsize` bytes (`cache_bytes`) for capacity
 S <= C, reserved for every row whatever its length (see `paged` for the alternative); GQA makes
 it H / Hkv times smaller than multi-head attention's, and a sliding window bounds the S a
@@ -49,7 +58,7 @@ from lmjax.checks import is_positive_int, require
 from lmjax.errors import ShapeError
 from lmjax.generate.paged import PagedKVCache
 from lmjax.models import ModelConfig, attend, cached_block, check_params, embed, head
-from lmjax.models.transformer import cast, check_tokens
+from lmjax.models.transformer import cast, check_tokens, run_layers
 
 
 def cache_bytes(cfg: ModelConfig, slots: int) -> int:
@@ -96,27 +105,29 @@ def prompt_slots(cfg: ModelConfig, capacity: int, t: int, lengths_B) -> jax.Arra
 
 
 class KVCache(NamedTuple):
-    """Contiguous cache: per layer `keys[i]`, `values[i]` `[B, S, Hkv, Dh]`; `lengths [B]` int32."""
+    """Contiguous cache, stacked over layers: `keys`, `values` `[N, B, S, Hkv, Dh]`;
+    `lengths [B]` int32."""
 
-    keys: tuple
-    values: tuple
+    keys: jax.Array
+    values: jax.Array
     lengths: jax.Array
 
     @property
     def capacity(self) -> int:
-        return self.keys[0].shape[1]
+        return self.keys.shape[2]
 
-    def store(self, layer: int, k_BTHK, v_BTHK, slots_BT) -> KVCache:
-        """Write each token's k, v at its slot `slots [B, T]`; slots >= S are dropped."""
+    def store(self, layer, k_BTHK, v_BTHK, slots_BT) -> KVCache:
+        """Write layer `layer`'s (an int, or a traced index in a scan) k, v of each token at its
+        slot `slots [B, T]`; slots >= S are dropped. In place under jit: one scatter."""
         rows_B1 = jnp.arange(k_BTHK.shape[0])[:, None]
 
-        def put(stack, new_BTHK):
-            slab = stack[layer].at[rows_B1, slots_BT].set(new_BTHK, mode="drop")
-            return stack[:layer] + (slab,) + stack[layer + 1 :]
+        def put(stack_NBSHK, new_BTHK):
+            return stack_NBSHK.at[layer, rows_B1, slots_BT].set(new_BTHK, mode="drop")
 
         return self._replace(keys=put(self.keys, k_BTHK), values=put(self.values, v_BTHK))
 
-    def read(self, layer: int) -> tuple:
+    def read(self, layer) -> tuple:
+        """Layer `layer`'s `(keys, values)` `[B, S, Hkv, Dh]`."""
         return self.keys[layer], self.values[layer]
 
 
@@ -130,9 +141,9 @@ def init_cache(cfg: ModelConfig, batch: int, capacity: int | None = None) -> KVC
         ok = is_positive_int(value) and (hi is None or value <= hi)
         bound = f"an int in [1, {hi}] (context_length)" if hi else "an int >= 1"
         require(ok, f"cache {what}", value, bound, f"pass a {what} the model can hold")
-    shape = (batch, capacity, cfg.kv_heads, cfg.d_head)
-    # Distinct buffers for every layer's keys and values: the steps donate each one.
-    zeros = [tuple(jnp.zeros(shape, cfg.compute_dtype) for _ in range(cfg.n_layers)) for _ in "kv"]
+    shape = (cfg.n_layers, batch, capacity, cfg.kv_heads, cfg.d_head)
+    # Two distinct buffers, keys and values: the steps donate each one.
+    zeros = [jnp.zeros(shape, cfg.compute_dtype) for _ in "kv"]
     return KVCache(*zeros, jnp.zeros((batch,), jnp.int32))
 
 
@@ -146,10 +157,18 @@ def prefill_hidden(params: dict, tokens_BT, cfg: ModelConfig, cache, lengths_B) 
     def self_attend(cfg, q_BTHK, k_BTHK, v_BTHK):
         return attend(cfg, q_BTHK, k_BTHK, v_BTHK), (k_BTHK, v_BTHK)
 
-    for i in range(cfg.n_layers):
-        x_BTD, (k_BTHK, v_BTHK) = cached_block(p["blocks"][str(i)], x_BTD, cfg, None, self_attend)
-        cache = cache.store(i, k_BTHK, v_BTHK, slots_BT)
+    def step(p_layer, carry, i):  # the cache in the carry: written in place (module docstring)
+        x_BTD, cache = carry
+        x_BTD, (k_BTHK, v_BTHK) = cached_block(p_layer, x_BTD, cfg, None, self_attend)
+        return (x_BTD, cache.store(i, k_BTHK, v_BTHK, slots_BT)), None
+
+    (x_BTD, cache), _ = run_layers(cfg, p["blocks"], (x_BTD, cache), step, _layer_index(cfg))
     return x_BTD, cache._replace(lengths=lengths_B.astype(jnp.int32))
+
+
+def _layer_index(cfg: ModelConfig) -> jax.Array:
+    """`[N]` int32 `0..N-1`: `run_layers` hands step i its own layer's index."""
+    return jnp.arange(cfg.n_layers, dtype=jnp.int32)
 
 
 def prefill_logits(params: dict, tokens_BT, cfg: ModelConfig, cache, lengths_B) -> tuple:
@@ -179,16 +198,20 @@ def decode_logits(params: dict, token_B, cfg: ModelConfig, cache) -> tuple:
     # mask alone says which slots it sees: the causal and window rules at its own position.
     visible_B11S = visible_slots(cfg, cache.capacity, positions_B1)[:, None, None]
     x_B1D = embed(p, token_B[:, None], cfg, positions_B1)
-    for i in range(cfg.n_layers):
 
-        def cached_attend(cfg, q_B1HK, k_B1GK, v_B1GK, i=i, cache=cache):
+    def step(p_layer, carry, i):  # the cache in the carry: written in place (module docstring)
+        x_B1D, cache = carry
+
+        def cached_attend(cfg, q_B1HK, k_B1GK, v_B1GK):
             # k, v carry the Hkv kv heads (G here): stored and attended as they are (GQA).
-            cache = cache.store(i, k_B1GK, v_B1GK, slots_B1)
-            k_BSGK, v_BSGK = cache.read(i)
+            stored = cache.store(i, k_B1GK, v_B1GK, slots_B1)
+            k_BSGK, v_BSGK = stored.read(i)
             out = attend(cfg, q_B1HK, k_BSGK, v_BSGK, causal=False, mask=visible_B11S)
-            return out, cache
+            return out, stored
 
-        x_B1D, cache = cached_block(p["blocks"][str(i)], x_B1D, cfg, positions_B1, cached_attend)
+        return cached_block(p_layer, x_B1D, cfg, positions_B1, cached_attend), None
+
+    (x_B1D, cache), _ = run_layers(cfg, p["blocks"], (x_B1D, cache), step, _layer_index(cfg))
     logits_BV = head(p, x_B1D, cfg)[:, 0].astype(jnp.float32)
     return logits_BV, cache._replace(lengths=cache.lengths + 1)
 
@@ -204,9 +227,10 @@ def prefill(params: dict, tokens, cfg: ModelConfig, cache, lengths=None) -> tupl
     tokens `[B, T]`; `lengths [B]` (default T) are the real prompt lengths, `1 <= lengths <= T`.
     The logits at `t < lengths[b]` are the forward pass's; whatever the cache held is replaced.
     Jitted (one compile per shape), and the cache passed in is donated: use the returned one.
-    Raises `ShapeError`/`TokenError` for bad tokens, lengths, `T` beyond the capacity (a ring,
-    `is_ring`, keeps each row's last `capacity` prompt positions instead), or (paged cache) a
-    stored prompt position whose page is not mapped in `cache.page_table`.
+    Raises `ShapeError`/`TokenError` for bad tokens, lengths, a cache of another depth than
+    the model's, `T` beyond the capacity (a ring, `is_ring`, keeps each row's last `capacity`
+    prompt positions instead), or (paged cache) a stored prompt position whose page is not
+    mapped in `cache.page_table`.
     """
     tokens_BT = check_tokens(tokens, cfg)
     b, t = tokens_BT.shape
@@ -230,8 +254,9 @@ def decode_step(params: dict, token, cfg: ModelConfig, cache) -> tuple:
     Jitted once per (batch, capacity); the cache passed in is donated: use the returned one.
     Raises `TokenError` for ids outside the vocabulary and `ShapeError` when a row's cache is
     full (its next position would reach the capacity or the context length C; a paged cache's
-    capacity, a whole number of pages, can exceed C; a ring is full only at C) or, with a paged
-    cache, when the page of a row's slot is not mapped in `cache.page_table`.
+    capacity, a whole number of pages, can exceed C; a ring is full only at C), for a cache of
+    another depth than the model's, or, with a paged cache, when the page of a row's slot is
+    not mapped in `cache.page_table`.
     """
     token_B = check_tokens(np.asarray(token).reshape(-1, 1), cfg)[:, 0]
     lengths_B = np.asarray(cache.lengths)  # one small host copy: the checks need the values
@@ -241,6 +266,13 @@ def decode_step(params: dict, token, cfg: ModelConfig, cache) -> tuple:
 
 
 def _check_cache(cache, batch: int, last_position: int, cfg: ModelConfig) -> None:
+    if cache.keys.shape[0] != cfg.n_layers:  # the scan would fail deep inside, unnamed
+        raise ShapeError.describe(
+            "cache layers (keys.shape[0])",
+            cache.keys.shape[0],
+            f"{cfg.n_layers} (model.n_layers)",
+            "init the cache with the model's config",
+        )
     if cache.lengths.shape != (batch,):
         raise ShapeError.describe(
             "cache batch", cache.lengths.shape[0], f"{batch} (the token batch)", "init_cache(B)"
@@ -267,8 +299,7 @@ def _check_mapped(cache, cfg: ModelConfig, first_B: np.ndarray, stop_B: np.ndarr
     stored (a ring keeps only the last `capacity` of a prompt) must have a page."""
     if not isinstance(cache, PagedKVCache):
         return
-    table_BM, size = np.asarray(cache.page_table), cache.page_size
-    num_pages = cache.keys[0].shape[0]
+    table_BM, size, num_pages = np.asarray(cache.page_table), cache.page_size, cache.num_pages
     for b in range(table_BM.shape[0]):
         first = max(int(first_B[b]), int(stop_B[b]) - cache.capacity)
         positions = np.arange(first, int(stop_B[b]))

@@ -1,7 +1,8 @@
 """A paged KV cache (docs/decoding.md): fixed-size pages from one pool, a page table per sequence.
 
-Layout, per layer: `keys[i]`, `values[i]` `[P, page_size, Hkv, Dh]` (a pool of P pages of the
-model's `cfg.kv_heads` key/value heads); `page_table [B, M]` int32 maps row b's slot j (its
+Layout, stacked over layers like the blocks: `keys`, `values` `[N, P, page_size, Hkv, Dh]` (layer
+i's pool, `keys[i]`, is P pages of the model's `cfg.kv_heads` key/value heads; every layer
+uses the same page numbers); `page_table [B, M]` int32 maps row b's slot j (its
 position j, or with a sliding window `j % capacity`: `kv_cache.slots_of`) to page
 `page_table[b, j // page_size]`, offset `j % page_size`; an entry outside `[0, P)` (P is the
 sentinel) means "no page": writes there are dropped and reads give zeros (always masked out: a
@@ -61,38 +62,46 @@ from lmjax.models import ModelConfig
 
 
 class PagedKVCache(NamedTuple):
-    """Pool `keys[i]`, `values[i]` `[P, page, Hkv, Dh]`, `page_table [B, M]`, `lengths [B]`."""
+    """Pools `keys`, `values` `[N, P, page, Hkv, Dh]`, `page_table [B, M]`, `lengths [B]`."""
 
-    keys: tuple
-    values: tuple
+    keys: jax.Array
+    values: jax.Array
     page_table: jax.Array
     lengths: jax.Array
 
     @property
+    def num_pages(self) -> int:
+        return self.keys.shape[1]
+
+    @property
     def page_size(self) -> int:
-        return self.keys[0].shape[1]
+        return self.keys.shape[2]
 
     @property
     def capacity(self) -> int:
         return self.page_table.shape[1] * self.page_size
 
-    def store(self, layer: int, k_BTHK, v_BTHK, slots_BT) -> PagedKVCache:
-        """Write each token's k, v into its row's page for its slot `slots [B, T]` (dropped if
-        the page is unmapped or the slot >= capacity)."""
-        num_pages, page = self.keys[0].shape[:2]
+    def store(self, layer, k_BTHK, v_BTHK, slots_BT) -> PagedKVCache:
+        """Write layer `layer`'s (an int, or a traced index in a scan) k, v of each token into
+        its row's page for its slot `slots [B, T]` (dropped if the page is unmapped or the
+        slot >= capacity). In place under jit: one scatter."""
         page_BT = jnp.take_along_axis(
-            self.page_table, slots_BT // page, axis=1, mode="fill", fill_value=num_pages
+            self.page_table,
+            slots_BT // self.page_size,
+            axis=1,
+            mode="fill",
+            fill_value=self.num_pages,
         )
-        offset_BT = slots_BT % page
+        offset_BT = slots_BT % self.page_size
 
-        def put(stack, new_BTHK):
-            slab = stack[layer].at[page_BT, offset_BT].set(new_BTHK, mode="drop")
-            return stack[:layer] + (slab,) + stack[layer + 1 :]
+        def put(stack_NPLHK, new_BTHK):
+            return stack_NPLHK.at[layer, page_BT, offset_BT].set(new_BTHK, mode="drop")
 
         return self._replace(keys=put(self.keys, k_BTHK), values=put(self.values, v_BTHK))
 
-    def read(self, layer: int) -> tuple:
-        """Row b's pages in table order: `[B, M * page, Hkv, Dh]`, in slot order."""
+    def read(self, layer) -> tuple:
+        """Layer `layer`'s pages of row b in table order: `[B, M * page, Hkv, Dh]`, in slot
+        order, for keys and for values."""
 
         def gather(pool_PLHK):
             pages_BMLHK = jnp.take(pool_PLHK, self.page_table, axis=0, mode="fill", fill_value=0)
@@ -120,9 +129,9 @@ def init_paged_cache(
             f"an int in [1, {cfg.context_length}] (context_length)",
             "pass a capacity the model can hold",
         )
-    shape = (num_pages, page_size, cfg.kv_heads, cfg.d_head)
-    # Distinct buffers for every layer's keys and values: the steps donate each one.
-    zeros = [tuple(jnp.zeros(shape, cfg.compute_dtype) for _ in range(cfg.n_layers)) for _ in "kv"]
+    shape = (cfg.n_layers, num_pages, page_size, cfg.kv_heads, cfg.d_head)
+    # Two distinct buffers, keys and values: the steps donate each one.
+    zeros = [jnp.zeros(shape, cfg.compute_dtype) for _ in "kv"]
     table = jnp.full((batch, math.ceil(capacity / page_size)), num_pages, jnp.int32)
     return PagedKVCache(*zeros, table, jnp.zeros((batch,), jnp.int32))
 

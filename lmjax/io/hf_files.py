@@ -7,6 +7,12 @@
     read_headers(files, rename) -> entries  {name: (file, key, dtype, shape)}, no tensor read
     read_state(entries) -> {name: numpy}   the tensors, read once their shapes were checked
     check_finite(state, where)             no NaN/inf in a float weight
+    stacked_params(flat, dtype) -> params  per-layer names (`blocks.{i}.…`) -> the stacked tree
+    per_layer_flat(params) -> {name: numpy}  the inverse, for export
+
+Every family maps names layer by layer (`blocks.{i}.…` <-> `h.{i}.…`), as the files hold them;
+the model's tree stores its blocks stacked (`lmjax.params`), so the layers are stacked at the
+boundary: after the mapping on import, and unstacked before it on export.
 
 Every failure is one `lmjax.errors` line naming the file. The family modules (hf_gpt2,
 hf_llama) map names and configs; nothing here knows a model.
@@ -19,6 +25,8 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import safetensors
 
@@ -203,3 +211,17 @@ def check_export_dtypes(params: dict, cfg: ModelConfig) -> None:
                 "cast the params to cfg.param_dtype, or export with a config whose param_dtype "
                 "matches them",
             )
+
+
+def stacked_params(flat: dict[str, np.ndarray], dtype: str) -> dict:
+    """The model tree of a family's flat per-layer tensors (`blocks.{i}.…`, numpy): the
+    layers stacked into `[N, ...]` leaves (`lmjax.params.stack`), each a jax array of `dtype`."""
+    stacked = ptree.stack(ptree.unflatten(flat))  # numpy: stacked on the host
+    return jax.tree.map(lambda a: jnp.asarray(a, dtype=dtype), stacked)
+
+
+def per_layer_flat(params: dict) -> dict[str, np.ndarray]:
+    """A model tree's tensors under their per-layer names (`blocks.{i}.…`), as numpy: what a
+    family maps to its file's names (the inverse of `stacked_params`, dtype kept)."""
+    host = jax.tree.map(np.asarray, params)  # one transfer a stacked leaf; slices are views
+    return ptree.flatten(ptree.unstack(host))

@@ -22,6 +22,10 @@ The mapping, for block i (D = d_model; HF's Conv1D stores its weight [in, out], 
     h.i.mlp.c_proj.{weight,bias}    -> blocks.i.feed_forward.project    (weight^T)
     ln_f.{weight,bias}              -> final_norm.{scale,bias}
 
+`blocks.i.…` are the per-layer names; the model stores its blocks stacked (`[N, ...]` leaves,
+`lmjax.params`), so `load` stacks the layers after the mapping and `save` unstacks them before
+it (`hf_files.stacked_params`, `hf_files.per_layer_flat`).
+
 Keys may carry the `transformer.` prefix (what `save_pretrained` writes) or not (the hub's
 original `gpt2` files). `h.i.attn.bias` / `h.i.attn.masked_bias` are causal-mask buffers, not
 parameters, and are ignored. A `lm_head.weight`, if present, must equal `wte.weight`. Every
@@ -36,7 +40,6 @@ import os
 import re
 from pathlib import Path
 
-import jax.numpy as jnp
 import numpy as np
 
 from lmjax import params as ptree
@@ -320,8 +323,7 @@ def load(
     state = hf_files.read_state(entries)
     hf_files.check_finite(state, path)
     hf_files.check_tied(state, "lm_head.weight", "wte.weight", path)
-    flat = to_lmjax(state, cfg)
-    params = ptree.unflatten({name: jnp.asarray(a, dtype=dtype) for name, a in flat.items()})
+    params = hf_files.stacked_params(to_lmjax(state, cfg), dtype)
     check_params(params, cfg)
     return params, cfg
 
@@ -333,8 +335,7 @@ def save(params: dict, cfg: ModelConfig, out_dir: str | os.PathLike) -> None:
     hf_files.check_export_dtypes(params, cfg)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    flat = {name: np.asarray(a) for name, a in ptree.flatten(params).items()}
-    state = {f"transformer.{k}": a for k, a in to_hf(flat, cfg).items()}
+    state = {f"transformer.{k}": a for k, a in to_hf(hf_files.per_layer_flat(params), cfg).items()}
     st.save(ptree.unflatten(state), out_dir / "model.safetensors", metadata={"format": "pt"})
     atomic_write_text(out_dir / "config.json", json.dumps(hf, indent=2) + "\n")
 

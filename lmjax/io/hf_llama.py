@@ -18,6 +18,9 @@ pairs (i, i + Dh/2) in RoPE (rotate-half), so every tensor maps by name alone. F
     model.norm.weight                              -> final_norm.scale
     lm_head.weight [V, D]                          -> language_model_head.weight (untied only)
 
+`blocks.i.…` are per-layer names: `load` stacks the layers into the model's `[N, ...]` leaves
+after the mapping, `save` unstacks them before it (`hf_files.stacked_params`).
+
 A tied checkpoint may store lm_head.weight too; it must equal the embedding. Rotary `inv_freq`
 buffers of old checkpoints are ignored. Which biases exist is `hf_llama_config.Layout`.
 """
@@ -28,7 +31,6 @@ import json
 import os
 from pathlib import Path
 
-import jax.numpy as jnp
 import numpy as np
 
 from lmjax import params as ptree
@@ -36,7 +38,7 @@ from lmjax.files import atomic_write_text
 from lmjax.io import hf_files
 from lmjax.io import safetensors as st
 from lmjax.io.hf_llama_config import Layout, choose_layout, config_from_hf, config_to_hf
-from lmjax.models import ModelConfig, check_params, declare
+from lmjax.models import ModelConfig, check_params, declare_layers
 
 EMBEDDING, HEAD = "model.embed_tokens.weight", "lm_head.weight"
 _ATTENTION = {"q_proj": "query", "k_proj": "key", "v_proj": "value"}
@@ -101,7 +103,7 @@ def _check_shapes(shapes: dict, cfg: ModelConfig, layout: Layout, where: Path) -
 def _to_lmjax(state: dict, cfg: ModelConfig, layout: Layout) -> dict[str, np.ndarray]:
     """Flat lmjax names; a bias lmjax declares and the family lacks is zero (`Layout`)."""
     flat = {ours: state[hf] for hf, ours, _ in tensor_names(cfg, layout)}
-    for name, spec in declare(cfg).items():
+    for name, spec in declare_layers(cfg).items():
         if name not in flat:  # only biases: every weight has its HF tensor
             flat[name] = np.zeros(spec.shape, np.float32)
     return flat
@@ -119,8 +121,7 @@ def load(path: Path, hf: dict, files: list[Path], dtype: str, where: str):
     hf_files.check_finite(state, path)
     if layout.tied:
         hf_files.check_tied(state, HEAD, EMBEDDING, path)
-    flat = _to_lmjax(state, cfg, layout)
-    params = ptree.unflatten({name: jnp.asarray(a, dtype=dtype) for name, a in flat.items()})
+    params = hf_files.stacked_params(_to_lmjax(state, cfg, layout), dtype)
     check_params(params, cfg)
     return params, cfg
 
@@ -139,7 +140,7 @@ def save(params: dict, cfg: ModelConfig, out_dir: str | os.PathLike) -> str:
     """Write `out_dir/config.json` and `model.safetensors` that `AutoModelForCausalLM` loads;
     returns the family written. A config no family expresses is a ConfigError."""
     hf_files.check_export_dtypes(params, cfg)
-    flat = {name: np.asarray(a) for name, a in ptree.flatten(params).items()}
+    flat = hf_files.per_layer_flat(params)
     layout = choose_layout(cfg, _nonzero(flat, cfg))
     hf = config_to_hf(cfg, layout)
     dtype = np.dtype(cfg.params_dtype)

@@ -4,6 +4,13 @@
     load(path, expected=None) -> params    nested dict of jax arrays; `expected` (a ModelConfig
                                            or a tree of arrays / ShapeDtypeStructs, e.g. a LoRA
                                            adapter tree) is checked name by name
+    is_per_layer(path, expected) -> bool   whether `load` will stack the file's per-layer blocks
+
+A model's blocks are stored stacked (`lmjax.params`: `blocks.attention.query.weight [N, ...]`),
+and `save` writes whatever tree it is given, so a model file holds the stacked names. A file
+written before the blocks were stacked holds per-layer names (`blocks.0.attention.query.weight`):
+loaded against a stacked `expected`, it is checked against the per-layer names and shapes and
+its layers are stacked (`lmjax.params.stack`), so both kinds of file load into the same tree.
     read_header(path) -> (entries, metadata)   the validated header alone
 
 64-bit tensors (F64, I64, U64) load as numpy arrays while jax runs without x64
@@ -27,6 +34,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import stat
 import struct
 from collections import Counter
@@ -275,15 +283,46 @@ def report_mismatches(
         )
 
 
+_LAYER_NAME = re.compile(re.escape(ptree.STACKED) + r"\.\d+\.")  # blocks.{i}.…
+
+
+def _stacks_layers(found: Mapping, want: Mapping) -> bool:
+    """Whether a file of names `found` holds per-layer blocks where `want` has stacked ones."""
+    stacked = any(ptree.is_stacked(name) for name in want)
+    return stacked and any(_LAYER_NAME.match(name) for name in found)
+
+
+def _per_layer_specs(want: Mapping[str, tuple]) -> dict[str, tuple]:
+    """`want` with each stacked `(dtype, [N, *shape])` as N per-layer `(dtype, shape)` entries
+    under `blocks.{i}.…` (a `ModelConfig`'s: `declare_layers`)."""
+    out = {}
+    for name, (dtype, shape) in want.items():
+        if ptree.is_stacked(name) and shape:
+            out |= {each: (dtype, tuple(shape[1:])) for each in ptree.layer_names(name, shape[0])}
+        else:
+            out[name] = (dtype, shape)
+    return out
+
+
 def check_against(path: Path, found: dict, expected) -> None:
-    """Raise `CheckpointError` listing every missing, unexpected or mis-shaped/typed name."""
+    """Raise `CheckpointError` listing every missing, unexpected or mis-shaped/typed name.
+
+    A file of per-layer blocks is checked against the per-layer names of a stacked `expected`
+    (the module docstring)."""
+    want = _expected_specs(expected)
+    what = "the names, shapes and dtypes of the model being loaded"
+    if _stacks_layers(found, want):
+        want = _per_layer_specs(want)
+        what += " (per layer: the file holds blocks.{i}.* names, saved before they were stacked)"
     report_mismatches(
-        path,
-        found,
-        _expected_specs(expected),
-        "the names, shapes and dtypes of the model being loaded",
-        "load it with the config it was saved from (or convert it first)",
+        path, found, want, what, "load it with the config it was saved from (or convert it first)"
     )
+
+
+def is_per_layer(path: str | os.PathLike, expected) -> bool:
+    """Whether the file at `path` holds per-layer blocks that `load(path, expected)` stacks
+    (a file written before the blocks were stacked; the module docstring)."""
+    return _stacks_layers(read_header(path)[0], _expected_specs(expected))
 
 
 def _as_array(value: np.ndarray):
@@ -299,10 +338,13 @@ def load(path: str | os.PathLike, expected=None) -> dict:
 
     `expected` is a `ModelConfig` (names and shapes from `declare`, dtype `param_dtype`) or a
     pytree of arrays / `jax.ShapeDtypeStruct`s. A mismatch raises `CheckpointError` naming every
-    offending parameter; a malformed file raises `FileFormatError` naming the file.
+    offending parameter; a malformed file raises `FileFormatError` naming the file. A file of
+    per-layer blocks loads stacked when `expected` is stacked (the module docstring); without
+    `expected` the tree is the file's, as named.
     """
     path = Path(path)
     found, _ = read_header(path)
+    stack = expected is not None and _stacks_layers(found, _expected_specs(expected))
     if expected is not None:
         check_against(path, found, expected)
     try:  # names that no nested dict can hold ("a" and "a.b", "", "a..b"), before any read
@@ -314,7 +356,7 @@ def load(path: str | os.PathLike, expected=None) -> dict:
             flat = {name: _as_array(handle.get_tensor(name)) for name in handle.keys()}
     except (safetensors.SafetensorError, OSError, ValueError) as err:
         raise _bad(path, "contents", str(err), "a readable safetensors file") from None
-    return ptree.unflatten(flat)
+    return ptree.stack(ptree.unflatten(flat)) if stack else ptree.unflatten(flat)
 
 
 def metadata(path: str | os.PathLike) -> dict[str, str]:
@@ -325,6 +367,7 @@ def metadata(path: str | os.PathLike) -> dict[str, str]:
 __all__ = [
     "DTYPES",
     "check_against",
+    "is_per_layer",
     "load",
     "metadata",
     "read_header",

@@ -35,7 +35,14 @@ from lmjax.models.config import (
     ModelConfig,
     preset,
 )
-from lmjax.models.layout import ParamSpec, abstract_params, check_params, declare, init
+from lmjax.models.layout import (
+    ParamSpec,
+    abstract_params,
+    check_params,
+    declare,
+    declare_layers,
+    init,
+)
 from lmjax.models.projection import project
 from lmjax.models.segments import segment_positions
 from lmjax.models.summary import (
@@ -77,6 +84,7 @@ __all__ = [
     "check_params",
     "check_tokens",
     "declare",
+    "declare_layers",
     "dot_product_attention",
     "embed",
     "features",

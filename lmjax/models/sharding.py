@@ -39,13 +39,17 @@ def batch_axes(mesh_shape: Mapping[str, int]) -> tuple[str, ...]:
     return tuple(a for a in BATCH_AXES if mesh_shape.get(a, 1) > 1)
 
 
-def rows_on_mesh(x_B: jax.Array) -> jax.Array:
-    """`x_B` (batch first, any rank) pinned to the context mesh's batch axes; else itself."""
+def rows_on_mesh(x_B: jax.Array, *, rest: str = "replicated") -> jax.Array:
+    """`x_B` (batch first, any rank) pinned to the context mesh's batch axes; else itself.
+
+    `rest="free"` pins the batch axis only and leaves the others to XLA (a projection's output
+    may stay split over heads or MLP columns on a "model" axis)."""
     shape = context_mesh_shape()
     if shape is None:
         return x_B
     axes = batch_axes(shape)
     if not axes or x_B.shape[0] % math.prod(shape[a] for a in axes):
         return x_B
-    spec = PartitionSpec(axes, *([None] * (x_B.ndim - 1)))
+    other = None if rest == "replicated" else PartitionSpec.UNCONSTRAINED
+    spec = PartitionSpec(axes, *([other] * (x_B.ndim - 1)))
     return jax.lax.with_sharding_constraint(x_B, spec)

@@ -13,6 +13,11 @@ segment and positions restart at 0 at each segment's first token.
 Dropout (rate `cfg.dropout`, only when a `dropout_key` is given) is applied to the embedding
 sum and to each residual branch's output. Loss and optimizer live outside the model.
 
+Layers. The blocks' parameters are stored stacked (`params["blocks"]` leaves `[N, ...]`,
+lmjax.params). With `cfg.scan_layers` (the default) the N blocks run as one `lax.scan` whose
+body is one block, so the program holds one block whatever N is; otherwise a Python loop runs
+block i on the i-th slice of the same tree. Both give the same values (tests/test_scan_layers.py).
+
 Decoding (`lmjax.generate`) reuses these pieces rather than a copy: `embed` and `project_qkv`
 take explicit positions, and `cached_block` is `block` with the attention core (`attend`)
 swapped for one that stores k, v in a KV cache and attends over it.
@@ -26,6 +31,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 from lmjax import ops
 from lmjax.checks import check_token_ids, is_concrete, require
@@ -72,11 +78,13 @@ def project_qkv(cfg: ModelConfig, p: dict, h_BTD: jax.Array, positions_BT=None) 
     cached keys keep the rotation of their own slot.
     """
     b, t, _ = h_BTD.shape
-    linear = _linear(cfg)
-    q_BTHDh = linear(p["query"], h_BTD).reshape(b, t, cfg.n_heads, cfg.d_head)
-    k_BTHDh, v_BTHDh = (
-        linear(p[name], h_BTD).reshape(b, t, cfg.kv_heads, cfg.d_head) for name in ("key", "value")
-    )
+
+    def linear(name, heads):  # named for the remat policies (config.ATTENTION_PROJECTIONS)
+        y = _saved(_linear(cfg)(p[name], h_BTD), f"{name}_proj")
+        return y.reshape(b, t, heads, cfg.d_head)
+
+    q_BTHDh = linear("query", cfg.n_heads)
+    k_BTHDh, v_BTHDh = linear("key", cfg.kv_heads), linear("value", cfg.kv_heads)
     if cfg.qk_norm:
         rms_norm = _op(cfg, "rms_norm")
         q_BTHDh = rms_norm(q_BTHDh, p["query_norm"]["scale"], cfg.eps)
@@ -110,16 +118,26 @@ def _attention(cfg: ModelConfig, p: dict, h_BTD: jax.Array, positions_BT, attend
     q_BTHDh, k_BTHDh, v_BTHDh = project_qkv(cfg, p, h_BTD, positions_BT)
     out_BTHDh, aux = attend_fn(cfg, q_BTHDh, k_BTHDh, v_BTHDh)
     b, t, _ = h_BTD.shape
-    return _linear(cfg)(p["output"], out_BTHDh.reshape(b, t, cfg.q_features)), aux
+    y_BTD = _linear(cfg)(p["output"], out_BTHDh.reshape(b, t, cfg.q_features))
+    return _saved(y_BTD, "out_proj"), aux
+
+
+def _saved(y_BT_: jax.Array, name: str) -> jax.Array:
+    """A projection's output, named for the remat policies and pinned to the device's own
+    batch rows on a mesh: a scanned model hands what the backward keeps to it in `[N, ...]`
+    buffers, which take this layout (unpinned, XLA laid them out whole on every device)."""
+    return checkpoint_name(rows_on_mesh(y_BT_, rest="free"), name)
 
 
 def _feed_forward(cfg: ModelConfig, p: dict, x_BTD: jax.Array) -> jax.Array:
-    linear = _linear(cfg)
+    def linear(name, x, tag):  # named for the remat policies (config.MLP_PROJECTIONS)
+        return _saved(_linear(cfg)(p[name], x), tag)
+
     if cfg.activation == "swiglu":
-        h_BTF = _op(cfg, "swiglu")(linear(p["gate"], x_BTD), linear(p["up"], x_BTD))
-        return linear(p["down"], h_BTF)
-    h_BTF = _op(cfg, cfg.activation)(linear(p["expand"], x_BTD))
-    return linear(p["project"], h_BTF)
+        h_BTF = _op(cfg, "swiglu")(linear("gate", x_BTD, "mlp_in"), linear("up", x_BTD, "mlp_in"))
+        return linear("down", h_BTF, "mlp_out")
+    h_BTF = _op(cfg, cfg.activation)(linear("expand", x_BTD, "mlp_in"))
+    return linear("project", h_BTF, "mlp_out")
 
 
 def _block(p, x_BTD, keys, cfg, positions_BT, attend_fn) -> tuple:
@@ -163,10 +181,46 @@ def _block_fn(cfg: ModelConfig):
     def fn(p, x_BTD, keys, segment_ids_BT, positions_BT):
         return block(p, x_BTD, keys, cfg, segment_ids_BT, positions_BT)
 
-    if cfg.remat == "none":
+    if cfg.remat_policy == "none":
         return fn
-    # prevent_cse keeps XLA from merging the recomputation back into the forward pass.
-    return jax.checkpoint(fn, policy=REMAT_POLICIES[cfg.remat], prevent_cse=True)
+    # Unrolled, prevent_cse keeps XLA from merging the recomputation back into the forward
+    # pass. Inside a scan the loop boundary already does, and the barriers it adds would only
+    # cost (jax.checkpoint's docs advise prevent_cse=False there).
+    policy = REMAT_POLICIES[cfg.remat_policy]
+    return jax.checkpoint(fn, policy=policy, prevent_cse=not cfg.scan_layers)
+
+
+def layer(blocks: dict, i: int) -> dict:
+    """Layer i's parameters: the i-th slice of every stacked leaf (NF4 weights included)."""
+    return jax.tree.map(lambda a: a[i], blocks)
+
+
+def layer_keys(dropout_key, cfg: ModelConfig) -> tuple:
+    """`(embedding key, per-layer keys [N, 2])`: `fold_in(dropout_key, j)` for j = 0 and
+    j = 1 .. 2N (layer i's attention and feed-forward get 2i + 1 and 2i + 2), or Nones without
+    dropout. Scanned and unrolled runs draw the same masks from them."""
+    if dropout_key is None or cfg.dropout == 0.0:
+        return None, (None, None)
+    fold = jax.vmap(jax.random.fold_in, in_axes=(None, 0))
+    keys = fold(dropout_key, jnp.arange(1, 2 * cfg.n_layers + 1))  # typed [2N] or raw [2N, 2]
+    keys_N2 = keys.reshape(cfg.n_layers, 2, *keys.shape[1:])
+    return jax.random.fold_in(dropout_key, 0), (keys_N2[:, 0], keys_N2[:, 1])
+
+
+def run_layers(cfg: ModelConfig, blocks: dict, x_BTD: jax.Array, step, per_layer=None):
+    """`x <- step(layer_params, x, per_layer_i)` for each layer in order: one `lax.scan` over
+    the stacked `blocks` (and the `[N, ...]` leaves of `per_layer`) when `cfg.scan_layers`, a
+    Python loop over their slices otherwise. `step` returns `(x, out_i)`; the outs come back
+    stacked `[N, ...]` (a KV cache's new entries, for instance), or None.
+    """
+    if cfg.scan_layers:
+        return jax.lax.scan(lambda x, xs: step(xs[0], x, xs[1]), x_BTD, (blocks, per_layer))
+    outs = []
+    for i in range(cfg.n_layers):
+        x_BTD, out = step(layer(blocks, i), x_BTD, layer(per_layer, i))
+        outs.append(out)
+    stacked = jax.tree.map(lambda *o: jnp.stack(o), *outs) if outs[0] is not None else None
+    return x_BTD, stacked
 
 
 def embed(p: dict, tokens_BT: jax.Array, cfg: ModelConfig, positions_BT=None) -> jax.Array:
@@ -297,14 +351,14 @@ def features(params: dict, tokens, cfg: ModelConfig, *, dropout_key=None, segmen
     positions_BT = None if segment_ids_BT is None else segment_positions(segment_ids_BT)
     check_params(params, cfg)
     p = cast(params, cfg.compute_dtype)
-    keys = [None] * (2 * cfg.n_layers + 1)
-    if dropout_key is not None and cfg.dropout > 0.0:
-        keys = [jax.random.fold_in(dropout_key, i) for i in range(len(keys))]
+    embed_key, keys_N = layer_keys(dropout_key, cfg)
     # On a mesh the residual stream stays on each device's own batch rows (models.sharding).
-    x_BTD = rows_on_mesh(_dropout(cfg, keys[0], embed(p, tokens_BT, cfg, positions_BT)))
+    x_BTD = rows_on_mesh(_dropout(cfg, embed_key, embed(p, tokens_BT, cfg, positions_BT)))
     run_block = _block_fn(cfg)
-    for i in range(cfg.n_layers):
-        keys_i = (keys[2 * i + 1], keys[2 * i + 2])
-        x_BTD = run_block(p["blocks"][str(i)], x_BTD, keys_i, segment_ids_BT, positions_BT)
-        x_BTD = rows_on_mesh(x_BTD)
+
+    def step(p_layer, x_BTD, keys):
+        x_BTD = run_block(p_layer, x_BTD, keys, segment_ids_BT, positions_BT)
+        return rows_on_mesh(x_BTD), None
+
+    x_BTD, _ = run_layers(cfg, p["blocks"], x_BTD, step, keys_N)
     return p, _norm(cfg, p["final_norm"], x_BTD)

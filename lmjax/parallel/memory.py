@@ -3,8 +3,12 @@
 Each parameter and optimizer-state leaf is split by its sharding rule (`rules.py`), so a device
 holds `prod(shard_shape)` elements of it; gradients are laid out like the parameters. The
 activations are `lmjax.models.residual_bytes` for the per-device share of the micro-batch,
-`batch / (data x fsdp)`: tensor parallelism (`model`) splits some of them further, which this
-leaves out, so the activation figure is an upper bound when model > 1.
+`batch / (data x fsdp)` (with a remat policy, plus `recompute_bytes`: one block recomputed),
+and the fused head's working set on an accelerator: two float32 `[chunk, V]` tiles (the
+logits' exponentials and their gradient; `lmjax.ops.fused_head.accelerator_chunk` rows, up to
+1 GiB each), which the TPU compiler's buffer assignment showed as the largest temporaries of a
+GPT-2 124M step. Tensor parallelism (`model`) splits some of them further, which this leaves
+out, so the activation figure is an upper bound when model > 1.
 """
 
 from __future__ import annotations
@@ -12,7 +16,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from lmjax.models import ModelConfig, abstract_params, residual_bytes
-from lmjax.models.summary import MemoryEstimate, human_bytes, memory_rows
+from lmjax.models.summary import MemoryEstimate, human_bytes, memory_rows, recompute_bytes
+from lmjax.ops.fused_head import accelerator_chunk
 from lmjax.parallel.mesh import check_batch
 from lmjax.parallel.rules import per_device_bytes, state_specs
 
@@ -27,7 +32,9 @@ def device_memory(
     param_bytes = per_device_bytes(params, state_specs(params, cfg, mesh_shape), mesh_shape)
     opt_bytes = per_device_bytes(opt_state, state_specs(opt_state, cfg, mesh_shape), mesh_shape)
     rows = batch // (mesh_shape["data"] * mesh_shape["fsdp"])
-    return MemoryEstimate(param_bytes, param_bytes, opt_bytes, residual_bytes(cfg, rows, seq_len))
+    activations = residual_bytes(cfg, rows, seq_len) + recompute_bytes(cfg, rows, seq_len)
+    head = 2 * 4 * cfg.vocab_size * accelerator_chunk(rows * seq_len, cfg.vocab_size)
+    return MemoryEstimate(param_bytes, param_bytes, opt_bytes, activations + head)
 
 
 def format_device_memory(

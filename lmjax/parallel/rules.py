@@ -1,8 +1,8 @@
 """Sharding rules: parameter name -> `PartitionSpec`, derived from the parameter declaration.
 
 `lmjax.models.declare(cfg)` gives every parameter's logical axes (`vocab`, `context`, `embed`,
-`heads`, `kv_heads`, `head_dim`, `mlp`); `LOGICAL_TO_MESH` maps each logical axis to a mesh
-axis, so the rules are one table, not a second list of parameter names:
+`heads`, `kv_heads`, `head_dim`, `mlp`, `layers`); `LOGICAL_TO_MESH` maps each logical axis to a
+mesh axis, so the rules are one table, not a second list of parameter names:
 
     embed -> fsdp     every weight, embedding and norm scale is split along d_model (FSDP)
     heads -> model    query/key/value rows and output columns: tensor parallel attention
@@ -10,10 +10,11 @@ axis, so the rules are one table, not a second list of parameter names:
     head_dim -> replicated (the q/k norm scales)
     mlp   -> model    expand/gate/up rows and project/down columns: tensor parallel MLP
     vocab, context -> replicated
+    layers -> replicated (the stacked blocks' leading axis: a scan slices it on every device)
 
-e.g. `blocks.0.attention.query.weight [heads, embed]` -> `P("model", "fsdp")` and
-`blocks.0.feed_forward.project.weight [embed, mlp]` -> `P("fsdp", "model")`, the Megatron
-column/row split, so a block needs one reduction over `model` per projection pair.
+e.g. `blocks.attention.query.weight [layers, heads, embed]` -> `P(None, "model", "fsdp")` and
+`blocks.feed_forward.project.weight [layers, embed, mlp]` -> `P(None, "fsdp", "model")`, the
+Megatron column/row split, so a block needs one reduction over `model` per projection pair.
 
 A dimension that its mesh axis does not divide evenly (d_model 100 on fsdp=8) is replicated
 instead of padded: the tensor stays correct and only that dimension loses the memory saving;
@@ -29,7 +30,9 @@ float weight's spec (`fsdp` and `model`), when that divides the blocks evenly:
     packed [ceil(N/2)] -> P(axes)   qabsmax [ceil(N/64)] -> P(axes)   absmax2, offset -> P()
 
 so each device holds whole blocks and their scales (N/n weights at 4.127 bits); the few
-double-quantization scales are replicated. Dequantization is elementwise per block, so XLA
+double-quantization scales are replicated. A stacked NF4 weight (the blocks': each array leads
+with the layer axis) keeps that axis whole and splits each layer's flat axis the same way,
+`packed [L, ceil(N/2)] -> P(None, axes)`. Dequantization is elementwise per block, so XLA
 gathers the float weight where it is used, as it gathers an FSDP float weight.
 """
 
@@ -53,6 +56,7 @@ LOGICAL_TO_MESH: dict[str, str | None] = {
     "kv_heads": "model",
     "head_dim": None,
     "mlp": "model",
+    "layers": None,  # the stacked blocks' layer axis: every device holds every layer's slice
 }
 
 
@@ -102,7 +106,7 @@ def tree_specs(
 
     def leaf_spec(path, leaf):
         name = _param_name(path)
-        if name in named and tuple(leaf.shape) == tuple(shapes[name]):
+        if name in named and _stored_shape(leaf) == tuple(shapes[name]):
             if isinstance(leaf, QuantizedWeight):
                 return nf4_specs(leaf, named[name], mesh_shape)
             return named[name]
@@ -114,16 +118,26 @@ def tree_specs(
     return jax.tree_util.tree_map_with_path(leaf_spec, tree, is_leaf=is_nf4)
 
 
+def _stored_shape(leaf) -> tuple[int, ...]:
+    """A leaf's shape as `declare` states it: a stacked NF4 weight's layers, then one layer's."""
+    if isinstance(leaf, QuantizedWeight):
+        return (*leaf.lead_shape, *leaf.shape)
+    return tuple(leaf.shape)
+
+
 def nf4_specs(qw, float_spec: PartitionSpec, mesh_shape: Mapping[str, int] | None):
     """The specs of an NF4 weight's four arrays (module docstring): its flat codes and block
     scales split over the mesh axes of `float_spec` (its float weight's spec) when n = their
     product divides the blocks (ceil(N/64) % n == 0 and N % 64 == 0, so no block straddles two
-    devices), else replicated; absmax2 and offset replicated."""
-    axes = tuple(a for entry in float_spec if entry for a in _names(entry))
+    devices), else replicated; absmax2 and offset replicated. A stacked weight's leading layer
+    axis is never split (`layers`): each layer's flat axis is split as one weight's would be."""
+    lead = len(qw.lead_shape)
+    axes = tuple(a for entry in tuple(float_spec)[lead:] if entry for a in _names(entry))
     n = math.prod((mesh_shape or {}).get(a, 1) for a in axes)
     blocks = -(-qw.size // BLOCK)
     split = n > 1 and qw.size % BLOCK == 0 and blocks % n == 0
-    flat = PartitionSpec(axes if len(axes) > 1 else axes[0]) if split else PartitionSpec()
+    layers = (None,) * lead
+    flat = PartitionSpec(*layers, axes if len(axes) > 1 else axes[0]) if split else PartitionSpec()
     return dataclasses.replace(
         qw, packed=flat, qabsmax=flat, absmax2=PartitionSpec(), offset=PartitionSpec()
     )

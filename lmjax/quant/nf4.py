@@ -142,6 +142,11 @@ class QuantizedWeight:
     [ceil(N/16384)], `offset` f32 []. Static (pytree aux data): the original `shape` and
     `dtype`. `shape`, `dtype`, `size` and `ndim` describe the original weight, so code that
     only reads shapes (parameter counts, shape checks) treats it like the array it replaces.
+
+    Stacked (`quantize_layers`: a model's stacked blocks, `lmjax.params`): the four arrays lead
+    with the layer count L (`lead_shape == (L,)`, each layer quantized on its own) while `shape`
+    stays one layer's; `jax.tree.map(lambda a: a[i], qw)` (what a scan over the blocks does)
+    gives layer i's weight. `weights` counts every layer's.
     """
 
     packed: jax.Array
@@ -158,6 +163,16 @@ class QuantizedWeight:
     @property
     def ndim(self) -> int:
         return len(self.shape)
+
+    @property
+    def lead_shape(self) -> tuple[int, ...]:
+        """The stacked axes before one weight's arrays: () for one weight, (L,) for L layers."""
+        return tuple(self.offset.shape)
+
+    @property
+    def weights(self) -> int:
+        """Weights stored, over every layer: `size` times the layers."""
+        return self.size * math.prod(self.lead_shape)
 
     @property
     def nbytes(self) -> int:
@@ -247,6 +262,18 @@ def quantize(w) -> QuantizedWeight:
     return QuantizedWeight(packed, qabsmax, absmax2, offset, shape=tuple(w.shape), dtype=w.dtype)
 
 
+def quantize_layers(w) -> QuantizedWeight:
+    """A stacked weight `[L, ...]` -> a stacked `QuantizedWeight`: each layer quantized on its own
+    (`quantize(w[i])`, the same bytes as a weight of its own), the arrays stacked on a leading
+    axis, `shape` one layer's (class docstring)."""
+    if np.ndim(w) < 2:
+        raise ShapeError.describe(
+            "stacked weight.shape", np.shape(w), "[layers, ...]", "pass a stacked weight"
+        )
+    layers = [quantize(w[i]) for i in range(np.shape(w)[0])]
+    return jax.tree.map(lambda *arrays: jnp.stack(arrays), *layers)
+
+
 def _raise_scale_overflow(w: jax.Array):
     """offset = mean(absmax) is a float32 sum, as bitsandbytes': finite weights near the float32
     limit overflow it to inf, and every dequantized weight would be NaN."""
@@ -312,14 +339,18 @@ def unpack_codes(packed: jax.Array, n: int) -> jax.Array:
 
 def dequantize(qw: QuantizedWeight, dtype=None) -> jax.Array:
     """`NF4[code] * absmax'` in float32, cast to `dtype` (default: the original dtype), with
-    the original shape. Materializes the full float weight: the kernel in
-    `pallas_kernels.nf4_matmul` does not."""
+    the original shape; a stacked weight gives `[L, *shape]`, each layer as its own weight
+    would. Materializes the full float weight: the kernel in `pallas_kernels.nf4_matmul` does
+    not."""
     if not isinstance(qw, QuantizedWeight):
         raise ShapeError.describe(
             "qw", type(qw).__name__, "a QuantizedWeight", "build one with lmjax.quant.quantize(w)"
         )
-    flat = _dequantize(qw.packed, qw.qabsmax, qw.absmax2, qw.offset, qw.size)
-    return flat.reshape(qw.shape).astype(qw.dtype if dtype is None else dtype)
+    one = functools.partial(_dequantize, n=qw.size)
+    for _ in qw.lead_shape:  # elementwise per block: vmapped, each layer's values unchanged
+        one = jax.vmap(one)
+    flat = one(qw.packed, qw.qabsmax, qw.absmax2, qw.offset)
+    return flat.reshape(*qw.lead_shape, *qw.shape).astype(qw.dtype if dtype is None else dtype)
 
 
 @functools.partial(jax.jit, static_argnums=4)
@@ -347,6 +378,7 @@ __all__ = [
     "dynamic_map_signed",
     "group_scale_of_blocks",
     "quantize",
+    "quantize_layers",
     "storage_bytes",
     "unpack_codes",
 ]

@@ -3,6 +3,12 @@
 Only the `[out, in]` weights of the attention and feed-forward projections are quantized:
 embeddings, norms, biases and the language-model head stay float (as in QLoRA, where the
 frozen base is NF4 but the input and output layers keep their precision).
+
+The blocks are stored stacked (`lmjax.params`): `blocks.attention.query.weight [N, out, in]`
+becomes one stacked `QuantizedWeight` whose layers are quantized one by one (the bytes each
+layer had as a weight of its own; `lmjax.quant.nf4.quantize_layers`), so patterns are globs over
+per-layer names (`blocks.*.attention.query.weight`) that pick a projection in every layer or in
+none.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ import numpy as np
 
 from lmjax import params as ptree
 from lmjax.errors import ShapeError
-from lmjax.quant.nf4 import QuantizedWeight, quantize
+from lmjax.quant.nf4 import QuantizedWeight, quantize, quantize_layers
 
 # Every projection of a block (GPT-2 style expand/project and Llama style gate/up/down).
 _PROJECTIONS = {
@@ -37,8 +43,11 @@ def quantize_params(params: Mapping, patterns: str | Iterable[str] | None = None
     (docs/fine-tuning.md), so selecting them is an error rather than a model that fails later.
     """
     chosen = LINEAR_WEIGHTS if patterns is None else patterns
-    selected = ptree.mask(params, chosen, require_match=patterns is not None)
-    if not any(jax.tree.leaves(selected)):
+    flat = ptree.flatten(params)
+    picked = {name: _picked(name, leaf, chosen) for name, leaf in flat.items()}
+    if patterns is not None:
+        ptree.mask(params, chosen, require_match=True)  # a pattern matching nothing: a typo
+    if not any(picked.values()):
         raise ShapeError.describe(
             "quantize_params patterns",
             chosen,
@@ -47,16 +56,18 @@ def quantize_params(params: Mapping, patterns: str | Iterable[str] | None = None
         )
 
     def convert(name, leaf):
-        if not ptree.matches(name, chosen):
+        if not picked[name]:
             return leaf
-        if isinstance(leaf, QuantizedWeight) or np.ndim(leaf) != 2:
+        stacked = ptree.is_stacked(name) and not isinstance(leaf, QuantizedWeight)
+        if isinstance(leaf, QuantizedWeight) or np.ndim(leaf) != 2 + stacked:
             raise ShapeError.describe(
                 f"parameter {name!r}",
                 type(leaf).__name__ if isinstance(leaf, QuantizedWeight) else np.shape(leaf),
-                "a 2-D [out, in] float weight that is not quantized yet",
+                "a 2-D [out, in] float weight (stacked: [layers, out, in]) that is not "
+                "quantized yet",
                 "narrow the patterns to linear weights",
             )
-        if not ptree.matches(name, LINEAR_WEIGHTS):
+        if not is_linear_weight(name, leaf):
             raise ShapeError.describe(
                 f"parameter {name!r}",
                 "not a block projection",
@@ -64,9 +75,41 @@ def quantize_params(params: Mapping, patterns: str | Iterable[str] | None = None
                 "head stay float",
                 "narrow the patterns to block projections, e.g. 'blocks.*.attention.*.weight'",
             )
-        return quantize(leaf)
+        return quantize_leaf(name, leaf)
 
     return ptree.map_with_names(convert, params)
+
+
+def is_linear_weight(name: str, leaf) -> bool:
+    """Whether the leaf is a block projection's weight (`LINEAR_WEIGHTS`; stacked: in every
+    layer), what `quantize_params` quantizes by default."""
+    return all(_as_tuple(ptree.layer_matches(name, leaf, LINEAR_WEIGHTS)))
+
+
+def quantize_leaf(name: str, leaf) -> QuantizedWeight:
+    """One weight in NF4: a stacked block leaf `[N, out, in]` layer by layer
+    (`quantize_layers`), any other `[out, in]` as it is (`quantize`)."""
+    return quantize_layers(leaf) if ptree.is_stacked(name) else quantize(leaf)
+
+
+def _as_tuple(chosen) -> tuple[bool, ...]:
+    return chosen if isinstance(chosen, tuple) else (chosen,)
+
+
+def _picked(name: str, leaf, patterns) -> bool:
+    """Whether `patterns` pick the leaf: a stacked one in every layer, or none (one stacked NF4
+    weight holds all of them)."""
+    chosen = _as_tuple(ptree.layer_matches(name, leaf, patterns))
+    if all(chosen) or not any(chosen):
+        return all(chosen)
+    layers = [i for i, on in enumerate(chosen) if on]
+    rest = name.removeprefix(ptree.STACKED + ".")
+    raise ShapeError.describe(
+        f"quantize_params patterns over {name}",
+        f"layers {layers} of {len(chosen)}",
+        "every layer of a projection or none (its layers are one stacked NF4 weight)",
+        f"quantize it in every layer, e.g. '{ptree.STACKED}.*.{rest}'",
+    )
 
 
 def _leaf_bytes(leaf) -> int:
@@ -90,11 +133,17 @@ def weight_bytes(params: Mapping) -> dict[str, int]:
     floats = sum(_leaf_bytes(leaf) for leaf in other)
     return {
         "quantized": stored,
-        "quantized_as_float": sum(q.size * np.dtype(q.dtype).itemsize for q in quant),
+        "quantized_as_float": sum(q.weights * np.dtype(q.dtype).itemsize for q in quant),
         "float": floats,
         "total": stored + floats,
-        "quantized_params": sum(q.size for q in quant),
+        "quantized_params": sum(q.weights for q in quant),  # every layer of a stacked weight
     }
 
 
-__all__ = ["LINEAR_WEIGHTS", "quantize_params", "weight_bytes"]
+__all__ = [
+    "LINEAR_WEIGHTS",
+    "is_linear_weight",
+    "quantize_leaf",
+    "quantize_params",
+    "weight_bytes",
+]

@@ -14,6 +14,13 @@ holds it and its optimizer state) and the frozen one (the step's `frozen` argume
     full (--full)  trained = the base's leaves matching  frozen = the leaves matching a `freeze`
                    no `freeze` glob (their base values)   glob (no gradient, no optimizer state)
 
+A stacked block leaf (`lmjax.params`: `blocks.attention.query.weight [N, ...]`) that a glob
+freezes in some layers only (`blocks.0.*`) is in both: trained, with its frozen layers' slices
+zero, and frozen, whole. `join` takes each layer from the frozen copy where frozen and from the
+trained one elsewhere (`jnp.where`), so the frozen slices are the base's bit for bit, their
+gradient is exactly zero (not counted in the global norm, as when they were leaves of their
+own), and a zero slice with a zero gradient stays zero under SGD, Adam and AdamW alike.
+
 `parts(spec, base)` gives `(init, frozen)` and `model_params(spec, frozen, trained)` the plain
 model (LoRA merged, or the two halves joined).
 """
@@ -31,7 +38,7 @@ import yaml
 
 from lmjax import lora
 from lmjax import params as ptree
-from lmjax.errors import CheckpointError
+from lmjax.errors import CheckpointError, ShapeError
 from lmjax.lora import LoraConfig
 from lmjax.quant.params import quantize_params
 from lmjax.train.rundir import RunDir
@@ -87,10 +94,12 @@ def read_spec(run: RunDir) -> FinetuneSpec:
 
 def fingerprint(params) -> str:
     """sha256 over the parameters' names, dtypes, shapes and bytes: the base's identity, however
-    its path is spelled (relative, through a symlink, moved)."""
+    its path is spelled (relative, through a symlink, moved). Taken layer by layer
+    (`lmjax.params.unstack`: `blocks.{i}.…`), so a base's fingerprint does not depend on how
+    its blocks are stored (fine-tunes recorded it before they were stacked)."""
     digest = hashlib.sha256()
-    for name, leaf in ptree.flatten(params).items():
-        array = np.asarray(jax.device_get(leaf))
+    host = jax.tree.map(lambda leaf: np.asarray(jax.device_get(leaf)), params)
+    for name, array in ptree.flatten(ptree.unstack(host)).items():
         digest.update(f"{name}:{array.dtype.str}:{array.shape};".encode())
         digest.update(np.ascontiguousarray(array).tobytes())
     return digest.hexdigest()
@@ -103,18 +112,59 @@ def frozen_params(base_params: dict, qlora: bool) -> dict:
 
 def partition(params: dict, freeze) -> tuple[dict, dict]:
     """`(trained, frozen)`: the leaves whose names match no `freeze` glob, and those matching
-    one (`lmjax.params.mask`), as two nested trees under the same names."""
-    frozen_mask = ptree.flatten(ptree.mask(params, tuple(freeze)))
-    flat = ptree.flatten(params)
-    trained = {name: leaf for name, leaf in flat.items() if not frozen_mask[name]}
-    return ptree.unflatten(trained), ptree.unflatten(
-        {name: leaf for name, leaf in flat.items() if frozen_mask[name]}
-    )
+    one (`lmjax.params.layer_matches`: stacked leaves by their per-layer names), as two nested
+    trees under the same names. A stacked leaf frozen in some layers only is in both: trained
+    with those slices zero, frozen whole (module docstring)."""
+    trained, frozen = {}, {}
+    for name, leaf in ptree.flatten(params).items():
+        layers = frozen_layers(name, leaf, freeze)
+        if layers is True:
+            frozen[name] = leaf
+        elif layers is False:
+            trained[name] = leaf
+        else:
+            trained[name], frozen[name] = _zero_layers(leaf, layers), leaf
+    return ptree.unflatten(trained), ptree.unflatten(frozen)
 
 
-def join(trained: dict, frozen: dict) -> dict:
-    """The inverse of `partition`: one tree holding the leaves of both."""
-    return ptree.unflatten(ptree.flatten(trained) | ptree.flatten(frozen))
+def frozen_layers(name: str, leaf, freeze) -> bool | tuple[bool, ...]:
+    """Whether `freeze` freezes the leaf: a bool, or for a stacked leaf frozen in some layers
+    only, one bool per layer."""
+    chosen = ptree.layer_matches(name, leaf, tuple(freeze))
+    if isinstance(chosen, tuple) and (all(chosen) or not any(chosen)):
+        return all(chosen)
+    return chosen
+
+
+def _layer_mask(layers: tuple[bool, ...], ndim: int) -> np.ndarray:
+    """`[N, 1, ...]`: True on the frozen layers, broadcasting over a stacked leaf."""
+    return np.asarray(layers).reshape((-1,) + (1,) * (ndim - 1))
+
+
+def _zero_layers(leaf, layers: tuple[bool, ...]):
+    if isinstance(leaf, jax.ShapeDtypeStruct):  # traced: nothing to fill
+        return leaf
+    return jnp.where(_layer_mask(layers, leaf.ndim), jnp.zeros((), leaf.dtype), leaf)
+
+
+def join(trained: dict, frozen: dict, freeze=()) -> dict:
+    """The inverse of `partition`: one tree holding the leaves of both. A leaf in both (frozen
+    in some layers by `freeze`, the globs `partition` had) takes its frozen layers from
+    `frozen`, the others from `trained`."""
+    flat_trained, flat_frozen = ptree.flatten(trained), ptree.flatten(frozen)
+    out = flat_trained | flat_frozen
+    for name in flat_trained.keys() & flat_frozen.keys():
+        layers = frozen_layers(name, flat_frozen[name], freeze)
+        if not isinstance(layers, tuple):
+            raise ShapeError.describe(
+                f"{name} in both the trained and the frozen tree",
+                f"freeze {list(freeze)} frozen {'every' if layers else 'no'} layer of it",
+                "the freeze globs that partition split it with (some of its layers frozen)",
+                "join with the spec's freeze globs (FinetuneSpec.freeze)",
+            )
+        mask = _layer_mask(layers, flat_frozen[name].ndim)
+        out[name] = jnp.where(mask, flat_frozen[name], flat_trained[name])
+    return ptree.unflatten(out)
 
 
 def parts(spec: FinetuneSpec, base_params: dict):
@@ -132,13 +182,14 @@ def model_params(spec: FinetuneSpec, frozen: dict, trained: dict) -> dict:
     """The plain model a fine-tune's trained tree makes with its frozen part: LoRA merged into
     the base (NF4 dequantized), or the full fine-tune's two halves joined."""
     if spec.full:
-        return join(trained, frozen)
+        return join(trained, frozen, spec.freeze)
     return lora.merge(frozen, trained, spec.lora)
 
 
 __all__ = [
     "FinetuneSpec",
     "fingerprint",
+    "frozen_layers",
     "frozen_params",
     "join",
     "model_params",

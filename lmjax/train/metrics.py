@@ -13,10 +13,25 @@ A LoRA step (`lora_flops_per_token`) does less: a frozen weight gets no gradient
 costs a forward (2N) plus an input gradient (2N) only where that input depends on an adapter;
 an adapter costs 6 r (in + out); attention's backward keeps only the products whose operand
 depends on an adapter. Counting 6N there overstated MFU by up to 1.5x.
+
+XLA's own count (`xla_flops`, what `lmjax compile` prints beside F) takes a `while` loop's body
+once: its cost analysis does not multiply by trip counts. With `model.scan_layers` the N blocks
+are one `lax.scan` (a `while` loop), so the compiled step's figure holds one layer, not N. The
+count is made whole from a second compile of the same traced step with each layer loop's body
+holding u layers (its scans set to `unroll=u`: N / u trips of u layers): the two figures differ
+by exactly u - 1 layers as XLA counts them inside that loop, and
+
+    whole = counted + (N - 1) * per_layer,   per_layer = (counted_u - counted) / (u - 1).
+
+u is the smallest divisor of N that leaves at least two trips, so that the second program keeps
+the same loop around the same body (a loop of one trip, or layers left over outside the loop, is
+compiled inline, where XLA counts a few element-wise operations differently); with none (N = 2,
+3 or another prime) u = N: the second program has no loop, and its figure is the whole.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import io
 import json
@@ -28,17 +43,21 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import jaxlib
+from jax.extend import core as jax_core
 
-from lmjax.errors import ShapeError
+from lmjax.errors import LMJaxError, ShapeError
 from lmjax.files import atomic_open
-from lmjax.models import ModelConfig, declare
+from lmjax.models import ModelConfig, declare_layers
+from lmjax.models.transformer import run_layers
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """F above for one token of a length-`seq_len` sequence."""
+    """F above for one token of a length-`seq_len` sequence. The matrices are counted per
+    layer (`declare_layers`): a stored `[N, out, in]` block leaf is N of them."""
     matmul = sum(
         math.prod(spec.shape)
-        for name, spec in declare(cfg).items()
+        for name, spec in declare_layers(cfg).items()
         if len(spec.shape) == 2 and "embedding" not in name
     )
     if cfg.tie_embeddings:
@@ -57,9 +76,10 @@ def lora_flops_per_token(
 ) -> float:
     """FLOPs per trained token of a LoRA step over a frozen base (float or NF4).
 
-    `adapters`: `{layer name: (out, in, r)}` (`lmjax.lora.adapter_shapes`). The base, the
-    embeddings and the head are frozen. With "live" meaning "depends on an adapter" (the
-    residual stream is not live before the first adapter; dequantizing NF4 is not counted):
+    `adapters`: `{per-layer name: (out, in, r)}` (`lmjax.lora.adapter_shapes`, names such as
+    `blocks.3.attention.query`: a projection adapted in some layers counts in those only). The
+    base, the embeddings and the head are frozen. With "live" meaning "depends on an adapter"
+    (the residual stream is not live before the first adapter; dequantizing NF4 is not counted):
 
         frozen projection [out, in], N = out * in:  2N forward + 2N input gradient if its
                                                     input is live (never a weight gradient)
@@ -74,7 +94,7 @@ def lora_flops_per_token(
     """
     linear = {
         name.removesuffix(".weight"): spec.shape
-        for name, spec in declare(cfg).items()
+        for name, spec in declare_layers(cfg).items()
         if name.startswith("blocks.") and name.endswith(".weight") and len(spec.shape) == 2
     }
     unknown = sorted(set(adapters) - set(linear))
@@ -122,6 +142,121 @@ def lora_flops_per_token(
         live = live or ff_live
     head = 2.0 * cfg.vocab_size * d
     return total + head * (1 + live)
+
+
+# ---- XLA's count, every layer counted ---------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class XlaFlops:
+    """XLA's cost analysis of one compiled program, every layer counted (module docstring).
+
+    `counted`: the program's own figure (a layer loop's body once). `per_layer`: one layer's
+    forward and backward as XLA counts them in that program, or None when the program has no
+    layer loop (unrolled layers, or one layer), so that `counted` already holds every layer."""
+
+    counted: float
+    n_layers: int
+    per_layer: float | None = None
+
+    @property
+    def whole(self) -> float:
+        if self.per_layer is None:
+            return self.counted
+        return self.counted + (self.n_layers - 1) * self.per_layer
+
+    @property
+    def outside_layers(self) -> float | None:
+        """Everything but the layers (embeddings, head and loss, optimizer), or None."""
+        return None if self.per_layer is None else self.whole - self.n_layers * self.per_layer
+
+
+def cost_flops(compiled) -> float:
+    """The `flops` of a compiled program's `cost_analysis()` (a loop body counted once)."""
+    costs = compiled.cost_analysis()
+    costs = costs[0] if isinstance(costs, list) else costs  # older jax: one dict per program
+    return float(costs.get("flops", 0.0))
+
+
+def layers_per_trip(n_layers: int) -> int:
+    """u above: the smallest divisor u >= 2 of N with N / u >= 2, else N (1 for one layer)."""
+    return next((u for u in range(2, n_layers // 2 + 1) if n_layers % u == 0), n_layers)
+
+
+def xla_flops(traced, args: tuple, compiled, n_layers: int) -> XlaFlops:
+    """`XlaFlops` of `compiled = traced.lower().compile()`, `traced = jitted.trace(*args)`
+    (abstract `args`, sharded or not). When the program runs its layers as a loop (a
+    `run_layers` scan of length `n_layers` >= 2) the same jaxpr with u layers in each layer
+    loop's body is compiled once more (under the caller's default device, as the first was;
+    module docstring); otherwise nothing is compiled."""
+    counted = cost_flops(compiled)
+    u = layers_per_trip(n_layers)
+    more, found = _unroll_layer_loops(traced.jaxpr.jaxpr, n_layers, u)
+    if not found or u < 2:
+        return XlaFlops(counted, n_layers)
+    program = jax.jit(jax_core.jaxpr_as_fun(traced.jaxpr.replace(jaxpr=more)))
+    counted_u = cost_flops(program.lower(*jax.tree.leaves(args)).compile())
+    return XlaFlops(counted, n_layers, (counted_u - counted) / (u - 1))
+
+
+def require_layer_loop(flops: XlaFlops, cfg: ModelConfig) -> None:
+    """LMJaxError when a scanned model's count found no layer loop: the figure would take one
+    layer for N (a change in how `run_layers` traces, which `_is_layer_loop` must follow)."""
+    if cfg.scan_layers and cfg.n_layers >= 2 and flops.per_layer is None:
+        raise LMJaxError(
+            f"XLA's FLOPs of a step with model.scan_layers: no layer loop (a scan of length "
+            f"{cfg.n_layers} from run_layers) was found in the traced step; expected one, or "
+            "its one-layer count would stand for all layers. Fix: report this as a bug; "
+            "model.scan_layers=false counts without it."
+        )
+
+
+def _is_layer_loop(eqn, n_layers: int) -> bool:
+    """A scan over the layers: one trip per layer, bound by `run_layers` itself (the first
+    frame outside jax; the backward's transposed scan keeps the forward's frames). A scan inside
+    a block has its own op's frame first, so a block's loop of N trips is not taken for it."""
+    if eqn.primitive.name != "scan" or eqn.params["length"] != n_layers:
+        return False
+    frames = eqn.source_info.traceback.frames if eqn.source_info.traceback else ()
+    caller = next((f for f in frames if not f.file_name.startswith(_JAX_DIRS)), None)
+    code = run_layers.__code__
+    return caller is not None and (caller.file_name, caller.function_name) == (
+        code.co_filename,
+        code.co_name,
+    )
+
+
+_JAX_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (jax, jaxlib))
+
+
+def _unroll_layer_loops(jaxpr, n_layers: int, unroll: int):
+    """`(jaxpr with every layer scan's unroll set to `unroll`, whether one was found)`, looking
+    into nested jaxprs (a gradient-accumulation scan, jit and remat calls, cond branches)."""
+    found = False
+
+    def sub(value):
+        nonlocal found
+        if isinstance(value, jax_core.ClosedJaxpr):
+            inner, hit = _unroll_layer_loops(value.jaxpr, n_layers, unroll)
+            found |= hit
+            return value.replace(jaxpr=inner) if hit else value
+        if isinstance(value, jax_core.Jaxpr):
+            inner, hit = _unroll_layer_loops(value, n_layers, unroll)
+            found |= hit
+            return inner if hit else value
+        if isinstance(value, tuple) and any(
+            isinstance(v, jax_core.ClosedJaxpr | jax_core.Jaxpr) for v in value
+        ):
+            return tuple(sub(v) for v in value)
+        return value
+
+    eqns = []
+    for eqn in jaxpr.eqns:
+        params = {name: sub(value) for name, value in eqn.params.items()}
+        if _is_layer_loop(eqn, n_layers):
+            params["unroll"], found = unroll, True
+        eqns.append(eqn.replace(params=params))
+    return jaxpr.replace(eqns=eqns), found
 
 
 # The matmul size that measures a device's peak when `logging.peak_flops` is unset: on a CPU,

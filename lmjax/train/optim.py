@@ -11,11 +11,15 @@ Step s is the (s+1)-th update, so warmup's first step already moves (lr_peak / W
 reaches the peak.
 The gradient transformation is `clip_by_global_norm(clip_norm)` followed by the optimizer; AdamW
 decays only parameters whose names match none of `optimizer.no_decay` (by default biases, norm
-scales and embeddings).
+scales and embeddings). The globs are over per-layer names (`lmjax.params`: a stacked block leaf
+`blocks.attention.query.weight [N, ...]` is matched as `blocks.0.attention.query.weight`, ...),
+so a glob may exempt some layers of a stacked leaf (`blocks.0.*`): those slices are not
+decayed, the others are, as when each layer was a leaf of its own.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import optax
 
@@ -45,20 +49,54 @@ def schedule(sched: ScheduleConfig, peak_lr: float, total_steps: int) -> optax.S
 
 
 def decay_mask(params, no_decay) -> dict:
-    """True for every leaf that gets weight decay: names matching none of the `no_decay` globs."""
-    return ptree.map_with_names(lambda name, _: not ptree.matches(name, no_decay), params)
+    """Per leaf, the layers that get weight decay: names matching none of the `no_decay` globs.
+
+    A plain leaf gets a bool; a stacked block leaf a bool when its layers agree, else a tuple
+    of N bools (`lmjax.params.layer_matches`)."""
+
+    def decayed(name, leaf):
+        exempt = ptree.layer_matches(name, leaf, no_decay)
+        if not isinstance(exempt, tuple):
+            return not exempt
+        return not any(exempt) if all(exempt) or not any(exempt) else tuple(not e for e in exempt)
+
+    return ptree.map_with_names(decayed, params)
+
+
+def add_decayed_weights(weight_decay: float, no_decay) -> optax.GradientTransformation:
+    """`u + weight_decay * p` on the layers `decay_mask` decays, `u` elsewhere: optax's
+    `add_decayed_weights(weight_decay, mask)` (what `optax.adamw(mask=...)` holds, with the same
+    state) with the mask applied by layer inside a stacked leaf that a glob exempts in part."""
+
+    def one(decayed, u, p):
+        if not isinstance(decayed, tuple):
+            return u + weight_decay * p if decayed else u
+        layers = jnp.asarray(decayed).reshape((-1,) + (1,) * (p.ndim - 1))
+        return jnp.where(layers, u + weight_decay * p, u)
+
+    def update_fn(updates, state, params=None):
+        if params is None:
+            raise ValueError(optax.NO_PARAMS_MSG)
+        mask = decay_mask(params, no_decay)
+        return jax.tree.map(one, mask, updates, params, is_leaf=_is_tuple), state
+
+    # optax.masked's state: checkpoints of optax.adamw(mask=...) restore into it unchanged.
+    init_fn = lambda params: optax.MaskedState(inner_state=optax.EmptyState())  # noqa: E731
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _is_tuple(x) -> bool:
+    return isinstance(x, tuple)
 
 
 def optimizer(opt: OptimizerConfig, lr: optax.Schedule) -> optax.GradientTransformation:
     """Clip by global norm (when set), then AdamW / Adam / SGD with momentum at rate `lr`."""
     if opt.name == "adamw":
-        core = optax.adamw(
-            lr,
-            b1=opt.b1,
-            b2=opt.b2,
-            eps=opt.eps,
-            weight_decay=opt.weight_decay,
-            mask=lambda p: decay_mask(p, opt.no_decay),
+        # optax.adamw's own chain, its mask applied by layer (`add_decayed_weights`).
+        core = optax.chain(
+            optax.scale_by_adam(b1=opt.b1, b2=opt.b2, eps=opt.eps),
+            add_decayed_weights(opt.weight_decay, opt.no_decay),
+            optax.scale_by_learning_rate(lr),
         )
     elif opt.name == "adam":
         core = optax.adam(lr, b1=opt.b1, b2=opt.b2, eps=opt.eps)

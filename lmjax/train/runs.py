@@ -6,6 +6,8 @@ and the run's tokenizer. Where the parameters come from is the run's kind (`RunD
 the newest or the chosen checkpoint of a trained run; `RUN/model.safetensors` of a run that
 holds weights only (`lmjax import-hf`, a fine-tune's merged/); for a `lmjax finetune` run, its
 base (found and checked through `RUN/finetune.yaml`) merged with the checkpoint's adapters.
+A checkpoint or `model.safetensors` saved before the blocks were stacked loads stacked, with one
+line on stderr saying so (`lmjax.train.checkpoint.layers`).
 
 `quantize="nf4"` gives weights whose block projections are NF4 (`lmjax.quant`), for decoding
 through the quantized projection: a QLoRA run keeps the NF4 base it trained on with its adapters
@@ -29,7 +31,7 @@ from lmjax.io import safetensors
 from lmjax.models import ModelConfig
 from lmjax.quant.params import quantize_params
 from lmjax.train import optim
-from lmjax.train.checkpoint import check_same_model
+from lmjax.train.checkpoint import check_same_model, note_converted
 from lmjax.train.finetuned import FinetuneSpec, fingerprint, model_params, parts, read_spec
 from lmjax.train.rundir import FINETUNED, TRAINED, WEIGHTS, RunDir, run_label
 from lmjax.train.step import init_state
@@ -77,7 +79,7 @@ def load_run(path, step: int | None = None, *, quantize: str | None = None) -> L
         abstract = _abstract_state(cfg, model)
         params, step = _restore_params(ckpt, model, abstract, step, ckpt.directory / str(step))
     elif kind == WEIGHTS:
-        params, step = safetensors.load(run.weights_file, model), None
+        params, step = load_weights(run.weights_file, model), None
     else:
         raise CheckpointError.describe(
             "run",
@@ -88,6 +90,14 @@ def load_run(path, step: int | None = None, *, quantize: str | None = None) -> L
     params = params if quantize is None else quantize_params(params)
     model = with_own_tokenizer(model, tokenizer, run)
     return LoadedRun(run.path, cfg, model, params, tokenizer, step)
+
+
+def load_weights(path: Path, model: ModelConfig) -> dict:
+    """A weights-only run's `model.safetensors`; one written before the blocks were stacked
+    (per-layer names) loads stacked, with the line that says so (`note_converted`)."""
+    if safetensors.is_per_layer(path, model):
+        note_converted(path)
+    return safetensors.load(path, model)
 
 
 def with_own_tokenizer(model: ModelConfig, tokenizer, run: RunDir) -> ModelConfig:

@@ -17,11 +17,19 @@ Per-device memory, from the compiled executable (`memory_analysis`):
 (the donated state's outputs reuse its argument buffers: `aliased` bytes are counted once). It
 must fit the HBM the compiler lets one device's program use (`TpuChip.usable_bytes`, a little
 under the chip's data-sheet HBM); the compiler itself refuses a step whose buffers exceed it
-(RESOURCE_EXHAUSTED), which is reported the same way. FLOPs are XLA's cost analysis of one
-device's partitioned program: it counts a loop body once, so with gradient accumulation
-(A > 1, a `lax.scan`) the figure covers one micro-batch of the A (`flops_per_step` scales it),
-and a chunked loop inside the step (the fused head + loss) is undercounted too; the model FLOPs
-(`lmjax.train.metrics.flops_per_token`, 6N + attention, per device) are printed beside it.
+(RESOURCE_EXHAUSTED), which is reported the same way.
+
+FLOPs are XLA's cost analysis of one device's partitioned program, which counts a loop body
+once. The layers are counted whole (`lmjax.train.metrics.xla_flops`): with `model.scan_layers`
+the step is compiled a second time with u layers in each layer loop's body (u = 2 for an even
+N), the difference is u - 1 layers' FLOPs, and the report shows N x one layer plus the rest
+(`count_s`: the seconds that second compile took, not in `compile_s`; `count_layers=False`,
+`lmjax compile --no-flops`, skips it and reports no XLA FLOPs). With gradient accumulation
+(A > 1, a `lax.scan`) the figure covers one micro-batch of the A (`flops_per_step` scales it;
+the optimizer's update is then counted A times, a few FLOPs per parameter), and the fused head
++ loss's loop over chunks of tokens is still counted once (one chunk's head and loss); the
+model FLOPs (`lmjax.train.metrics.flops_per_token`, 6N + attention, per device) are printed
+beside it.
 """
 
 from __future__ import annotations
@@ -44,7 +52,7 @@ from lmjax.errors import ConfigError, LMJaxError
 from lmjax.models.summary import human_bytes
 from lmjax.train import optim
 from lmjax.train.bench import run_config_model
-from lmjax.train.metrics import flops_per_token
+from lmjax.train.metrics import flops_per_token, require_layer_loop, xla_flops
 from lmjax.train.step import init_state, make_train_step
 
 GIB = 2**30
@@ -108,17 +116,26 @@ class CompileReport:
     grad_accum: int
     seq_len: int
     memory: DeviceMemory
-    flops_per_micro_batch: float  # one device, XLA's cost analysis (loop bodies once)
+    # One device, XLA's cost analysis, every layer counted (None: not counted, `_count_flops`).
+    flops_per_micro_batch: float | None
     model_flops_per_step: float  # one device's share of flops_per_token x the step's tokens
-    compile_s: float  # lowering + compilation, wall seconds
+    compile_s: float  # tracing + lowering + compilation, wall seconds
     finetune: str | None = None  # "LoRA", "QLoRA" or "full" for a fine-tune config's step
+    n_layers: int = 1
+    # One layer's forward + backward of a micro-batch on one device (XLA's count), when the
+    # layers run as a loop; None: unrolled (or one layer), counted whole by XLA itself.
+    flops_per_layer: float | None = None
+    count_s: float = 0.0  # the second compile that counted one layer, wall seconds
+    flops_note: str = ""  # why the FLOPs are not counted, when they are not
 
     @property
     def fits(self) -> bool:
         return self.memory.total <= self.chip.usable_bytes
 
     @property
-    def flops_per_step(self) -> float:
+    def flops_per_step(self) -> float | None:
+        if self.flops_per_micro_batch is None:
+            return None
         return self.flops_per_micro_batch * self.grad_accum
 
     def to_dict(self) -> dict:
@@ -215,6 +232,7 @@ def compile_train_step(
     mesh_shape: Mapping[str, int] | None = None,
     trainable=None,
     finetune: str | None = None,
+    count_layers: bool = True,
 ) -> CompileReport:
     """Compile `run`'s sharded train step for `topology` (e.g. "v5e:2x2") with libtpu.
 
@@ -229,6 +247,9 @@ def compile_train_step(
     on a mesh, its trained state (adapters replicated, or a full fine-tune's unfrozen leaves by
     the rules) donated and its frozen base (float, or NF4 for QLoRA) an argument sharded by the
     rules.
+
+    `count_layers=False` skips the second compile that counts one layer of a scanned model
+    (module docstring): its XLA FLOPs are then not reported (`flops_per_micro_batch` None).
     """
     chip = parse_topology(topology)
     devices = topology_devices(topology)
@@ -257,16 +278,19 @@ def compile_train_step(
         "step": _sharded(jax.ShapeDtypeStruct((), jnp.int32), parallel.replicated(mesh)),
     }
     step = make_train_step(model, tx, lr, state_shardings, loss=loss)
+    args = (state, batch, frozen)
     start = time.perf_counter()
     # The default device picks the kernels' platform (pallas_kernels._backend): Mosaic's. The
     # step traces on its state's mesh, which lmjax.models.attention shard-maps the flash kernel
     # over (XLA's partitioner cannot split a Mosaic call itself).
     with jax.default_device(devices[0]):
         try:
-            compiled = step.lower(state, batch, frozen).compile()
+            traced = step.trace(*args)
+            compiled = traced.lower().compile()
         except jax.errors.JaxRuntimeError as err:
             raise _out_of_hbm(err, topology, chip) from err
-    compile_s = time.perf_counter() - start
+        compile_s = time.perf_counter() - start
+        flops, note = _count_flops(traced, args, compiled, model, count_layers)
     per_token = (count or flops_per_token)(model, run.seq_len)
     model_flops = per_token * t.batch_size * run.seq_len / len(devices)
     return CompileReport(
@@ -277,11 +301,31 @@ def compile_train_step(
         t.grad_accum,
         run.seq_len,
         _device_memory(compiled.memory_analysis()),
-        _flops(compiled),
+        None if flops is None else flops.whole,
         model_flops,
         compile_s,
         finetune,
+        n_layers=model.n_layers,
+        flops_per_layer=None if flops is None else flops.per_layer,
+        count_s=time.perf_counter() - start - compile_s,
+        flops_note=note,
     )
+
+
+def _count_flops(traced, args, compiled, model, count_layers: bool) -> tuple:
+    """`(xla_flops of the compiled step, "")`, or `(None, why not)`: no figure rather than
+    one that counts one layer for N, when the second compile is skipped or is refused as out
+    of HBM (it holds u layers in the loop's body where the step, just fitting, holds one)."""
+    if not count_layers and model.scan_layers and model.n_layers >= 2:
+        return None, "not counted (--no-flops)"
+    try:
+        flops = xla_flops(traced, args, compiled, model.n_layers)
+    except jax.errors.JaxRuntimeError as err:
+        if not str(err).startswith("RESOURCE_EXHAUSTED"):
+            raise
+        return None, "not counted: counting one layer (a second compile) ran out of HBM"
+    require_layer_loop(flops, model)
+    return flops, ""
 
 
 def _sharded(leaf, sharding) -> jax.ShapeDtypeStruct:
@@ -296,12 +340,6 @@ def _device_memory(stats) -> DeviceMemory:
         stats.temp_size_in_bytes,
         stats.generated_code_size_in_bytes,
     )
-
-
-def _flops(compiled) -> float:
-    costs = compiled.cost_analysis()
-    costs = costs[0] if isinstance(costs, list) else costs  # older jax: one dict per program
-    return float(costs.get("flops", 0.0))
 
 
 def _out_of_hbm(err: Exception, topology: str, chip: TpuChip) -> Exception:
@@ -361,20 +399,37 @@ def format_report(report: CompileReport) -> str:
         "per device:",
     ]
     lines += [f"  {text:{width}}  {_signed(b):>11}  ({b:,} B)" for text, b in rows]
-    lines.append(
-        f"  {'FLOPs per step (XLA cost analysis, loops once)':{width}}  {report.flops_per_step:.3e}"
-        + (
-            f"  ({report.grad_accum} x {report.flops_per_micro_batch:.3e})"
-            if report.grad_accum > 1
-            else ""
-        )
-    )
+    lines += _flops_lines(report, width)
     lines.append(
         f"  {'model FLOPs per step (6N + attention)':{width}}  {report.model_flops_per_step:.3e}"
     )
     used = m.total / chip.usable_bytes
     lines.append(f"{'fits' if report.fits else 'does NOT fit'}: {used:.0%} of the usable HBM")
     return "\n".join(lines)
+
+
+def _flops_lines(report: CompileReport, width: int) -> list[str]:
+    """XLA's FLOPs per step, and per layer when the layers ran as a loop."""
+    label = f"  {'FLOPs per step (XLA cost analysis)':{width}}  "
+    if report.flops_per_step is None:
+        return [label + report.flops_note]
+    lines = [
+        label
+        + f"{report.flops_per_step:.3e}"
+        + (
+            f"  ({report.grad_accum} x {report.flops_per_micro_batch:.3e})"
+            if report.grad_accum > 1
+            else ""
+        )
+    ]
+    if report.flops_per_layer is not None:  # XLA counts the layer loop's body once: N x it
+        rest = report.flops_per_micro_batch - report.n_layers * report.flops_per_layer
+        lines.append(
+            f"    {'a micro-batch:':{width - 2}}  {report.n_layers} layers x "
+            f"{report.flops_per_layer:.3e} + {rest:.3e} outside them (one layer counted "
+            f"by a second compile: {report.count_s:.1f} s more)"
+        )
+    return lines
 
 
 def _signed(nbytes: int) -> str:

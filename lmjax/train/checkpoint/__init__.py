@@ -23,9 +23,13 @@ is whole but not this run's, and nothing is moved. `remove_temporary` removes th
 it once resumed), and a save that fails (a full disk, a read-only directory) removes its own
 and raises `CheckpointError`.
 
+A step saved before the blocks were stacked (`blocks: {"0": ..., "1": ...}` in the params
+and in the optimizer states that mirror them) restores too: read per layer, checked against its
+own checksums, stacked, with one line on stderr saying so; its files are left as they are.
+
 `manager`: `Checkpoints` (save, restore, the resume search, temporary directories);
-`integrity`: checksums, structure and model checks, `DamagedCheckpointError`; `quiet`: orbax's
-noise around a failed read or write silenced.
+`integrity`: checksums, structure and model checks, `DamagedCheckpointError`; `layers`: the
+per-layer steps stacked on load; `quiet`: orbax's noise around a failed read or write silenced.
 """
 
 from lmjax.errors import CheckpointError
@@ -35,6 +39,7 @@ from lmjax.train.checkpoint.integrity import (
     check_same_model,
     digest,
 )
+from lmjax.train.checkpoint.layers import note_converted
 from lmjax.train.checkpoint.manager import TMP_SUFFIX, Checkpoints
 
 __all__ = [
@@ -45,4 +50,5 @@ __all__ = [
     "DamagedCheckpointError",
     "check_same_model",
     "digest",
+    "note_converted",
 ]

@@ -10,6 +10,7 @@ run's).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from pathlib import Path
@@ -194,8 +195,16 @@ def verify(where: Path, step: int, state, meta) -> None:
         )
 
 
+# How the blocks run, not what they compute: a checkpoint restores whatever these say. (The
+# meta of a step holds the resolved config: a run saved when `remat` defaulted to "none" reads
+# its config.yaml with today's default.)
+EXECUTION_FIELDS = ("remat", "scan_layers")
+
+
 def check_same_model(meta: dict, model, where) -> None:
-    """A checkpoint's model config must equal the run's: name every field that differs."""
+    """A checkpoint's model config must equal the run's, `EXECUTION_FIELDS` aside: name every
+    field that differs. A field the step's meta lacks (added to ModelConfig since) has its
+    default there."""
     saved = meta.get("model")
     if not isinstance(saved, dict):
         raise CheckpointError.describe(
@@ -204,7 +213,9 @@ def check_same_model(meta: dict, model, where) -> None:
             "the model config",
             "use a checkpoint written by lmjax train",
         )
-    expected = model.to_dict()
+    expected = {k: v for k, v in model.to_dict().items() if k not in EXECUTION_FIELDS}
+    fields = dataclasses.fields(model)
+    saved = {f.name: f.default for f in fields if f.default is not dataclasses.MISSING} | saved
     differs = [
         f"{k}={saved.get(k)!r} (expected {v!r})" for k, v in expected.items() if saved.get(k) != v
     ]

@@ -13,6 +13,7 @@ import orbax.checkpoint as ocp
 
 from lmjax.checks import require
 from lmjax.errors import CheckpointError
+from lmjax.train.checkpoint import layers
 from lmjax.train.checkpoint.integrity import (
     DamagedCheckpointError,
     check_index,
@@ -130,11 +131,25 @@ class Checkpoints:
         `abstract_state` is the expected state (arrays or `jax.ShapeDtypeStruct`s); any
         difference in a leaf's shape or dtype is a `CheckpointError` naming the leaf. Each leaf
         is restored with the leaf's `sharding` (default: the first local device), so a state
-        saved on one mesh restores onto another (`lmjax.parallel`).
+        saved on one mesh restores onto another (`lmjax.parallel`). A step saved before the
+        blocks were stacked is restored per layer and stacked, with one line on stderr
+        (`layers`).
         """
         step = self._require_step(step)
         where = self.directory / str(step)
-        check_structure(where, self._stored_leaves(step), abstract_state)
+        stored = self._stored_leaves(step)
+        if not (layers.saved_per_layer(stored) and layers.converts(abstract_state)):
+            return self._read(step, stored, abstract_state)
+        state = self._read(step, stored, layers.per_layer_target(abstract_state))
+        state = layers.stacked_like(state, abstract_state, _target_sharding)
+        layers.note_converted(where)
+        return state
+
+    def _read(self, step: int, stored: dict[str, tuple], abstract_state):
+        """Step `step` (its `_stored_leaves`) restored into `abstract_state`'s structure and
+        checked against its own meta (`restore`)."""
+        where = self.directory / str(step)
+        check_structure(where, stored, abstract_state)
         abstract = jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=_target_sharding(a)),
             abstract_state,

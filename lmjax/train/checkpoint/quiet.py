@@ -39,6 +39,10 @@ def quiet():
     except BaseException:
         gc.collect()  # the failed read's leftovers are reported now, while silenced
         settle(_reported_since())
+        # Reads still pending at the first collect hold their suspended coroutines until their
+        # tensorstore futures end; garbage now, they are finalized (and report) here, silenced,
+        # not at some later collection in the middle of the next command's output.
+        gc.collect()
         # ... or later, when the pending reads end: keep dropping those reports.
         if not any(isinstance(f, _OrbaxLeftovers) for f in loggers[0].filters):
             loggers[0].addFilter(_OrbaxLeftovers())

@@ -1,0 +1,184 @@
+"""A run saved before the blocks were stacked still resumes, evaluates and exports.
+
+tests/fixtures/per_layer_run was written by lmjax at 02a5c2e (its README.md says how): a
+2-layer GPT-2 trained 4 steps, whose checkpoint holds `blocks: {"0": ..., "1": ...}` in the
+params and in AdamW's mu and nu, its `lmjax export-hf` output, a weights-only run of the same
+params (per-layer `model.safetensors`) and `reference.json` (what that code computed). Each test
+works on a copy and checks the one line that says the layout was converted.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+import safetensors.numpy
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from lmjax import cli, parallel, train
+from lmjax import params as ptree
+from lmjax.train import optim
+from lmjax.train.checkpoint import Checkpoints, layers
+from lmjax.train.finetuned import fingerprint
+from lmjax.train.step import init_state
+
+FIXTURE = Path(__file__).parent / "fixtures" / "per_layer_run"
+REFERENCE = json.loads((FIXTURE / "reference.json").read_text())
+CONVERTED = "was saved with per-layer blocks; converted to the stacked layout on load"
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """One XDG cache for every copy: the corpus is prepared once."""
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture
+def copy(tmp_path, cache, monkeypatch):
+    """A fresh copy of the fixture, the working directory (its config names corpus.txt)."""
+    root = tmp_path / "per_layer_run"
+    shutil.copytree(FIXTURE, root)
+    monkeypatch.chdir(root)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
+    return root
+
+
+def _lmjax(capsys, *args: str) -> tuple[str, list[str]]:
+    """Run the CLI in-process: (stdout, the stderr lines that report a conversion)."""
+    capsys.readouterr()
+    assert cli.main(list(args)) == 0
+    out, err = capsys.readouterr()
+    return out, [line for line in err.splitlines() if "per-layer" in line]
+
+
+def _abstract(run_dir: Path):
+    """The `TrainState` shapes the run's config makes (stacked blocks), nothing allocated."""
+    cfg = train.runs.read_config(run_dir)
+    tx, _ = optim.from_config(cfg)
+    return jax.eval_shape(lambda: init_state(jax.random.PRNGKey(0), cfg.model_config(), tx))
+
+
+def _saved_state(step_dir: Path) -> dict:
+    """The step's state as orbax reads it with no target: per-layer, as it was written."""
+    return ocp.StandardCheckpointer().restore((step_dir / "state").absolute())
+
+
+def _assert_equal_trees(ours, theirs):
+    flat_ours, flat_theirs = ptree.flatten(ours), ptree.flatten(theirs)
+    assert list(flat_ours) == list(flat_theirs)
+    for name, leaf in flat_theirs.items():
+        np.testing.assert_array_equal(np.asarray(flat_ours[name]), np.asarray(leaf), name)
+
+
+def test_the_converted_state_is_the_saved_one(copy, capsys):
+    run = train.load_run("run")
+    assert capsys.readouterr().err.count(CONVERTED) == 1
+    state = Checkpoints(copy / "run/checkpoints", create=False).restore(_abstract(copy / "run"))
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [
+        f"lmjax: {copy / 'run/checkpoints/4'} {CONVERTED} (the files are unchanged; what lmjax "
+        "saves from it is stacked)"
+    ]
+    saved = _saved_state(copy / "run/checkpoints/4")
+    assert set(saved["params"]["blocks"]) == {"0", "1"}  # what the fixture is
+    # params, and AdamW's moments (which mirror them), stacked exactly; the rest as it was.
+    _assert_equal_trees(state.params, ptree.stack(saved["params"]))
+    adam = state.opt_state[1][0]
+    for moment in ("mu", "nu"):
+        _assert_equal_trees(getattr(adam, moment), ptree.stack(saved["opt_state"][1][0][moment]))
+    assert int(adam.count) == int(saved["opt_state"][1][0]["count"]) == 4
+    assert int(state.step) == int(saved["step"]) == 4
+    np.testing.assert_array_equal(np.asarray(state.key), np.asarray(saved["key"]))
+    _assert_equal_trees(run.params, state.params)
+    # The leaves are the stacked layout's, layer i at index i (checked without `stack` too), and
+    # a fine-tune's record of this base still matches.
+    query = state.params["blocks"]["attention"]["query"]["weight"]
+    assert query.shape == (2, 8, 8)
+    for i in (0, 1):
+        saved_query = saved["params"]["blocks"][str(i)]["attention"]["query"]["weight"]
+        np.testing.assert_array_equal(np.asarray(query[i]), np.asarray(saved_query))
+    assert fingerprint(run.params) == REFERENCE["fingerprint"]
+
+
+def test_a_sharded_state_restores_with_its_shardings(copy, capsys):
+    """The trainer restores onto its mesh: each layer is read with the stacked leaf's sharding
+    less its layer axis, and the stacked leaves come back with the expected shardings."""
+    mesh = parallel.make_mesh({"fsdp": 1})  # as the trainer's (Auto axes)
+
+    def place(leaf):  # the last axis split over fsdp (a size-1 mesh: any size divides)
+        spec = P(*[None] * (leaf.ndim - 1), "fsdp") if leaf.ndim else P()
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=NamedSharding(mesh, spec))
+
+    abstract = jax.tree.map(place, _abstract(copy / "run"))
+    target = layers.per_layer_target(abstract)
+    query = target.opt_state[1][0].mu["blocks"]["1"]["attention"]["query"]["weight"]
+    assert query.shape == (8, 8) and query.sharding.spec == P(None, "fsdp")
+    state = Checkpoints(copy / "run/checkpoints", create=False).restore(abstract)
+    assert capsys.readouterr().err.count(CONVERTED) == 1
+    for leaf, want in zip(jax.tree.leaves(state), jax.tree.leaves(abstract), strict=True):
+        assert leaf.shape == want.shape and leaf.sharding == want.sharding
+
+
+def test_a_weights_run_loads_stacked_and_equal(copy, capsys):
+    run = train.load_run("weights")
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"lmjax: weights/model.safetensors {CONVERTED}")
+    theirs = safetensors.numpy.load_file("weights/model.safetensors")
+    assert "blocks.1.attention.query.weight" in theirs  # per-layer, as written
+    _assert_equal_trees(run.params, ptree.stack(ptree.unflatten(theirs)))
+    # The trained run's newest checkpoint is the same step: the same parameters.
+    _assert_equal_trees(train.load_run("run").params, run.params)
+
+
+def test_resume_converts_once_and_continues_as_the_old_code_did(copy, capsys):
+    args = ["train", "tiny.yaml", "run.dir=run", "--resume", "train.steps=6", "checkpoint.every=2"]
+    out, lines = _lmjax(capsys, *args)
+    assert "resumed run from step 4" in out
+    assert len(lines) == 1 and lines[0].startswith(
+        f"lmjax: {copy / 'run/checkpoints/4'} {CONVERTED}"
+    )
+    assert Checkpoints(copy / "run/checkpoints", create=False).steps() == [6]  # keep: 1
+    names = ptree.flatten(_saved_state(copy / "run/checkpoints/6")["params"])
+    assert "blocks.attention.query.weight" in names and not any(".0." in n for n in names)
+    records = train.metrics.MetricsLog(copy / "run/metrics.jsonl").read()
+    losses = {str(r["step"]): r["loss"] for r in records if "loss" in r and r["step"] > 4}
+    val = {str(r["step"]): r["val_loss"] for r in records if "val_loss" in r and r["step"] > 4}
+    # The old code's resume, unrolled; this one scans the same blocks. Float32 round-off only
+    # (the same ops, XLA free to fuse them otherwise): 64 ulps of the loss, 2**-17 relative.
+    for ours, theirs in (
+        (losses, REFERENCE["resumed_losses"]),
+        (val, REFERENCE["resumed_val_losses"]),
+    ):
+        assert ours.keys() == theirs.keys()
+        np.testing.assert_allclose([ours[k] for k in theirs], list(theirs.values()), rtol=2**-17)
+    # Saved stacked: loading it again converts nothing.
+    _, lines = _lmjax(capsys, "eval", "run")
+    assert lines == []
+
+
+def test_eval_prints_the_old_loss(copy, capsys):
+    out, lines = _lmjax(capsys, "eval", "run")
+    assert len(lines) == 1 and CONVERTED in lines[0]
+    assert f"run step 4: {REFERENCE['eval']}" in out
+
+
+def test_export_writes_the_old_export_byte_for_byte(copy, capsys):
+    out, lines = _lmjax(capsys, "export-hf", "run", "--out", "again")
+    assert len(lines) == 1 and CONVERTED in lines[0]
+    for name in ("model.safetensors", "config.json"):
+        assert (copy / "again" / name).read_bytes() == (copy / "hf" / name).read_bytes(), name
+
+
+def test_the_fixture_is_unchanged_by_loading(copy, capsys):
+    before = {p: p.read_bytes() for p in sorted(copy.rglob("*")) if p.is_file()}
+    train.load_run("run")
+    train.load_run("weights")
+    after = {p: p.read_bytes() for p in sorted(copy.rglob("*")) if p.is_file()}
+    assert after == before
+    assert len(before) > 30  # every file of the fixture
