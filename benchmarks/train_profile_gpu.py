@@ -9,8 +9,8 @@ then takes `--profile-steps` more steps under `jax.profiler.trace`, and the Perf
 reduced to the kernels that took the device's time: per kernel name, total time, calls and share of
 the device's busy time, the top `--top` of them. Writes DIR/gpu_profile.json (rewritten after
 every attention, so a run stopped at its limit keeps what it measured) and prints the tables.
-Then the first attention that ran is timed once more with its blocks unrolled
-(`model.scan_layers=false`; the runs above scan them, the default): compile and step time of
+The first attention that runs is timed again right after with its blocks unrolled
+(`model.scan_layers=false`; the other runs scan them, the default): compile and step time of
 the scan against the loop on this GPU (issue 44; `--no-unrolled` skips it).
 
 On a CPU (`--allow-cpu`, the dry run of scripts/gpu_check.sh) the kernels are XLA's host
@@ -97,7 +97,7 @@ def main(argv=None) -> int:
               "device_kind": jax.devices()[0].device_kind, "jax": jax.__version__,
               "runs": [], "profile": None}  # fmt: skip
     plan = [(attention, True) for attention in args.attention]
-    for attention, scan in plan:
+    for position, (attention, scan) in enumerate(plan):
         if time.perf_counter() - start > args.budget_s:
             result["runs"].append({"attention": attention, "scan_layers": scan,
                                    "error": "skipped: budget spent"})  # fmt: skip
@@ -122,7 +122,7 @@ def main(argv=None) -> int:
             {"attention": attention, "scan_layers": scan, **{k: timed[k] for k in keep}}
         )
         if scan and not args.no_unrolled and not any(not s for _, s in plan):
-            plan.append((attention, False))  # the first that ran, once more unrolled
+            plan.insert(position + 1, (attention, False))  # the first that ran, unrolled next
         if trace_dir is not None:
             table = kernel_table(Path(trace_dir), args.top)
             result["profile"] = {"attention": attention, "steps": args.profile_steps, **table}

@@ -33,9 +33,9 @@
 #                                                                           NF4_TEST_TIMEOUT_S=60
 #   3 profile  benchmarks/train_profile_gpu.py: configs/gpt2-124m.yaml's bf16 train step with
 #            attention cudnn, flash and xla (tokens/s, MFU, compile), then a jax.profiler trace
-#            of 3 steps of the first that ran, reduced to the top kernels, and that attention
-#            once more with its blocks unrolled (model.scan_layers=false: the scan's compile and
-#            step time against the loop, issue 44) -> gpu_profile.json
+#            of 3 steps of the first that ran, reduced to the top kernels; right after that one,
+#            the same attention with its blocks unrolled (model.scan_layers=false: the scan's
+#            compile and step time against the loop, issue 44) -> gpu_profile.json
 #            (its --budget-s: no new attention after the limit less min(60, limit/3))
 #                                                                           PROFILE_TIMEOUT_S=140
 #   3a bench benchmarks/attention_gpu.py; runs whatever step 2 gave        BENCH_TIMEOUT_S=70

@@ -159,6 +159,10 @@ def test_gpu_check_dry_run_of_the_train_step_benchmark():
     profile = json.loads((proc.workdir / "gpu_profile.json").read_text())
     runs = {r["attention"]: r for r in profile["runs"]}
     assert set(runs) == {"flash", "xla"} and all(r["tokens_per_s"] > 0 for r in runs.values())
+    # The first attention that ran, once more right after with its blocks unrolled (issue 44).
+    order = [(r["attention"], r["scan_layers"]) for r in profile["runs"]]
+    assert order == [("flash", True), ("flash", False), ("xla", True)], order
+    assert all(r["tokens_per_s"] > 0 and r["compile_s"] > 0 for r in profile["runs"])
     table = profile["profile"]
     assert table["attention"] == "flash" and table["kernels"] and table["busy_ms"] > 0
     shares = [k["share"] for k in table["kernels"]]
