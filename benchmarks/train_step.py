@@ -551,20 +551,16 @@ def main(argv=None) -> dict:
         )
 
     # ---- alternating timed rounds
-    def run_lmjax(n: int, offset: int) -> float:
-        nonlocal state
-        start = time.perf_counter()
-        for i in range(n):
-            state, metrics = train_step(state, jax_batches[(offset + i) % N_BATCHES])
-        jax.block_until_ready((state, metrics))
-        return time.perf_counter() - start
+    # lmjax's two sides (scanned, unrolled): [step, state], the state replaced as it goes.
+    lmjax_sides = {"lmjax": [train_step, state], "lmjax_unrolled": [unrolled_step, state_u]}
 
-    def run_unrolled(n: int, offset: int) -> float:
-        nonlocal state_u
+    def run_lmjax(name: str, n: int, offset: int) -> float:
+        step, st = lmjax_sides[name]
         start = time.perf_counter()
         for i in range(n):
-            state_u, metrics = unrolled_step(state_u, jax_batches[(offset + i) % N_BATCHES])
-        jax.block_until_ready((state_u, metrics))
+            st, metrics = step(st, jax_batches[(offset + i) % N_BATCHES])
+        jax.block_until_ready((st, metrics))
+        lmjax_sides[name][1] = st
         return time.perf_counter() - start
 
     def run_torch(step, n: int, offset: int) -> float:
@@ -587,8 +583,8 @@ def main(argv=None) -> dict:
 
     for r in range(rounds):
         offset = r * steps
-        timed("lmjax", run_lmjax, steps, offset)
-        timed("lmjax_unrolled", run_unrolled, steps, offset)
+        timed("lmjax", run_lmjax, "lmjax", steps, offset)
+        timed("lmjax_unrolled", run_lmjax, "lmjax_unrolled", steps, offset)
         for name, sys_ in systems.items():
             timed(name, run_torch, sys_["step"], steps, offset)
         print(
