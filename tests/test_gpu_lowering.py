@@ -68,13 +68,18 @@ def _operands(rest: str) -> list[str]:
 
 
 def _definitions(lines: list[str]) -> dict[str, tuple[str, list[str]]]:
-    """SSA value -> (defining op, operands); `%5:2 = ...` defines %5 (used as %5#0, %5#1)."""
-    defs = {}
+    """SSA value -> (defining op, operands); `%5:2 = ...` defines %5 (used as %5#0, %5#1).
+
+    Sibling regions may reuse a name (a scanned model's while bodies: the printer numbers each
+    region's values afresh; seen with jax 0.11.2), and a flat map cannot tell which definition
+    a use means: such a name maps to no op, so it never counts as constant."""
+    defs, seen = {}, set()
     for line in lines:
         m = _DEF.match(line)
         if m:
             for value in _VALUE.findall(m.group(1)):
-                defs[value] = (m.group(2), _operands(m.group(3)))
+                defs[value] = ("", []) if value in seen else (m.group(2), _operands(m.group(3)))
+                seen.add(value)
     return defs
 
 
