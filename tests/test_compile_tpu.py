@@ -143,7 +143,10 @@ def test_flops_count_every_layer(tmp_path, capsys):
     tokens = report["batch"] * t // 4
     matmuls = 6 * p + 12 * t * d
     ratio = report["flops_per_layer"] / (matmuls * tokens)
-    assert 1.0 <= ratio <= 1 + 30 * (h * t + f + d) / matmuls, (ratio, report)
+    # Lower bound: libtpu 0.0.42 (jax 0.10.2) counted 1.0024x; libtpu 0.0.50 (jax 0.12.0.1)
+    # counts 0.9946x at the default precision (measured 2026-12-07), the 0.5% below the
+    # products that the "highest" passes gave before. Counting the loop body once is ~0.25x.
+    assert 0.99 <= ratio <= 1 + 30 * (h * t + f + d) / matmuls, (ratio, report)
     assert report["n_layers"] == 4 and report["flops_per_micro_batch"] > 4 * matmuls * tokens
     assert "4 layers x " in stdout and "outside them" in stdout
 
