@@ -185,12 +185,6 @@ def torch_name(lmjax_name: str) -> str:
     return lmjax_name[: -len(".scale")] + ".weight" if lmjax_name.endswith(".scale") else lmjax_name
 
 
-def _stored_name(name: str) -> str:
-    """`blocks.3.x` -> `blocks.x`: the stacked leaf a per-layer name lives in."""
-    parts = name.split(".")
-    return ".".join(parts[:1] + parts[2:]) if parts[0] == "blocks" else name
-
-
 def build_torch(cfg: ModelConfig, flat: dict[str, np.ndarray], opt: OptimizerConfig, decay):
     """The torch model holding `flat` (lmjax names -> arrays) and its AdamW (same groups)."""
     model = TorchGPT(cfg)
@@ -462,7 +456,7 @@ def main(argv=None) -> dict:
     # Per-layer names (the torch model's layers), sliced from lmjax's stacked blocks.
     flat0 = {n: np.array(a) for n, a in ptree.flatten(ptree.unstack(state.params)).items()}
     decay_stacked = ptree.flatten(optim.decay_mask(state.params, opt.no_decay))
-    decay = {n: decay_stacked[_stored_name(n)] for n in flat0}
+    decay = {n: decay_stacked[ptree.stored_name(n)] for n in flat0}
     train_step = make_train_step(cfg, tx, lr)
 
     systems: dict[str, dict] = {}

@@ -145,7 +145,7 @@ def mask(params: Tree, patterns: str | Iterable[str], *, require_match: bool = F
     flat = flatten(params)
     if require_match:
         for pattern in patterns:
-            if not any(any(_as_tuple(layer_matches(n, a, pattern))) for n, a in flat.items()):
+            if not any(any(layers_matched(n, a, pattern)) for n, a in flat.items()):
                 raise ShapeError.describe(
                     "pattern",
                     pattern,
@@ -158,14 +158,12 @@ def mask(params: Tree, patterns: str | Iterable[str], *, require_match: bool = F
     )
 
 
-def _as_tuple(chosen) -> tuple[bool, ...]:
-    return chosen if isinstance(chosen, tuple) else (chosen,)
-
-
 def _whole(name: str, chosen) -> bool:
     """One bool for a leaf: every layer or none of a stacked leaf."""
-    if not isinstance(chosen, tuple) or all(chosen) or not any(chosen):
-        return bool(all(_as_tuple(chosen)))
+    if not isinstance(chosen, tuple):
+        return bool(chosen)
+    if all(chosen) or not any(chosen):
+        return all(chosen)
     picked = [i for i, c in enumerate(chosen) if c]
     raise ShapeError.describe(
         f"pattern over {name} (stacked layers)",
@@ -222,14 +220,40 @@ def layer_matches(name: str, leaf, patterns: str | Iterable[str]) -> tuple[bool,
     return tuple(matches(each, patterns) for each in layer_names(name, n))
 
 
+def layers_matched(name: str, leaf, patterns: str | Iterable[str]) -> tuple[bool, ...]:
+    """`layer_matches` as a tuple always: one bool per layer of a stacked leaf, a 1-tuple for a
+    plain leaf (so `all` / `any` read "every layer" / "some layer" for both)."""
+    chosen = layer_matches(name, leaf, patterns)
+    return chosen if isinstance(chosen, tuple) else (chosen,)
+
+
+def stored_name(name: str) -> str:
+    """The inverse of `layer_names`: `blocks.3.x` -> `blocks.x`, the stacked leaf holding that
+    layer's value; any other name as it is."""
+    parts = name.split(".")
+    if len(parts) > 2 and parts[0] == STACKED and parts[1].isdecimal():
+        return ".".join(parts[:1] + parts[2:])
+    return name
+
+
+def blocks_layout(node) -> str | None:
+    """How a mapping holds a model's blocks: `"stacked"` (`blocks.x` leaves `[N, ...]`),
+    `"layers"` (per-layer `blocks.0`, `blocks.1`, ...), or None (no non-empty `blocks`, or not a
+    mapping): the one test `stack`, `unstack` and checkpoint conversion share."""
+    blocks = node.get(STACKED) if isinstance(node, Mapping) else None
+    if not isinstance(blocks, Mapping) or not blocks:
+        return None
+    return "layers" if all(key.isdecimal() for key in blocks) else "stacked"
+
+
 def stack(params: Tree) -> dict:
     """Per-layer blocks `{"blocks": {"0": t0, "1": t1, ...}}` -> stacked `{"blocks": t}`, each
     leaf of `t` the layers' leaves stacked on a new leading axis (numpy stays numpy; abstract
     `jax.ShapeDtypeStruct`s stay abstract). The layers must have the same structure and shapes;
     a tree without per-layer blocks is returned as it is."""
-    blocks = params.get(STACKED)
-    if not isinstance(blocks, Mapping) or not blocks or not all(k.isdecimal() for k in blocks):
+    if blocks_layout(params) != "layers":
         return dict(params)
+    blocks = params[STACKED]
     n = len(blocks)
     if sorted(blocks, key=int) != [str(i) for i in range(n)]:
         raise ShapeError.describe(
@@ -261,10 +285,9 @@ def unstack(params: Tree) -> dict:
     """The inverse of `stack`: stacked `{"blocks": t}` -> `{"blocks": {"0": t[0], ...}}`, each
     layer's leaves sliced from the stacked ones (a per-layer view for tools and files)."""
     blocks = params.get(STACKED)
-    leaves = jax.tree.leaves(blocks) if isinstance(blocks, Mapping) else []
-    if not leaves or all(k.isdecimal() for k in blocks):
+    if blocks_layout(params) != "stacked" or not jax.tree.leaves(blocks):
         return dict(params)
-    n = int(leaves[0].shape[0])
+    n = stacked_size(blocks)
 
     def take(i):
         def one(a):
@@ -279,11 +302,14 @@ def unstack(params: Tree) -> dict:
 
 __all__ = [
     "STACKED",
+    "blocks_layout",
     "is_stacked",
     "layer_matches",
     "layer_names",
+    "layers_matched",
     "stack",
     "stacked_size",
+    "stored_name",
     "unstack",
     "flatten",
     "unflatten",

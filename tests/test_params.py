@@ -352,3 +352,31 @@ def test_mask_keeps_empty_subtrees_so_structures_match():
     m = ptree.mask(tree, "*.weight")
     assert jax.tree.structure(m) == jax.tree.structure(tree)
     assert m == {"a": {}, "b": {"weight": True}}
+
+
+def test_stored_name_inverts_layer_names():
+    for name in ("blocks.attention.query.weight", "blocks.norm.scale"):
+        assert {ptree.stored_name(n) for n in ptree.layer_names(name, 3)} == {name}
+    # Only `blocks.<index>.` is a per-layer name; anything else is its own stored name.
+    for name in ("blocks.attention.query.weight", "final_norm.scale", "blocks.7", "x.3.y"):
+        assert ptree.stored_name(name) == name
+
+
+def test_blocks_layout_tells_stacked_from_per_layer():
+    leaf = np.zeros((2, 3))
+    assert ptree.blocks_layout({"blocks": {"norm": {"scale": leaf}}}) == "stacked"
+    assert ptree.blocks_layout({"blocks": {"0": {}, "1": {}}}) == "layers"
+    assert ptree.blocks_layout({"blocks": {}}) is None
+    assert ptree.blocks_layout({"final_norm": leaf}) is None
+    assert ptree.blocks_layout(leaf) is None
+    stacked = ptree.stack({"blocks": {"0": {"w": leaf[0]}, "1": {"w": leaf[1]}}})
+    assert ptree.blocks_layout(stacked) == "stacked"
+    assert ptree.blocks_layout(ptree.unstack(stacked)) == "layers"
+
+
+def test_layers_matched_is_one_bool_per_layer():
+    stacked = np.zeros((3, 2))
+    assert ptree.layers_matched("blocks.w", stacked, "blocks.1.w") == (False, True, False)
+    assert ptree.layers_matched("blocks.w", stacked, "blocks.w") == (True, True, True)
+    assert ptree.layers_matched("final_norm.scale", stacked[0], "*.scale") == (True,)
+    assert ptree.layers_matched("final_norm.scale", stacked[0], "blocks.*") == (False,)

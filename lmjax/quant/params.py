@@ -83,7 +83,7 @@ def quantize_params(params: Mapping, patterns: str | Iterable[str] | None = None
 def is_linear_weight(name: str, leaf) -> bool:
     """Whether the leaf is a block projection's weight (`LINEAR_WEIGHTS`; stacked: in every
     layer), what `quantize_params` quantizes by default."""
-    return all(_as_tuple(ptree.layer_matches(name, leaf, LINEAR_WEIGHTS)))
+    return all(ptree.layers_matched(name, leaf, LINEAR_WEIGHTS))
 
 
 def quantize_leaf(name: str, leaf) -> QuantizedWeight:
@@ -92,14 +92,10 @@ def quantize_leaf(name: str, leaf) -> QuantizedWeight:
     return quantize_layers(leaf) if ptree.is_stacked(name) else quantize(leaf)
 
 
-def _as_tuple(chosen) -> tuple[bool, ...]:
-    return chosen if isinstance(chosen, tuple) else (chosen,)
-
-
 def _picked(name: str, leaf, patterns) -> bool:
     """Whether `patterns` pick the leaf: a stacked one in every layer, or none (one stacked NF4
     weight holds all of them)."""
-    chosen = _as_tuple(ptree.layer_matches(name, leaf, patterns))
+    chosen = ptree.layers_matched(name, leaf, patterns)
     if all(chosen) or not any(chosen):
         return all(chosen)
     layers = [i for i, on in enumerate(chosen) if on]

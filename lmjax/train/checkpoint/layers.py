@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 import sys
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
@@ -33,22 +33,12 @@ def saved_per_layer(stored_names: Iterable[str]) -> bool:
     return any(_PER_LAYER.search(name) for name in stored_names)
 
 
-def _blocks(node) -> Mapping | None:
-    """A mapping's non-empty `blocks` sub-tree, or None."""
-    if not isinstance(node, Mapping):
-        return None
-    blocks = node.get(ptree.STACKED)
-    return blocks if isinstance(blocks, Mapping) and blocks else None
-
-
 def _holds_stacked(node) -> bool:
-    blocks = _blocks(node)
-    return blocks is not None and not all(key.isdecimal() for key in blocks)
+    return ptree.blocks_layout(node) == "stacked"
 
 
 def _holds_layers(node) -> bool:
-    blocks = _blocks(node)
-    return blocks is not None and all(key.isdecimal() for key in blocks)
+    return ptree.blocks_layout(node) == "layers"
 
 
 def _layer_sharding(sharding):
