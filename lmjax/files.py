@@ -3,7 +3,10 @@
 The bytes go to a temporary file in the target's own directory (so the final `os.replace` is a
 rename within one file system, which POSIX makes atomic), are flushed and fsynced, and only then
 replace the target. If anything fails midway the temporary file is removed and the target is
-untouched.
+untouched. The temporary file and directory are created as `open()` and `mkdir` create theirs
+(modes 0o666 and 0o777 less the umask: 0644 and 0755 under umask 022), not as `tempfile` does
+(0600 and 0700, private to their owner): what lmjax writes is readable by whoever the user's
+umask lets read it (another user, a container, a serving process).
 
 `atomic_dir` does the same for a whole directory, and is safe when several processes build the
 same directory at once: the first rename wins and the others check and accept its result.
@@ -14,11 +17,11 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import secrets
 import shutil
-import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from lmjax.errors import ConfigError
 
@@ -29,7 +32,7 @@ def atomic_open(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
     if mode not in ("w", "wb"):
         raise ValueError(f"atomic_open mode = {mode!r}; expected 'w' or 'wb'")
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = _new_file(path)
     try:
         encoding = None if "b" in mode else "utf-8"
         with os.fdopen(fd, mode, encoding=encoding) as handle:
@@ -41,6 +44,27 @@ def atomic_open(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def _create_beside(path: Path, create: Callable[[Path], Any]) -> Any:
+    """`create(tmp)` for a new hidden name `.NAME.<16 hex>.tmp` beside `path`, drawn again while
+    the name is taken (`create` raises FileExistsError: another writer's temporary)."""
+    while True:
+        tmp = path.parent / f".{path.name}.{secrets.token_hex(8)}.tmp"
+        with contextlib.suppress(FileExistsError):
+            return create(tmp)
+
+
+def _new_file(path: Path) -> tuple[int, Path]:
+    """`(fd, tmp)`: a new, empty temporary file beside `path`, open for writing. Asking `os.open`
+    for 0o666 lets the kernel apply the umask, as `open(tmp, "w")` does (mkstemp asks 0o600)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+    return _create_beside(path, lambda tmp: (os.open(tmp, flags, 0o666), tmp))
+
+
+def _new_dir(path: Path) -> Path:
+    """A new, empty temporary directory beside `path`, 0o777 less the umask (as `mkdir`)."""
+    return _create_beside(path, lambda tmp: (tmp.mkdir(0o777), tmp)[1])
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
@@ -80,7 +104,7 @@ def atomic_dir(
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    tmp = _new_dir(path)
     try:
         yield tmp
         published = _rename_if_absent(tmp, path)

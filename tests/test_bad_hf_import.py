@@ -396,7 +396,7 @@ def test_import_hf_to_an_unwritable_out_is_one_line_and_writes_nothing(
     def unwritable(*args, **kwargs):  # what a read-only parent does (the tests run as root)
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(lmjax.files.tempfile, "mkdtemp", unwritable)
+    monkeypatch.setattr(lmjax.files, "_new_dir", unwritable)
     assert cli.main(["import-hf", str(source), "--out", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and "Permission denied" in err[0], err

@@ -460,7 +460,7 @@ def test_unwritable_targets_leave_everything_as_it_was(saved, monkeypatch):
     def no_space(*args, **kwargs):
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(lmjax.files.tempfile, "mkstemp", no_space)
+    monkeypatch.setattr(lmjax.files, "_new_file", no_space)
     with pytest.raises(CheckpointError, match="Permission denied"):
         st.save({"x": np.zeros(2, np.float32)}, saved)
     assert _tree_of(saved.parent) == before

@@ -420,7 +420,7 @@ def test_failed_tokenizer_saves_leave_the_old_files_and_no_temporary(
     def unwritable(*args, **kwargs):  # what a read-only directory does (root ignores chmod)
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(lmjax.files.tempfile, "mkstemp", unwritable)
+    monkeypatch.setattr(lmjax.files, "_new_file", unwritable)
     with pytest.raises(CheckpointError, match="Permission denied"):
         tok.save(directory)
     monkeypatch.undo()

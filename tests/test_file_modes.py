@@ -1,0 +1,112 @@
+"""What lmjax writes is readable as the user's umask says (issue 47 item 3): every file 0o666
+and every directory 0o777 less the umask, as `open()` and `mkdir` make them (0644 / 0755 under
+umask 022, 0600 / 0700 under 077), never tempfile's owner-only 0600 / 0700.
+
+The commands run as a user runs them (`lmjax train`, `import-hf` of a tiny `transformers` Llama
+saved offline, `export-hf`, `prepare`) under a umask the test sets (and restores), writing into
+one output tree (the cache of prepared data included); the whole tree is walked, so a new writer
+anywhere in it is covered without a new line here. tests/test_finetune_ux.py walks a fine-tune's
+tree (adapters, merged/, checkpoints, samples, SFT data) the same way (`assert_modes`).
+
+Cost: one 2-step train of a 1-layer model (~6 s on the loaded 2 cores, its step compiled from
+the suite's cache after the first run), the rest well under a second each.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+from pathlib import Path
+
+import pytest
+from _llama_run import TEXT, hf_checkpoint
+
+from lmjax import cli
+
+TRAIN = """
+model: {preset: gpt, vocab_size: null, context_length: 16, d_model: 32, n_heads: 4, n_layers: 1,
+        d_ff: 64}
+data: {corpus: corpus.txt, tokenizer: char}
+train: {steps: 2, batch_size: 2, seq_len: 16, eval_every: 2, eval_batches: 1}
+checkpoint: {every: 2}
+logging: {every: 1, progress: false, sample_tokens: 4, sample_prompt: T}
+"""
+
+
+@contextlib.contextmanager
+def umask(mask: int):
+    """The process's umask set to `mask` for the block, the old one restored after."""
+    old = os.umask(mask)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+def modes(root: Path) -> dict[str, int]:
+    """`{path relative to root: permission bits}` of everything under `root`."""
+    return {str(p.relative_to(root)): stat.S_IMODE(p.lstat().st_mode) for p in root.rglob("*")}
+
+
+def assert_modes(root: Path, mask: int, expected: tuple[str, ...]) -> None:
+    """Every file under `root` is 0o666 & ~mask and every directory 0o777 & ~mask; the walk saw
+    each of `expected` (paths relative to root), so it walked what the commands wrote."""
+    found = modes(root)
+    missing = [name for name in expected if name not in found]
+    assert not missing, f"not written: {missing}"
+    wrong = {
+        name: oct(mode)
+        for name, mode in found.items()
+        if mode != (0o777 if (root / name).is_dir() else 0o666) & ~mask
+    }
+    assert not wrong, f"under umask {mask:03o}: {wrong}"
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch):
+    """tmp_path as the working directory, with a tiny chat Llama saved by transformers in hf/ and
+    a corpus (both written by the test, outside out/); the cache of prepared data in out/."""
+    hf_checkpoint(tmp_path / "hf", chat=True)
+    (tmp_path / "corpus.txt").write_text(TEXT)
+    (tmp_path / "train.yaml").write_text(TRAIN)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "out" / "cache"))
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+# What the walk must see: the import's weights, tokenizer and stop ids, the export's files.
+IMPORTED = (
+    "llama/model.safetensors",
+    "llama/config.yaml",
+    "llama/tokenizer/tokenizer.json",
+    "llama/tokenizer/tokenizer_config.json",
+    "llama/tokenizer/generation_config.json",
+    "exported/config.json",
+    "exported/model.safetensors",
+    "exported/tokenizer.json",
+    "exported/tokenizer_config.json",
+    "exported/generation_config.json",
+)
+
+
+def _import_and_export() -> None:
+    assert cli.main(["import-hf", "hf", "--out", "out/llama"]) == 0
+    assert cli.main(["export-hf", "out/llama", "--out", "out/exported"]) == 0
+
+
+def test_train_import_and_export_write_0644_under_umask_022(workdir):
+    with umask(0o022):
+        assert cli.main(["train", "train.yaml", "run.dir=out/tiny"]) == 0
+        _import_and_export()
+    trained = ("config.yaml", "metrics.jsonl", "samples.txt", "loss.png", "tokenizer")
+    trained += ("checkpoints/2",)
+    assert_modes(workdir / "out", 0o022, (*IMPORTED, "cache", *(f"tiny/{n}" for n in trained)))
+
+
+def test_prepare_import_and_export_write_0600_under_umask_077(workdir):
+    with umask(0o077):
+        _import_and_export()
+        assert cli.main(["prepare", "--corpus", "corpus.txt", "--out", "out/data"]) == 0
+    prepared = ("data/meta.json", "data/train.bin", "data/val.bin", "data/tokenizer")
+    assert_modes(workdir / "out", 0o077, (*IMPORTED, *prepared))
