@@ -6,10 +6,10 @@ tokenizer_config.json and eos_token_id [<|im_end|>, <|endoftext|>] in generation
 head is set so that the greedy reply to the first prompt ends with <|im_end|> as its 4th token.
 `lmjax import-hf` makes it a run (generation_config.json kept in RUN/tokenizer/).
 
-Witnesses: transformers' `AutoTokenizer.apply_chat_template` for the ids of every turn's prompt,
+Witnesses: transformers' `AutoTokenizer.apply_chat_template` for the ids of the first turn's
+prompt and the text of the second (whose ids keep the first reply's ids as generated, `reference`),
 and `AutoModelForCausalLM.generate(do_sample=False)` (which stops at the generation config's eos
-ids) for every reply, the conversation's second turn built from the first reply's text as
-transformers decodes it. Greedy decoding in float32 compares argmaxes, so each step's top-2 gap
+ids) for every reply. Greedy decoding in float32 compares argmaxes, so each step's top-2 gap
 of transformers' logits is asserted to be well above what the two float32 forward passes can
 differ by (`GAP`). Cost: ~25 s (the chat and generate runs each compile prefill and decode).
 """
@@ -24,7 +24,7 @@ import shutil
 import pytest
 import torch
 import transformers
-from _llama_run import CHAT_PROMPT, EOS_STEP, imported_run
+from _llama_run import CHAT_PROMPT, CHAT_TEMPLATE, EOS_STEP, imported_run
 
 from lmjax import chat, cli
 from lmjax.errors import FileFormatError
@@ -46,16 +46,22 @@ def chat_run(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(chat_run):
-    """transformers' ids for both turns: [(prompt ids, reply ids)], the reply stopped at eos."""
+    """transformers' ids for both turns: [(prompt ids, reply ids)], the reply stopped at eos.
+
+    The second prompt is the first prompt, the first reply's ids as generated (without its stop
+    id) and the rest of transformers' rendering of the conversation, encoded: chat keeps a
+    reply's ids, and this model's first reply does not survive decode and encode (a lone
+    UTF-8 lead byte that decodes to U+FFFD), so re-encoding its text would give other ids."""
     hf_dir, _ = chat_run
     tok = transformers.AutoTokenizer.from_pretrained(hf_dir)
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    stops = model.generation_config.eos_token_id
     messages, turns = [], []
     for text in TURNS:
         messages.append({"role": "user", "content": text})
-        prompt = tok.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=False
-        )
+        prompt = _template_ids(tok, messages)
+        if turns:
+            prompt = _kept_reply_prompt(tok, messages, *turns[-1], stops)
         with torch.no_grad():
             out = model.generate(
                 torch.tensor([prompt]),
@@ -69,12 +75,34 @@ def reference(chat_run):
             assert float(top2[0] - top2[1]) > GAP  # the argmax is not a float32 tie
         reply = out.sequences[0, len(prompt) :].tolist()
         turns.append((prompt, reply))
-        stops = model.generation_config.eos_token_id
         content = [i for i in reply if i not in stops]
         messages.append(
             {"role": "assistant", "content": tok.decode(content, skip_special_tokens=True)}
         )
     return turns, tok
+
+
+def _template_ids(tok, messages) -> list[int]:
+    return tok.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+
+
+def _rendered(tok, messages) -> str:
+    return tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+def _kept_reply_prompt(tok, messages, prompt, reply, stops) -> list[int]:
+    """The prompt of messages [..., user, assistant, user] keeping the assistant's reply ids."""
+    whole, before = _rendered(tok, messages), _rendered(tok, messages[:-2])
+    content = messages[-2]["content"]
+    assert whole.startswith(before + content)
+    assert tok.encode(before, add_special_tokens=False) == prompt
+    rest = tok.encode(whole[len(before) + len(content) :], add_special_tokens=False)
+    kept = prompt + [i for i in reply if i not in stops] + rest
+    assert tok.decode(kept) == whole  # the same text as transformers renders
+    assert kept != _template_ids(tok, messages)  # which, encoded, has other ids
+    return kept
 
 
 def _ids(out: str, label: str) -> list[list[int]]:
@@ -185,6 +213,10 @@ def test_chat_errors_are_one_line(chat_run, tmp_path, capsys):
     config.write_text(json.dumps(json.loads(config.read_text()) | {"chat_template": None}))
     line = _one_error_line(["chat", str(plain), "--message", "hi"], capsys)
     assert "without a chat template" in line and "lmjax generate" in line
+    # The fix can be followed: a chat_template.jinja in RUN/tokenizer/ (as transformers saves).
+    assert f"Fix: copy the chat model's chat_template.jinja into {plain / 'tokenizer'} " in line
+    (plain / "tokenizer" / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    _chat(plain, capsys, "--message", "hi")
     (plain / "tokenizer" / "generation_config.json").write_text('{"eos_token_id": "two"}')
     shutil.copyfile(run / "tokenizer" / "tokenizer_config.json", config)
     line = _one_error_line(["chat", str(plain), "--message", "hi"], capsys)

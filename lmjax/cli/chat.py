@@ -2,8 +2,15 @@
 
 Each turn renders the whole conversation with the run's chat template (`lmjax.chat`), decodes
 until one of the model's end-of-sequence ids (or --max-new-tokens), prints the reply as it is
-generated and keeps it for the next turn. User turns come from --message flags, else from
-stdin, one per line until EOF.
+generated and keeps its ids for the next turn. User turns come from --message flags, else from
+stdin, one per line until EOF (typed at a terminal: with line editing, when Python has
+readline).
+
+The session outlives what a person does at a terminal: a full context forgets the oldest
+exchanges (one line says so), a turn too long by itself is refused (one line) and the chat goes
+on, Ctrl-C during a reply stops it (what was said is kept), and Ctrl-C at an empty prompt or
+Ctrl-D ends the chat (exit 0). A line starting with "/" is a command (`COMMANDS`), never sent to
+the model; "//" sends a line starting with "/".
 """
 
 from __future__ import annotations
@@ -13,7 +20,17 @@ import sys
 
 from lmjax.cli.args import add_quantize, add_run, add_sampling, add_step
 from lmjax.cli.common import load_run
-from lmjax.errors import FileFormatError
+from lmjax.errors import FileFormatError, TokenError
+
+DEFAULT_REPLY = 200  # tokens a reply may take by default (at most half the context)
+COMMANDS = {
+    "/help": "this list",
+    "/reset": "a new conversation (the system message stays)",
+    "/system TEXT": "the system message from now on (/system alone shows it)",
+    "/exit": "leave the chat (also /quit, Ctrl-D, or Ctrl-C at an empty prompt)",
+    "//TEXT": 'send a message that starts with "/" (/TEXT)',
+}
+_EXIT = ("exit", "quit")
 
 
 def add_chat(sub) -> None:
@@ -24,7 +41,10 @@ def add_chat(sub) -> None:
         "user turn (--message, repeatable, else one per line of stdin until EOF) is added to "
         "the conversation, rendered with the model's chat template (tokenizer_config.json) "
         "and answered until an end-of-sequence id of generation_config.json / "
-        "tokenizer_config.json or --max-new-tokens; the reply is kept for the next turn.",
+        "tokenizer_config.json or --max-new-tokens; the reply is kept for the next turn. "
+        "When the context is full the oldest turns are forgotten (the system message stays). "
+        "Lines starting with / are commands (/help); Ctrl-C stops a reply; Ctrl-D, /exit or "
+        "Ctrl-C at an empty prompt leaves.",
     )
     add_run(parser, "a run directory with a chat tokenizer")
     add_step(parser)
@@ -34,7 +54,8 @@ def add_chat(sub) -> None:
     )
     add_sampling(
         parser,
-        length="tokens per reply at most (default: 200, or what is left of the context)",
+        length="tokens kept free for each reply: older turns are forgotten to leave them "
+        f"(default: {DEFAULT_REPLY}, at most half the context)",
         seed="the seed of every turn's sampling",
         stop="another id ending a reply",
     )
@@ -50,8 +71,17 @@ def add_chat(sub) -> None:
 def run_chat(args: argparse.Namespace) -> int:
     from lmjax import chat, generate
     from lmjax.checks import require
-    from lmjax.cli.runs import print_ids, quantization, stream_text
+    from lmjax.cli.runs import quantization
+    from lmjax.train.rundir import RunDir
 
+    for message in args.message:  # before loading: a script's mistake costs nothing
+        require(
+            bool(message.strip()),
+            "--message",
+            message,
+            "text to send (a blank turn is never sent)",
+            "give the --message some text, or drop it",
+        )
     generate.Sampling(args.temperature, args.top_k, args.top_p)  # a typo fails before loading
     run = load_run(args.run_path, args.step, quantization(args.quantize, args.run_path))
     require(
@@ -62,69 +92,172 @@ def run_chat(args: argparse.Namespace) -> int:
         "chat with a run imported from a chat model (lmjax import-hf)",
         error=FileFormatError,
     )
-    conversation = chat.Conversation(run.tokenizer, system=args.system)
-    stops = [*args.stop_token, *chat.run_stop_ids(run)]
-    for message in _user_turns(args.message):
-        prompt = conversation.prompt_ids(message)
+    where = RunDir(run.directory).tokenizer_dir
+    session = _Session(args, run, chat.Conversation(run.tokenizer, args.system, where))
+    typed = not args.message and sys.stdin.isatty()
+    for line in args.message or (_typed_lines() if typed else _piped_lines()):
+        if args.message:  # a script's transcript: say which turn each reply answers
+            print(f"> {line}")
+        if not session.take(line):
+            break
+    return 2 if session.refused and not typed else 0
+
+
+def parse_line(line: str) -> tuple[str | None, str]:
+    """`(command, argument)` of a line starting with "/" ("/system Be brief." -> ("system",
+    "Be brief.")), else `(None, the message)`; "//..." is the message "/...". A command word is
+    lower-cased; leading blanks before "/" are ignored."""
+    head = line.lstrip()
+    if head.startswith("//"):
+        return None, head[1:]
+    if not head.startswith("/"):
+        return None, line
+    word, _, argument = head[1:].partition(" ")
+    return word.lower(), argument.strip()
+
+
+def reply_room(wanted: int | None, context_length: int) -> int:
+    """Tokens each reply may take, kept free by forgetting old turns: --max-new-tokens, else
+    `DEFAULT_REPLY` or half the context if less; one error line for a value the context cannot
+    hold beside a one-token prompt."""
+    from lmjax.checks import require
+
+    if wanted is None:
+        return max(1, min(DEFAULT_REPLY, context_length // 2))
+    require(
+        1 <= wanted < context_length,
+        "--max-new-tokens",
+        wanted,
+        f"an int in [1, {context_length - 1}] (context_length {context_length} minus a prompt)",
+        f"pass --max-new-tokens {min(DEFAULT_REPLY, context_length - 1)} or less",
+    )
+    return wanted
+
+
+def _say(text: str) -> None:
+    """A line about the session (not the model's words): on stderr, after what stdout has."""
+    sys.stdout.flush()
+    print(f"lmjax chat: {text}", file=sys.stderr, flush=True)
+
+
+class _Session:
+    """The conversation and what the command line asked for; `take` handles one line."""
+
+    def __init__(self, args: argparse.Namespace, run, conversation):
+        from lmjax.chat import run_stop_ids
+
+        self.args, self.run, self.conversation = args, run, conversation
+        self.stops = [*args.stop_token, *run_stop_ids(run)]
+        self.room = reply_room(args.max_new_tokens, run.model.context_length)
+        self.refused = 0  # turns not sent and unknown commands (a script's exit status)
+
+    def take(self, line: str) -> bool:
+        """Run a command or answer a message; False once the chat should end."""
+        command, text = parse_line(line)
+        if command is None:
+            self.turn(text)
+        elif command in _EXIT:
+            return False
+        elif command == "help":
+            width = max(map(len, COMMANDS))
+            print("\n".join(f"{k.ljust(width)}  {v}" for k, v in COMMANDS.items()))
+            print("Ctrl-C during a reply stops it; the reply so far is kept.")
+        elif command == "reset":
+            self.conversation.reset()
+            _say("a new conversation (the system message stays)")
+        elif command == "system":
+            self._system(text)
+        else:
+            self.refused += 1
+            _say(f'/{command} is not a command (/help lists them); "//" sends a line with "/"')
+        return True
+
+    def turn(self, text: str) -> None:
+        """Answer a user turn, forgetting old turns as the context needs (or refusing it)."""
+        context = self.run.model.context_length
+        try:
+            prompt, dropped = self.conversation.fit_turn(text, context, self.room)
+        except TokenError as err:
+            self.refused += 1
+            _say(f"not sent: {err}")
+            return
+        if dropped:
+            _say(
+                f"the context ({context} tokens) is full: forgot the oldest {dropped} messages "
+                f"to leave {self.room} for the reply"
+            )
+        reply, stopped = self._reply(prompt, min(self.room, context - len(prompt)))
+        if stopped:
+            _say("reply stopped (Ctrl-C); what it said so far is kept")
+        if self.args.show_ids:
+            from lmjax.cli.runs import print_ids
+
+            print_ids(prompt, reply)
+        content = reply[:-1] if reply and reply[-1] in self.stops else reply
+        text = self.run.tokenizer.decode(content, skip_special_tokens=True)
+        self.conversation.add_reply(text, content)
+
+    def _reply(self, prompt: list[int], length: int) -> tuple[list[int], bool]:
+        """(the reply's ids, whether Ctrl-C stopped it), printed as they come."""
+        from lmjax import generate
+        from lmjax.cli.runs import stream_text
+
+        args, ids = self.args, []
+
+        def recorded(steps):
+            for step in steps:
+                if step.active[0]:
+                    ids.append(int(step.tokens[0]))
+                yield step
+
         options = dict(
-            max_new_tokens=_reply_length(args.max_new_tokens, len(prompt), run.model),
+            max_new_tokens=length,
             temperature=args.temperature,
             top_k=args.top_k,
             top_p=args.top_p,
             seed=args.seed,
-            stop_tokens=stops,
+            stop_tokens=self.stops,
         )
-        steps = generate.stream(run.params, [prompt], run.model, **options)
-        if args.message:  # a script's transcript: say which turn each reply answers
-            print(f"> {message}")
-        reply = stream_text(run.tokenizer, steps, hidden=stops)
-        if args.show_ids:
-            print_ids(prompt, reply)
-        text = [i for i in reply if i not in stops]
-        conversation.add_reply(run.tokenizer.decode(text, skip_special_tokens=True))
-    return 0
+        try:
+            steps = generate.stream(self.run.params, [prompt], self.run.model, **options)
+            stream_text(self.run.tokenizer, recorded(steps), hidden=self.stops)
+        except KeyboardInterrupt:
+            print(flush=True)  # end the reply's line
+            return ids, True
+        return ids, False
 
-
-def _user_turns(messages: list[str]):
-    """--message's turns, else stdin's lines (a "> " prompt when a person types them)."""
-    if messages:
-        yield from messages
-        return
-    typed = sys.stdin.isatty()
-    while True:
-        if typed:
-            print("> ", end="", flush=True)
-        line = sys.stdin.readline()
-        if not line:
-            if typed:  # Ctrl-D after the prompt sign: end its line
-                print()
+    def _system(self, text: str) -> None:
+        if not text:
+            _say(f"the system message is {self.conversation.system!r}")
             return
+        self.conversation.system = text
+        _say("the system message is set (the conversation so far is kept)")
+
+
+def _piped_lines():
+    """stdin's non-blank lines (a file or a pipe)."""
+    for line in sys.stdin:
         if line.strip():
             yield line.rstrip("\n")
 
 
-def _reply_length(wanted: int | None, prompt: int, model) -> int:
-    """New tokens of a turn: --max-new-tokens, or up to 200; one error line when the
-    conversation leaves no room in the context."""
-    from lmjax.checks import require
-    from lmjax.errors import TokenError
-
-    room = model.context_length - prompt
-    require(
-        room >= 1,
-        "conversation",
-        f"{prompt} tokens",
-        f"fewer than context_length = {model.context_length}",
-        "start a new chat (shorter turns, or a shorter --system)",
-        error=TokenError,
-    )
-    if wanted is None:
-        return min(200, room)
-    require(
-        1 <= wanted <= room,
-        "--max-new-tokens",
-        wanted,
-        f"an int in [1, {room}] (context_length {model.context_length} minus the conversation)",
-        f"pass --max-new-tokens {room} or less, or start a new chat",
-    )
-    return wanted
+def _typed_lines():
+    """Lines typed after a "> " prompt until Ctrl-D, or Ctrl-C at an empty prompt; Ctrl-C on a
+    line with text clears it, as a shell does (with readline; without it, Ctrl-C leaves)."""
+    try:
+        import readline  # noqa: F401  (input() then edits lines and keeps a history)
+    except ImportError:
+        readline = None
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            print()  # Ctrl-D after the prompt sign: end its line
+            return
+        except KeyboardInterrupt:
+            print()
+            if readline is not None and readline.get_line_buffer():
+                continue
+            return
+        if line.strip():
+            yield line
