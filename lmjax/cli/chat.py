@@ -202,7 +202,7 @@ class _Session:
         from lmjax import generate
         from lmjax.cli.runs import stream_text
 
-        args, ids = self.args, []
+        args, ids = self.args, []  # ids: what the reply said, also when Ctrl-C stops it
 
         def recorded(steps):
             for step in steps:
@@ -210,16 +210,16 @@ class _Session:
                     ids.append(int(step.tokens[0]))
                 yield step
 
-        options = dict(
-            max_new_tokens=length,
-            temperature=args.temperature,
-            top_k=args.top_k,
-            top_p=args.top_p,
-            seed=args.seed,
-            stop_tokens=self.stops,
-        )
+        sampling = {k: getattr(args, k) for k in ("temperature", "top_k", "top_p", "seed")}
         try:
-            steps = generate.stream(self.run.params, [prompt], self.run.model, **options)
+            steps = generate.stream(
+                self.run.params,
+                [prompt],
+                self.run.model,
+                max_new_tokens=length,
+                stop_tokens=self.stops,
+                **sampling,
+            )
             stream_text(self.run.tokenizer, recorded(steps), hidden=self.stops)
         except KeyboardInterrupt:
             print(flush=True)  # end the reply's line
