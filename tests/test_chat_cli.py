@@ -215,6 +215,8 @@ def test_chat_errors_are_one_line(chat_run, tmp_path, capsys):
     assert "without a chat template" in line and "lmjax generate" in line
     # The fix can be followed: a chat_template.jinja in RUN/tokenizer/ (as transformers saves).
     assert f"Fix: copy the chat model's chat_template.jinja into {plain / 'tokenizer'} " in line
+    generate = ["generate", "--run", str(plain), "--chat", "--prompt", "hi"]
+    assert _one_error_line(generate, capsys).endswith(line.partition("error: ")[2])
     (plain / "tokenizer" / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     _chat(plain, capsys, "--message", "hi")
     (plain / "tokenizer" / "generation_config.json").write_text('{"eos_token_id": "two"}')

@@ -228,7 +228,8 @@ class _Session:
 
     def _system(self, text: str) -> None:
         if not text:
-            _say(f"the system message is {self.conversation.system!r}")
+            current = self.conversation.system
+            _say("no system message" if current is None else f"the system message is {current!r}")
             return
         self.conversation.system = text
         _say("the system message is set (the conversation so far is kept)")

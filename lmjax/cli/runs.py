@@ -198,8 +198,10 @@ def run_generate(args: argparse.Namespace) -> int:
 def chat_prompts(run, messages: list[str]) -> tuple[list[list[int]], list[int]]:
     """(prompt ids of each message as a one-turn chat, the stop ids) for `generate --chat`."""
     from lmjax import chat
+    from lmjax.train.rundir import RunDir
 
     stops = chat.run_stop_ids(run)
+    chat.require_template(run.tokenizer, RunDir(run.directory).tokenizer_dir)
     return [chat.Conversation(run.tokenizer).prompt_ids(m) for m in messages], stops
 
 
