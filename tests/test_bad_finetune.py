@@ -100,7 +100,7 @@ CASES = {
     "lora.bogus=1": (["lora.bogus=1"], "lora key = 'bogus'"),
     "lora=3": (["lora=3"], "override key = 'lora'"),
     "finetune=3": (["finetune=3"], "override key = 'finetune'"),
-    "finetune.color": (["finetune.color=red"], "finetune section = "),
+    "finetune.color": (["finetune.color=red"], "finetune key = 'color'"),
     "finetune.qlora=yes": (["finetune.qlora=yes"], "finetune.qlora = 'yes'"),
     "finetune.qlora=1": (["finetune.qlora=1"], "finetune.qlora = 1"),
     # the base

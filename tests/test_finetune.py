@@ -152,7 +152,7 @@ def test_resume_equals_straight(ws, straight, monkeypatch):
         (["--lora", "targets=*.attention.qurey"], "lora target"),
         (["--lora", "rank=4"], "--lora key"),
         (["model.n_layers=3"], "model field"),
-        (["finetune.color=red"], "finetune section"),
+        (["finetune.color=red"], "finetune key"),
         (["train.steps=0"], "train.steps"),
         (["data.corpus={other}"], "data.corpus"),  # characters the base's vocabulary lacks
         (["--resume"], "run directory to resume"),

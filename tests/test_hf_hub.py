@@ -98,6 +98,7 @@ def _one_error_line(argv, capsys) -> str:
 def test_a_missing_model_id_is_one_line_saying_what_to_do(saved, tmp_path, capsys, monkeypatch):
     # constants are read when huggingface_hub is imported; this process imported it already.
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(saved / "home" / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # whatever this shell set
     argv = ["import-hf", "lmjax-test/absent", "--out", str(tmp_path / "run")]
     line = _one_error_line(argv, capsys)
     assert f"a model in the Hugging Face cache ({saved / 'home' / 'hub'})" in line
@@ -106,6 +107,36 @@ def test_a_missing_model_id_is_one_line_saying_what_to_do(saved, tmp_path, capsy
     line = _one_error_line([*argv, "--download"], capsys)
     assert "HF_HUB_OFFLINE=1 forbids downloads" in line and "unset HF_HUB_OFFLINE" in line
     assert not (tmp_path / "run").exists()
+
+
+def test_offline_a_mistyped_id_suggests_the_cached_one_not_download(
+    saved, tmp_path, capsys, monkeypatch
+):
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(saved / "home" / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # as HF_HUB_OFFLINE=1 sets it
+    line = _one_error_line(["import-hf", "lmjax-test/tiny-chta", "--out", "run"], capsys)
+    assert "HF_HUB_OFFLINE=1 forbids downloads" in line and "--download" not in line
+    assert f"Fix: did you mean {REPO} (cached)? Else copy the model into the cache" in line
+    # The suggestion, as typed, imports offline.
+    assert cli.main(["import-hf", REPO, "--out", str(tmp_path / "run")]) == 0
+    assert _files(tmp_path / "run") == _files(saved / "direct")
+
+
+def test_generate_on_a_hugging_face_directory_says_to_import_it(
+    saved, tmp_path, capsys, monkeypatch
+):
+    shutil.copytree(saved / "hf", tmp_path / "hf")
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["generate", "--run", "hf", "--prompt", "The", "--max-new-tokens", "2"]) == 2
+    captured = capsys.readouterr()
+    (line,) = captured.err.splitlines()
+    assert line.startswith("lmjax generate: error: run path = 'hf'") and captured.out == ""
+    assert "not a Hugging Face checkpoint (config.json)" in line
+    fix = "Fix: import it first: lmjax import-hf hf --out runs/hf, then pass runs/hf."
+    assert line.endswith(fix)
+    # The fix, followed word for word, imports the directory.
+    assert cli.main(["import-hf", "hf", "--out", "runs/hf"]) == 0
+    assert _files(tmp_path / "runs" / "hf") == _files(saved / "direct")
 
 
 def test_a_cached_revision_other_than_main(saved, tmp_path, capsys, monkeypatch):

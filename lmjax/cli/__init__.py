@@ -18,6 +18,7 @@ share, `common` the steps they share. Their lmjax imports sit inside the functio
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
 
 from lmjax.cli import chat, hf, inspection, measure, runs, training
@@ -60,20 +61,36 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for add_command in _COMMANDS:
         add_command(sub)
+    parser.commands = sub.choices  # name -> its parser, whose errors name its own --help
     return parser
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    """Parse, letting `key=value` overrides sit anywhere, also after options."""
+    """Parse, letting `key=value` overrides sit anywhere, also after options. An argument the
+    subcommand does not know is its parser's error (`see lmjax finetune --help`), with the
+    nearest flag it has (`--qlroa`: did you mean --qlora?)."""
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     overrides = [item for item in extra if "=" in item and not item.startswith("-")]
     unknown = [item for item in extra if item not in overrides]
     if unknown or (overrides and not hasattr(args, "overrides")):
-        parser.error(f"unrecognized arguments: {' '.join(unknown or overrides)}")
+        command = parser.commands[args.command]
+        command.error(
+            f"unrecognized arguments: {' '.join(unknown or overrides)}{_nearest(unknown, command)}"
+        )
     if overrides:
         args.overrides = [*args.overrides, *overrides]
     return args
+
+
+def _nearest(unknown: list[str], command: argparse.ArgumentParser) -> str:
+    """` (did you mean --qlora?)` for the first unknown flag near one of `command`'s, else ""."""
+    flags = [f for action in command._actions for f in action.option_strings]  # no public list
+    for item in unknown:
+        close = difflib.get_close_matches(item.partition("=")[0], flags, n=1)
+        if item.startswith("-") and close:
+            return f" (did you mean {close[0]}?)"
+    return ""
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -218,12 +218,16 @@ def _inspect_finetune_config(args: argparse.Namespace) -> int:
     config's LoRA and optimizer; --lora fields and --qlora override it). Reads the base's config
     only, not its weights."""
     from lmjax import finetune, models, train
+    from lmjax.checks import require
 
     qlora = True if args.qlora else None
     cfg, spec, _ = finetune.load_config(
         args.preset, args.overrides, args.lora, qlora, weights=False
     )
     model = cfg.model_config()
+    context = model.context_length  # the base's: a fine-tune config can't raise it
+    ok = args.seq_len is None or args.seq_len <= context
+    require(ok, "--seq-len", args.seq_len, f"<= the base's context_length = {context}", "lower it")
     batch = args.batch_size or cfg.train.batch_size // cfg.train.grad_accum
     print(
         f"{args.preset} (base {spec.base}): "

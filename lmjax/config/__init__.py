@@ -29,6 +29,7 @@ from lmjax.config.sections import (
     TrainConfig,
     validate_data,
 )
+from lmjax.config.typed import unknown_name
 from lmjax.config.yaml_file import read_yaml
 
 __all__ = [
@@ -50,5 +51,6 @@ __all__ = [
     "parse_run_overrides",
     "parse_value",
     "read_yaml",
+    "unknown_name",
     "validate_data",
 ]

@@ -22,7 +22,7 @@ from lmjax.config.sections import (
     TrainConfig,
     validate_data,
 )
-from lmjax.config.typed import build_section, hint_options, require_mapping
+from lmjax.config.typed import build_section, hint_options, require_mapping, unknown_name
 from lmjax.config.yaml_file import read_yaml
 from lmjax.errors import ConfigError
 from lmjax.models import ModelConfig, preset
@@ -100,13 +100,17 @@ class RunConfig:
         return out
 
     @classmethod
-    def from_dict(cls, data: Any, overrides: dict[str, Any] | None = None) -> RunConfig:
-        """Build from nested mappings (YAML) plus dotted `overrides`; unknown keys are errors."""
-        data = _apply_overrides(require_mapping(data, "config"), overrides or {})
+    def from_dict(
+        cls, data: Any, overrides: dict[str, Any] | None = None, known_also: tuple[str, ...] = ()
+    ) -> RunConfig:
+        """Build from nested mappings (YAML) plus dotted `overrides`; unknown keys are errors.
+        `known_also`: sections the caller has read and removed (a fine-tune's `finetune` and
+        `lora`), listed with these in the error for an unknown section."""
+        sections = [*_SECTION_NAMES, *known_also]
+        data = _apply_overrides(require_mapping(data, "config"), overrides or {}, sections)
         unknown = sorted(set(data) - set(_SECTION_NAMES))
         if unknown:
-            expected = f"one of {_SECTION_NAMES}"
-            raise ConfigError.describe("config section", unknown[0], expected, "fix or remove it")
+            raise unknown_name("config section", unknown[0], sections)
         model = require_mapping({} if data.get("model") is None else data["model"], "model")
         sections = {
             name: build_section(cls_, {} if data.get(name) is None else data[name], name)
@@ -145,16 +149,19 @@ def parse_run_overrides(items: list[str]) -> dict[str, Any]:
     return out
 
 
-def _apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
-    """`{"model.n_layers": 4}` sets `data["model"]["n_layers"]`; sections are copied first."""
+def _apply_overrides(
+    data: dict[str, Any], overrides: dict[str, Any], sections: list[str]
+) -> dict[str, Any]:
+    """`{"model.n_layers": 4}` sets `data["model"]["n_layers"]`; sections are copied first.
+    `sections`: the command's section names, for the error naming an unknown one."""
     data = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}
     for key, value in overrides.items():
         section, dot, field = key.partition(".")
         expected = "section.field (e.g. model.n_layers=4, train.steps=100)"
         ok = bool(dot and field) and "." not in field
         require(ok, "override key", key, expected, "prefix the field with its section")
-        expected = f"one of {_SECTION_NAMES}"
-        require(section in _SECTION_NAMES, "override section", section, expected, "fix the key")
+        if section not in _SECTION_NAMES:
+            raise unknown_name("override section", section, sections)
         current = {} if data.get(section) is None else data[section]
         data[section] = {**require_mapping(current, section), field: value}
     return data

@@ -9,6 +9,7 @@ unions of them with None. Ints are accepted for floats (`lr: 1`) and lists for t
 
 from __future__ import annotations
 
+import difflib
 import types
 import typing
 from typing import Any
@@ -35,14 +36,22 @@ def require_mapping(value: Any, where: str) -> dict[str, Any]:
     return value
 
 
+def unknown_name(what: str, name: str, known) -> ConfigError:
+    """The error for a key or section `name` that is none of `known`, suggesting the nearest one
+    (difflib's closest match), as a typo (`finetune.bsae`) usually is one letter pair off:
+    `finetune key = 'bsae'; expected one of [...]. Fix: did you mean 'base'? Else remove it.`"""
+    close = difflib.get_close_matches(name, [str(k) for k in known], n=1)
+    fix = f"did you mean {close[0]!r}? Else remove it" if close else "fix the spelling or remove it"
+    return ConfigError.describe(what, name, f"one of {list(known)}", fix)
+
+
 def build_section(cls, values: Any, where: str):
     """`cls(**values)`, every key a field of `cls` and every value of its field's type."""
     values = require_mapping(values, where)
     hints = typing.get_type_hints(cls)
     unknown = sorted(set(values) - set(hints))
     if unknown:
-        expected, fix = f"one of {sorted(hints)}", "fix the spelling or remove it"
-        raise ConfigError.describe(f"{where} key", unknown[0], expected, fix)
+        raise unknown_name(f"{where} key", unknown[0], sorted(hints))
     return cls(**{k: _coerce(v, hints[k], f"{where}.{k}") for k, v in values.items()})
 
 

@@ -100,8 +100,8 @@ class BadRecords:
                 f"record {where}",
                 reason,
                 "a well-formed document record",
-                "fix or remove the record, or pass --skip-bad (data.skip_bad=true) to skip "
-                "malformed records",
+                "fix or remove the record, or skip malformed records: data.skip_bad=true "
+                "(lmjax prepare and finetune: --skip-bad)",
             )
         self.count += 1
         self.first = self.first or f"{where}: {reason}"
@@ -169,7 +169,7 @@ def _record_text(line: bytes, field: str, where: str, bad: BadRecords) -> str | 
     except UnicodeDecodeError as err:
         return bad(where, f"not UTF-8 (byte {err.start} of the line)")
     except json.JSONDecodeError as err:
-        return bad(where, f"invalid JSON ({err.msg} at column {err.colno})")
+        return bad(where, json_problem(err))
     if not isinstance(record, dict):
         return bad(where, f"a JSON {type(record).__name__}, not an object")
     if field not in record:
@@ -180,6 +180,22 @@ def _record_text(line: bytes, field: str, where: str, bad: BadRecords) -> str | 
     if not text:
         return bad(where, f"field {field!r} is an empty string")
     return text
+
+
+def json_problem(err: json.JSONDecodeError) -> str:
+    """What is wrong with one JSON-lines record, for its `FILE:LINE` error: `invalid JSON
+    (Expecting value at column 1)`. A line that ends inside a string (a record cut short) is
+    said to be that: json's own message points at the newline, as an invalid control character."""
+    rest = err.doc[err.pos :]
+    if err.msg.startswith("Invalid control character") and not rest.strip():
+        try:
+            json.loads(err.doc.rstrip())
+        except json.JSONDecodeError as cut:
+            err = cut  # "Unterminated string starting at": the column where the string opens
+    if err.msg.startswith("Unterminated string"):
+        where = f"opened at column {err.colno}"
+        return f"invalid JSON (unterminated string {where}: the line ends inside it)"
+    return f"invalid JSON ({err.msg.removesuffix(' at')} at column {err.colno})"
 
 
 def _parquet_documents(path: Path, field: str, bad: BadRecords) -> Iterator[Document]:

@@ -106,7 +106,7 @@ def eot_id(tok, eot: str) -> int | None:
             eot,
             f"'auto', 'none' or a special token of the {tok.kind} tokenizer "
             f"({sorted(special) or 'it has none'})",
-            "use data.eot=auto (--eot auto)",
+            "use data.eot=auto (lmjax prepare: --eot auto)",
         )
     return special[eot]
 

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lmjax.data.corpus_files import BadRecords
+from lmjax.data.corpus_files import BadRecords, json_problem
 from lmjax.data.prepare_docs import eot_id
 from lmjax.errors import FileFormatError, LMJaxError
 
@@ -85,7 +85,7 @@ def _parse(line: bytes) -> tuple[str | None, object]:
     except UnicodeDecodeError as err:
         return f"not UTF-8 (byte {err.start} of the line)", None
     except json.JSONDecodeError as err:
-        return f"invalid JSON ({err.msg} at column {err.colno})", None
+        return json_problem(err), None
 
 
 def schema_error(record) -> str | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import filecmp
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -17,8 +18,8 @@ from typing import Any
 import jax
 
 from lmjax import lora, parallel
-from lmjax.checks import require
-from lmjax.config import RunConfig, parse_run_overrides, read_yaml
+from lmjax.checks import is_int, require
+from lmjax.config import RunConfig, parse_run_overrides, read_yaml, unknown_name
 from lmjax.data import prepared as D
 from lmjax.errors import ConfigError, TokenError
 from lmjax.finetune.full import check_freeze, check_full, full_fields
@@ -45,12 +46,14 @@ def load_config(
     weights=True,
     full: bool | None = None,
     freeze: str | None = None,
+    out=None,
 ) -> tuple[RunConfig, FinetuneSpec, Any]:
     """`(run config with the base's model, spec, the loaded base run)`; nothing is written.
 
     `weights=False` (`lmjax inspect`) reads only the base's config: the run's `params` are None
     and the spec has no `base_sha256`. `full` / `freeze` (`--full`, `--freeze 'a.*,b.*'`) over
-    `finetune.full` / `finetune.freeze` (None: keep).
+    `finetune.full` / `finetune.freeze` (None: keep). `out`: where a note goes (a recipe's
+    train.seq_len fitted to the base; default sys.stderr at call time).
     """
     data, run_overrides = _sections(path, overrides)
     section = data.pop("finetune", None) or {}
@@ -81,7 +84,8 @@ def load_config(
     model = _model_section(data.pop("model", None) or {}, run_overrides, base_run)
     data["model"] = model
     data["data"] = _data_section(data.get("data") or {}, run_overrides, base_run)
-    cfg = RunConfig.from_dict(data, run_overrides)
+    data["train"], note = _train_section(data.get("train"), run_overrides, base_run.model)
+    cfg = RunConfig.from_dict(data, run_overrides, known_also=("finetune", "lora"))
     if weights and cfg.parallel.mesh is not None:  # before the data is prepared (and cached)
         parallel.check_mesh_shape(cfg.parallel.mesh, jax.device_count())
     resolved = str(Path(base).resolve())
@@ -91,6 +95,8 @@ def load_config(
         check_freeze(base_run.model, globs)
     else:
         lora.target_layers(base_run.model, lcfg)  # a target that selects nothing fails here
+    if note:  # once the config is whole: a refused one is one error line
+        print(note, file=out or sys.stderr)
     return cfg, spec, base_run
 
 
@@ -113,13 +119,16 @@ def _sections(path, overrides) -> tuple[dict, dict]:
 
 
 def _check_finetune_section(section) -> None:
-    if not isinstance(section, dict) or set(section) - set(FINETUNE_FIELDS):
+    if not isinstance(section, dict):
         raise ConfigError.describe(
             "finetune section",
             section,
             f"a mapping with {', '.join(FINETUNE_FIELDS)} (base: a run path)",
             "write finetune: {base: runs/NAME, qlora: false}",
         )
+    unknown = sorted(str(k) for k in set(section) - set(FINETUNE_FIELDS))
+    if unknown:  # a typo (finetune.bsae): the key and the nearest field, not the whole section
+        raise unknown_name("finetune key", unknown[0], FINETUNE_FIELDS)
     records = section.get("data")
     ok = records is None or (isinstance(records, str) and records != "")
     fix = "write finetune.data: FILE.jsonl, or pass --data FILE.jsonl"
@@ -179,6 +188,32 @@ def _model_section(model: Any, overrides: dict, base_run) -> dict:
             "remove it: a fine-tune keeps the base architecture",
         )
     return {**base_run.model.to_dict(), **changes}
+
+
+def _train_section(train: Any, overrides: dict, model) -> tuple[Any, str | None]:
+    """`(train section, note)`: a `seq_len` longer than the base's context fitted to it, and the
+    line saying so. A fine-tune keeps the base's architecture, so a recipe written for longer
+    contexts (the Llama recipes' 1024) still runs on a shorter base. A
+    train.seq_len given on the command line is the user's choice: refused, naming what the
+    base allows."""
+    context = model.context_length
+    given = overrides.get("train.seq_len")
+    if is_int(given) and given > context:
+        raise ConfigError.describe(
+            "train.seq_len",
+            given,
+            f"null or an int in [1, {context}] (the base's context_length; a fine-tune keeps "
+            "the base's architecture)",
+            f"pass train.seq_len={context} or less, or leave it out (then at most {context})",
+        )
+    seq_len = train.get("seq_len") if isinstance(train, dict) else None
+    if "train.seq_len" in overrides or not is_int(seq_len) or seq_len <= context:
+        return train, None  # RunConfig checks what is left
+    note = (
+        f"note: train.seq_len = {seq_len} > the base's context_length = {context}: fine-tuning "
+        f"on {context}-token sequences"
+    )
+    return {**train, "seq_len": context}, note
 
 
 def _data_section(data: Any, overrides: dict, base_run) -> dict:

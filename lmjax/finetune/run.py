@@ -115,7 +115,9 @@ def finetune(
     the config's finetune.data, if any).
     `out`: where progress and notes go (default: sys.stderr at the time of the call)."""
     out = sys.stderr if out is None else out  # looked up now: a redirected stderr is honoured
-    cfg, spec, base_run = load_config(path, overrides, lora_text, qlora, full=full, freeze=freeze)
+    cfg, spec, base_run = load_config(
+        path, overrides, lora_text, qlora, full=full, freeze=freeze, out=out
+    )
     data = records_file(path, overrides, data)
     run = RunDir.for_config(cfg, str(path))
     run_dir = run.path

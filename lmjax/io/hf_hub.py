@@ -18,6 +18,7 @@ what to do.
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 from pathlib import Path
@@ -66,24 +67,33 @@ def resolve(source: str | os.PathLike, download: bool = False, revision: str | N
 
 
 def _not_cached(repo: str, revision: str | None, download: bool) -> CheckpointError:
-    """The error for an id the cache does not hold (and that could not, or may not, be fetched)."""
+    """The error for an id the cache does not hold (and that could not, or may not, be fetched).
+    The cached ids nearest `repo` come first in its fix (a typo: `myorg/tiny-chta`); under
+    HF_HUB_OFFLINE=1 it never says --download, which could not fetch anything."""
     where = f"{constants.HF_HUB_CACHE}"
     at = f"@{revision}" if revision else ""
+    near = [name for name in difflib.get_close_matches(repo, cached_ids(), n=3) if name != repo]
+    did_you_mean = f"did you mean {' or '.join(near)} (cached)? Else " if near else ""
+    if constants.HF_HUB_OFFLINE:
+        fix = (
+            "unset HF_HUB_OFFLINE to download it, or copy the model into the cache"
+            if download
+            else "copy the model into the cache, or point at a local directory"
+        )
+        return CheckpointError.describe(
+            "Hugging Face checkpoint",
+            repo + at,
+            f"a model in the Hugging Face cache ({where}): HF_HUB_OFFLINE=1 forbids downloads",
+            did_you_mean + fix,
+        )
     if not download:
         return CheckpointError.describe(
             "Hugging Face checkpoint",
             repo + at,
             f"a local directory or a model in the Hugging Face cache ({where}); lmjax "
             "downloads nothing unless asked",
-            f"pass --download to fetch it from the Hub, or `hf download {repo}` first, or "
-            "point at a local directory",
-        )
-    if constants.HF_HUB_OFFLINE:
-        return CheckpointError.describe(
-            "Hugging Face checkpoint",
-            repo + at,
-            f"a model in the Hugging Face cache ({where}): HF_HUB_OFFLINE=1 forbids downloads",
-            "unset HF_HUB_OFFLINE to download it, or copy the model into the cache",
+            f"{did_you_mean}pass --download to fetch it from the Hub, or `hf download {repo}` "
+            "first, or point at a local directory",
         )
     return CheckpointError.describe(
         "Hugging Face checkpoint",
@@ -93,4 +103,15 @@ def _not_cached(repo: str, revision: str | None, download: bool) -> CheckpointEr
     )
 
 
-__all__ = ["PATTERNS", "is_repo_id", "resolve"]
+def cached_ids() -> list[str]:
+    """The model ids the Hugging Face cache holds, from its `models--ORG--NAME` directories
+    (a listing: no file is read), sorted; none when there is no cache."""
+    try:
+        names = [entry.name for entry in Path(constants.HF_HUB_CACHE).iterdir()]
+    except OSError:
+        return []
+    prefix = "models--"
+    return sorted(n[len(prefix) :].replace("--", "/") for n in names if n.startswith(prefix))
+
+
+__all__ = ["PATTERNS", "cached_ids", "is_repo_id", "resolve"]

@@ -18,6 +18,7 @@ this module; what a run directory holds is known here only.
 from __future__ import annotations
 
 import dataclasses
+import shlex
 import shutil
 from pathlib import Path
 
@@ -65,11 +66,18 @@ class RunDir:
         named_step = path.name.isdigit() and path.parent.name == CHECKPOINTS_DIR
         if named_step and (parent / CONFIG_FILE).is_file():
             return cls(parent), int(path.name)
+        expected = f"a run directory (with {CONFIG_FILE}) or RUN/{CHECKPOINTS_DIR}/<step>"
+        if (path / "config.json").is_file():  # a Hugging Face checkpoint: lmjax reads runs
+            out = shlex.quote(f"runs/{path.resolve().name}")
+            raise ConfigError.describe(
+                "run path",
+                str(path),
+                f"{expected}, not a Hugging Face checkpoint (config.json)",
+                f"import it first: lmjax import-hf {shlex.quote(str(path))} --out {out}, "
+                f"then pass {out}",
+            )
         raise ConfigError.describe(
-            "run path",
-            str(path),
-            f"a run directory (with {CONFIG_FILE}) or RUN/{CHECKPOINTS_DIR}/<step>",
-            "pass the directory `lmjax train` wrote",
+            "run path", str(path), expected, "pass the directory `lmjax train` wrote"
         )
 
     @classmethod
