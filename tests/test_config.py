@@ -10,9 +10,10 @@ from lmjax.config import RunConfig, load_run_config, parse_overrides
 from lmjax.errors import ConfigError, FileFormatError, LMJaxError
 
 ALL_CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
-# `lmjax finetune` configs name a base run and take their model from it; the rest are
-# `lmjax train` configs.
-FINETUNE_CONFIGS = [p for p in ALL_CONFIGS if p.name.startswith("finetune-")]
+# `lmjax finetune` configs name a base run and take their model from it (with the recipes
+# shipped in the package, `lmjax finetune --recipe NAME`); the rest are `lmjax train` configs.
+RECIPES = sorted((Path(__file__).parent.parent / "lmjax/finetune/recipes").glob("*.yaml"))
+FINETUNE_CONFIGS = [p for p in ALL_CONFIGS if p.name.startswith("finetune-")] + RECIPES
 CONFIGS = [p for p in ALL_CONFIGS if p not in FINETUNE_CONFIGS]
 BASE = {"model": {"preset": "gpt"}}
 
@@ -44,8 +45,8 @@ def test_shipped_finetune_configs_load_over_a_base_run(tmp_path):
     assert {p.name for p in FINETUNE_CONFIGS} == {
         "finetune-lora.yaml",
         "finetune-qlora.yaml",
-        "finetune-llama-lora.yaml",  # recipes for an imported chat model (tests/test_recipes.py)
-        "finetune-llama-qlora.yaml",
+        "llama-lora.yaml",  # recipes for an imported chat model (tests/test_recipes.py)
+        "llama-qlora.yaml",
     }
     tokenizer = CharTokenizer.train("abcdefgh ")
     model = models.preset("llama-tiny", vocab_size=tokenizer.vocab_size, context_length=1024)

@@ -6,7 +6,7 @@ The commands run as a user runs them (`lmjax train`, `import-hf` of a tiny `tran
 saved offline, `export-hf`, `prepare`) under a umask the test sets (and restores), writing into
 one output tree (the cache of prepared data included); the whole tree is walked, so a new writer
 anywhere in it is covered without a new line here. tests/test_finetune_ux.py walks a fine-tune's
-tree (adapters, merged/, checkpoints, samples, SFT data) the same way (`assert_modes`).
+tree (adapters, merged/, checkpoints, samples, SFT data) the same way (tests/_file_modes.py).
 
 Cost: one 2-step train of a 1-layer model (~6 s on the loaded 2 cores, its step compiled from
 the suite's cache after the first run), the rest well under a second each.
@@ -14,12 +14,8 @@ the suite's cache after the first run), the rest well under a second each.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import stat
-from pathlib import Path
-
 import pytest
+from _file_modes import assert_modes, umask
 from _llama_run import TEXT, hf_checkpoint
 
 from lmjax import cli
@@ -32,35 +28,6 @@ train: {steps: 2, batch_size: 2, seq_len: 16, eval_every: 2, eval_batches: 1}
 checkpoint: {every: 2}
 logging: {every: 1, progress: false, sample_tokens: 4, sample_prompt: T}
 """
-
-
-@contextlib.contextmanager
-def umask(mask: int):
-    """The process's umask set to `mask` for the block, the old one restored after."""
-    old = os.umask(mask)
-    try:
-        yield
-    finally:
-        os.umask(old)
-
-
-def modes(root: Path) -> dict[str, int]:
-    """`{path relative to root: permission bits}` of everything under `root`."""
-    return {str(p.relative_to(root)): stat.S_IMODE(p.lstat().st_mode) for p in root.rglob("*")}
-
-
-def assert_modes(root: Path, mask: int, expected: tuple[str, ...]) -> None:
-    """Every file under `root` is 0o666 & ~mask and every directory 0o777 & ~mask; the walk saw
-    each of `expected` (paths relative to root), so it walked what the commands wrote."""
-    found = modes(root)
-    missing = [name for name in expected if name not in found]
-    assert not missing, f"not written: {missing}"
-    wrong = {
-        name: oct(mode)
-        for name, mode in found.items()
-        if mode != (0o777 if (root / name).is_dir() else 0o666) & ~mask
-    }
-    assert not wrong, f"under umask {mask:03o}: {wrong}"
 
 
 @pytest.fixture

@@ -1,5 +1,6 @@
-"""The fine-tuning recipes for imported models (configs/finetune-llama-lora.yaml and
-configs/finetune-llama-qlora.yaml, issue 34 item 3), Alpaca records, and resuming an SFT run.
+"""The fine-tuning recipes for imported models (`lmjax finetune --recipe llama-lora` and
+`llama-qlora`, shipped in lmjax/finetune/recipes/, issue 34 item 3), Alpaca records, and resuming
+an SFT run.
 
 Witnesses:
 - the recipes run as written from a directory laid out as docs/fine-tuning.md says (runs/llama
@@ -34,15 +35,13 @@ from lmjax import cli
 from lmjax.config import DataConfig
 from lmjax.data import sft, sft_records
 from lmjax.errors import FileFormatError
+from lmjax.finetune import recipe_path
 from lmjax.io import safetensors
 from lmjax.params import flatten
 from lmjax.tokenizers import load_hf_tokenizer
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
-RECIPES = {
-    "lora": CONFIGS / "finetune-llama-lora.yaml",
-    "qlora": CONFIGS / "finetune-llama-qlora.yaml",
-}
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+RECIPES = {"lora": recipe_path("llama-lora"), "qlora": recipe_path("llama-qlora")}
 SHORT = ["train.steps=2", "train.seq_len=64"]  # the only changes to the recipes
 COLORS = ("quick", "brown", "red")
 EOS_IDS = (0, 2)  # <|endoftext|>, <|im_end|>: _llama_run's generation_config.json
@@ -147,10 +146,10 @@ def test_bad_record_from_the_command_line_is_one_line(ws, capfd):
 
 def test_the_walk_through_shows_the_recipes_as_run_here():
     """docs/fine-tuning.md's lines: what the tests below run (they add SHORT only)."""
-    text = (CONFIGS.parent / "docs/fine-tuning.md").read_text()
+    text = (DOCS / "fine-tuning.md").read_text()
     assert "lmjax import-hf ~/models/SmolLM2-135M-Instruct --out runs/llama" in text
     for kind, recipe in RECIPES.items():
-        assert re.search(rf"^lmjax finetune configs/{recipe.name} +# ", text, re.M), kind
+        assert re.search(rf"^lmjax finetune --recipe {recipe.stem} +# ", text, re.M), kind
         config = yaml.safe_load(recipe.read_text())
         assert config["finetune"]["base"] == "runs/llama"
         assert config["finetune"]["data"] == "chat.jsonl"
@@ -158,7 +157,7 @@ def test_the_walk_through_shows_the_recipes_as_run_here():
 
 
 def _run(ws, kind: str, capfd) -> tuple[Path, str]:
-    assert cli.main(["finetune", str(RECIPES[kind]), *SHORT]) == 0
+    assert cli.main(["finetune", "--recipe", f"llama-{kind}", *SHORT]) == 0  # as docs say
     return ws / f"runs/llama-{kind}", capfd.readouterr().out
 
 

@@ -156,19 +156,30 @@ def print_run(result) -> int:
 
 
 def add_finetune(sub) -> None:
-    ft = add_config_command(
-        sub,
+    # CONFIG is optional here (--recipe names a shipped one instead): not add_config_command's.
+    ft = sub.add_parser(
         "finetune",
         help="LoRA / QLoRA / full fine-tuning of a trained or imported model",
         description="Fine-tune finetune.base (a run directory, RUN/checkpoints/STEP, or an "
         "`lmjax import-hf` run) with LoRA adapters as CONFIG says (configs/finetune-lora.yaml), "
-        "with section.field=value overrides (finetune.base=PATH lora.r=4 train.steps=50). "
+        "or as a recipe shipped with lmjax says (--recipe llama-lora), "
+        "with section.field=value overrides (finetune.base=PATH lora.r=4 train.steps=50); "
+        "paths are relative to the current directory. "
         "Only the adapters train; --qlora first quantizes the base's linear weights to NF4. "
         "Writes a run directory like `lmjax train` (config.yaml, finetune.yaml, metrics.jsonl, "
         "loss.png, samples.txt, checkpoints/ of the adapters) plus adapters.safetensors and "
         "merged/ (the merged model as a weights-only run for generate, eval and export-hf). "
         "--full trains the base's own parameters instead, except those --freeze names.",
-        config_help="a fine-tune config, e.g. configs/finetune-lora.yaml",
+    )
+    config_help = "a fine-tune config, e.g. configs/finetune-lora.yaml (or --recipe NAME)"
+    ft.add_argument("config", nargs="?", default=None, help=config_help)
+    ft.add_argument("overrides", nargs="*", help="section.field=value overrides")
+    ft.add_argument(
+        "--recipe",
+        default=None,
+        metavar="NAME",
+        help="a fine-tune recipe shipped with lmjax instead of CONFIG: llama-lora, llama-qlora "
+        "(its paths, runs/llama and chat.jsonl, are relative to the current directory)",
     )
     ft.add_argument(
         "--lora",
@@ -211,11 +222,12 @@ def run_finetune(args: argparse.Namespace) -> int:
     from lmjax.parallel import initialize_from_env
     from lmjax.train.rundir import RunDir
 
+    config, overrides = finetune_config(args)
     # Multi-host runs only; before the base is read onto a device (and the mesh checked).
     initialize_from_env()
     result = finetune.finetune(
-        args.config,
-        [*args.overrides, *(["data.skip_bad=true"] if args.skip_bad else [])],
+        config,
+        [*overrides, *(["data.skip_bad=true"] if args.skip_bad else [])],
         lora_text=args.lora,
         qlora=args.qlora or None,
         resume=args.resume,
@@ -229,3 +241,24 @@ def run_finetune(args: argparse.Namespace) -> int:
         print(f"  adapters: {run_dir.adapters_file}")
     print(f"  merged model (a weights-only run): {run_dir.merged_dir}")
     return 0
+
+
+def finetune_config(args: argparse.Namespace) -> tuple[str, list[str]]:
+    """`(config path, overrides)` of `lmjax finetune`: CONFIG, or `--recipe NAME`'s shipped file.
+    With --recipe, argparse hands the first override to the optional CONFIG: it goes back."""
+    from lmjax.checks import require
+    from lmjax.finetune import recipe_path
+
+    config, overrides = args.config, list(args.overrides)
+    if args.recipe is None:
+        ok = config is not None and "=" not in config
+        given = config if ok else "not given" + (f" ({config} is an override)" if config else "")
+        fix = "pass a fine-tune config (configs/finetune-lora.yaml) or --recipe llama-lora"
+        require(ok, "CONFIG", given, "a fine-tune config file or --recipe NAME", fix)
+        return config, overrides
+    if config is not None:
+        given = f"{config} and --recipe {args.recipe}"
+        fix = "drop CONFIG to run the recipe, or drop --recipe to run CONFIG"
+        require("=" in config, "CONFIG", given, "one of them, not both", fix)
+        overrides = [config, *overrides]
+    return str(recipe_path(args.recipe)), overrides

@@ -7,6 +7,7 @@
                merged model written at the end
     full       full fine-tuning: every base parameter trained except those a `freeze` glob names
     estimate   the memory a LoRA / QLoRA fine-tune needs, before anything is loaded
+    recipe     the recipes shipped in the package (`lmjax finetune --recipe NAME`)
 
 The adapter layer itself is `lmjax.lora` (init, apply, merge, attach), one level below
 `lmjax.train`: loading any run (`lmjax.train.load_run`) rebuilds a fine-tuned run's model from
@@ -26,6 +27,7 @@ from lmjax.finetune.config import (
     with_base_tokenized_data,
 )
 from lmjax.finetune.estimate import format_memory, memory
+from lmjax.finetune.recipe import recipe_names, recipe_path
 from lmjax.finetune.run import (
     abstract_trainable,
     finetune,
@@ -54,6 +56,8 @@ __all__ = [
     "load_finetuned",
     "memory",
     "prepare_base_data",
+    "recipe_names",
+    "recipe_path",
     "records_file",
     "sharded_parts",
     "trainable",
