@@ -163,7 +163,7 @@ def test_bad_finetune_is_one_line_exit_2_and_writes_nothing(
         (["finetune", "afile"], "config = 'not a directory'"),
         (["finetune", "corpus.txt"], "config = "),
         (["finetune", "base/config.yaml", "run.dir=out"], "finetune.base = None"),  # a train config
-        (["finetune"], "required: config"),
+        (["finetune"], "CONFIG = 'not given'; expected a fine-tune config file or --recipe"),
         (["finetune", "ft.yaml", "--lora"], "expected one argument"),
         (["finetune", "ft.yaml", "--qlora=yes"], "ignored explicit argument 'yes'"),
         (["inspect", "ft.yaml", "finetune.base=base/checkpoints/3"], "finetune.base = 'base/che"),

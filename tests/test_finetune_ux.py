@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import yaml
 from _file_modes import assert_modes, umask
-from _llama_run import CHAT_PROMPT, hf_checkpoint
+from _llama_run import CHAT_PROMPT, EOS_STEP, hf_checkpoint
 
 from lmjax import cli
 
@@ -135,3 +135,85 @@ def test_everything_the_fine_tune_wrote_is_0644_under_umask_022(ws):
         ws.root / "exported", 0o022, ("config.json", "model.safetensors", "tokenizer.json")
     )
     assert_modes(ws.root / "cache", 0o022, ("lmjax",))
+
+
+# ---- item 7: quiet or surprising results --------------------------------------------------------
+
+ADAPTERS = 14  # 7 projections in each of 2 blocks
+# r (in + out) per adapted layer: q 64+64, k and v 64+32, o 64+64, gate and up 64+128, down 128+64
+TRAINABLE = 16 * 1024 * 2
+
+
+def _tree(root: Path) -> dict[str, tuple[bytes, int]]:
+    """{path: (bytes, mtime in ns)} of every file under `root`."""
+    files = (p for p in root.rglob("*") if p.is_file())
+    return {str(p): (p.read_bytes(), p.stat().st_mtime_ns) for p in files}
+
+
+def test_resuming_a_finished_fine_tune_says_so_and_changes_nothing(ws):
+    before = _tree(ws.root / "runs")
+    code, out, err = main("finetune", "--recipe", "llama-qlora", "--resume", *SMALL)
+    assert code == 0, err
+    said = f"nothing to do: {RUN} is at step 2 and train.steps = 2; nothing was changed"
+    assert said in out and f"run directory: {RUN} (step 2)" in out
+    assert "validation loss: " in out and "QLoRA:" not in err  # no fine-tune started
+    assert _tree(ws.root / "runs") == before  # bytes and mtimes of every file
+
+
+def test_qlora_says_the_base_is_nf4_when_it_trains_and_decodes(ws):
+    lines = [line for line in ws.finetuned[2].splitlines() if line.startswith("QLoRA: ")]
+    assert len(lines) == 1, ws.finetuned[2][-2000:]
+    assert lines[0].startswith(
+        f"QLoRA: {ADAPTERS} adapters (r 16, alpha 32), {TRAINABLE:,} trainable parameters over "
+        "runs/llama with its block projections in NF4 ("
+    )
+    said = f"decoding from {RUN}'s NF4 base with its {ADAPTERS} adapters attached"
+    generate = ["generate", "--run", RUN, "--prompt", "The quick", "--max-new-tokens", "2"]
+    chat = ["chat", RUN, "--message", "Hi", "--max-new-tokens", "2"]
+    for argv in (generate, chat):
+        code, _, err = main(*argv)
+        assert code == 0 and err.count(said) == 1, (argv, err)
+    code, _, err = main(*generate, "--quantize", "none")  # the merged float model: no line
+    assert code == 0 and "NF4" not in err, err
+
+
+def test_inspect_of_a_qlora_run_shows_its_own_adapters(ws):
+    code, out, _ = main("inspect", RUN)
+    assert code == 0
+    assert f"{RUN} (QLoRA fine-tune of runs/llama): " in out
+    assert "QLoRA (NF4 base): r=16, alpha=32, scale=2, targets all-linear" in out
+    assert f"adapters, trainable ({TRAINABLE:,} params)" in out and "adapter gradients" in out
+    assert "adamw state (adapters only)" in out and "NF4 base" in out
+    assert "memory estimate" not in out  # the full-training estimate is the base's, below
+    code, base, _ = main("inspect", "runs/llama")
+    assert code == 0 and "memory estimate" in base and "adapters" not in base
+
+
+def test_the_training_sample_stops_at_the_end_of_turn_as_chat_does(ws):
+    """The sample's reply ends with its first <|im_end|>, after the tokens `lmjax chat` gives
+    for the same message on the same run (greedy): the same ids, the stop id last."""
+    from lmjax.tokenizers import load
+
+    sample = (ws.root / RUN / "samples.txt").read_text()
+    prompt = "<|im_start|>assistant\n"
+    reply = sample[sample.index(prompt) + len(prompt) :]
+    assert reply.endswith("<|im_end|>\n\n") and reply.count("<|im_end|>") == 1, reply
+    message, n = CHAT_PROMPT[0]["content"], "64"  # the recipe's logging.sample_tokens
+    argv = ["chat", RUN, "--message", message, "--temperature", "0", "--max-new-tokens", n]
+    code, out, _ = main(*argv, "--show-ids")
+    assert code == 0
+    new = json.loads(next(x for x in out.splitlines() if x.startswith("new ids: "))[9:])
+    assert len(new) == EOS_STEP + 1 and new[-1] == load(ws.root / "runs/llama/tokenizer").token_id(
+        "<|im_end|>"
+    )
+    assert reply == load(ws.root / "runs/llama/tokenizer").decode(new) + "\n\n"
+
+
+def test_eval_says_how_few_records_are_held_out(ws):
+    config = yaml.safe_load((ws.root / RUN / "config.yaml").read_text())
+    meta = json.loads((Path(config["data"]["dir"]) / "meta.json").read_text())
+    assert meta["val_documents"] == 2
+    code, out, err = main("eval", RUN)
+    assert code == 0, err
+    held = f"2 held-out records ({meta['val_tokens']:,} tokens) of chat.jsonl"
+    assert f"over 2 batches of 8 x 64 tokens drawn from {held}, which the batches repeat" in out

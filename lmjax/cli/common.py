@@ -7,17 +7,23 @@ Heavy imports stay inside the functions (they keep `lmjax --help` fast).
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 
 def load_run(path, step: int | None, quantize: str | None = None):
     """`train.load_run`, refusing a step it can't honour: a weights-only run (import-hf,
-    merged/) has no checkpoints, and its weights would have been used whatever --step said."""
+    merged/) has no checkpoints, and its weights would have been used whatever --step said.
+    With `quantize` (a QLoRA run's NF4 base, or --quantize nf4), a line on stderr says so."""
     from lmjax import train
     from lmjax.checks import require
     from lmjax.train.rundir import RunDir
 
     run = train.load_run(path, step, quantize=quantize)
+    if quantize is not None:  # generate and chat say what they decode through (stderr)
+        from lmjax.finetune.notes import decoding_line
+
+        print(decoding_line(run), file=sys.stderr)
     wanted = RunDir.parse(path)[1] if step is None else step
     weights_only = " (it holds weights only, no checkpoints)" if run.step is None else ""
     require(

@@ -79,6 +79,9 @@ def run_inspect(args: argparse.Namespace) -> int:
     lcfg = _inspect_lora_config(args)  # checked before anything is printed
     if args.preset.endswith((".yaml", ".yml")):
         return _inspect_config(args)
+    spec = _adapter_run(args.preset)
+    if spec is not None:  # a LoRA / QLoRA run: its own adapters, not full training
+        return _inspect_adapter_run(args, spec)
     cfg = _model_named(args.preset, parse_overrides(args.overrides))
     if args.seq_len is not None and args.seq_len > cfg.context_length:
         raise LMJaxError(
@@ -237,4 +240,42 @@ def _inspect_finetune_config(args: argparse.Namespace) -> int:
     if spec.lora is not None:  # a full fine-tune: the summary above is its estimate
         tx, _ = train.optim.from_config(cfg)
         _print_lora_memory(model, spec.lora, spec.qlora, tx, cfg.optimizer.name)
+    return 0
+
+
+def _adapter_run(path: str):
+    """The `FinetuneSpec` of a LoRA / QLoRA fine-tune run directory at `path` (or one of its
+    checkpoints); None for anything else (a preset, a trained run, a full fine-tune)."""
+    from pathlib import Path
+
+    from lmjax.train.finetuned import read_spec
+    from lmjax.train.rundir import RunDir
+
+    if not Path(path).is_dir():
+        return None
+    run = RunDir.parse(path)[0]
+    spec = read_spec(run) if run.is_finetune() else None
+    return spec if spec is not None and spec.lora is not None else None
+
+
+def _inspect_adapter_run(args: argparse.Namespace, spec) -> int:
+    """`lmjax inspect RUN` of a LoRA / QLoRA run: the base model's parameter table, then what
+    the run trains, its own adapters with their gradients and optimizer state and the frozen
+    base (float or NF4), not a full-training estimate. --lora fields and --qlora override the
+    run's, as for a config."""
+    from lmjax import models, train
+    from lmjax.config import parse_overrides
+    from lmjax.lora import LoraConfig
+    from lmjax.train.rundir import RunDir
+
+    cfg = RunDir.parse(args.preset)[0].read_config()
+    model = cfg.model_config().replace(**parse_overrides(args.overrides))
+    lcfg = LoraConfig.parse(args.lora, spec.lora) if args.lora else spec.lora
+    _check_lora_targets(model, lcfg)
+    fields = ", ".join(f"{k}={v}" for k, v in model.to_dict().items())
+    print(f"{args.preset} ({spec.kind} fine-tune of {spec.base}): {fields}")
+    table = models.format_summary(model, 1, args.seq_len).split("\n\nmemory estimate")[0]
+    print(table)  # the parameters; the memory below is the fine-tune's, not full training's
+    tx, _ = train.optim.from_config(cfg)
+    _print_lora_memory(model, lcfg, spec.qlora or args.qlora, tx, cfg.optimizer.name)
     return 0

@@ -65,10 +65,24 @@ def run_eval(args: argparse.Namespace) -> int:
     print(
         f"{run_label(run.directory, run.step)}: validation loss {loss:.4f} nats/token "
         f"(perplexity {math.exp(min(loss, 700)):.3f}) over {t.eval_batches} batches of "
-        f"{t.batch_size} x {cfg.seq_len} tokens of {cfg.data.corpus} "
+        f"{t.batch_size} x {cfg.seq_len} tokens drawn from {_held_out(prepared.meta, cfg)} "
         f"({_tokenizer_words(cfg.data.tokenizer, tokenizer_dir, prepared.tokenizer)})"
     )
     return 0
+
+
+def _held_out(meta: dict, cfg) -> str:
+    """What the evaluation batches are cut from: the held-out records (SFT) or documents and
+    their tokens, or the held-out tail's tokens; and when the batches hold more tokens than
+    that, that they read the same ones again (two held-out records fill no 10 batches)."""
+    tokens, documents = int(meta["val_tokens"]), meta.get("val_documents")
+    unit = ("record" if "sft" in meta else "document") + ("s" if documents != 1 else "")
+    split = f"{documents:,} held-out {unit} ({tokens:,} tokens)" if documents else None
+    what = f"{split or f'the {tokens:,} held-out tokens'} of {cfg.data.corpus}"
+    t = cfg.train
+    if t.eval_batches * t.batch_size * cfg.seq_len > tokens:
+        what += ", which the batches repeat"
+    return what
 
 
 def _tokenizer_words(kind: str, own_dir, tok) -> str:

@@ -44,6 +44,7 @@ written by process 0.
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import sys
 from pathlib import Path
@@ -52,6 +53,7 @@ import jax
 import jax.numpy as jnp
 
 from lmjax import lora, parallel
+from lmjax.chat import run_stop_ids
 from lmjax.checks import require
 from lmjax.config import RunConfig
 from lmjax.data import sft
@@ -64,6 +66,7 @@ from lmjax.finetune.config import (
     with_base_tokenized_data,
 )
 from lmjax.finetune.full import full_trainable
+from lmjax.finetune.notes import adapters_line, finished
 from lmjax.models import abstract_params
 from lmjax.train import loop
 from lmjax.train.finetuned import (
@@ -124,12 +127,21 @@ def finetune(
     if resume:
         _check_same_spec(run, spec)
         _check_resume_data(run, data, path)
+        done = finished(run, cfg.train.steps, spec.full)  # said; nothing read or written
+        if done is not None:
+            return done
     else:  # the loop checks too, but after the data is prepared (and cached)
         run.check_writable(resume)
     # Before the data is prepared (and cached): a base NF4 can't hold fails with nothing written.
     init, frozen = sharded_parts(cfg, spec, base_run.params)
     cfg = prepare_base_data(cfg, base_run, sft_data=data, out=out)
     what = full_trainable(cfg, spec, init, frozen) if spec.full else trainable(cfg, spec, frozen)
+    if not spec.full:  # said once the run is checked: what trains, and over what base
+        what = dataclasses.replace(
+            what, notes=(adapters_line(spec, cfg.model_config(), init, frozen),)
+        )
+    if cfg.logging.sample_chat is not None:  # a chat sample ends where a chat reply would
+        what = dataclasses.replace(what, stop_ids=tuple(run_stop_ids(base_run)))
     result = loop.train(cfg, config_path=str(path), resume=resume, out=out, trainable=what)
     # Host copies (over several processes a collective, so every process takes part); one
     # process writes them.

@@ -73,6 +73,8 @@ def train(
     plan = make_plan(cfg, config_path=config_path, resume=resume, finetune=finetune)
     if note := warmup_only_note(plan.cfg):
         print(note, file=out)
+    for note in trainable.notes if parallel.is_main() else ():
+        print(note, file=out)
     # Every host reads and writes its own cache; the result says where (`lmjax train` prints it
     # with the run's files, so an error stays one line on stderr).
     cache_note = compile_cache.enable(plan.cfg.run.compile_cache)
@@ -118,7 +120,10 @@ def build_trainer(plan: Plan, trainable: Trainable, out) -> Trainer:
         documents,
     )
     samples = plan.run.samples_file
-    sampler = Sampler(model, plan.data.tokenizer, cfg.logging, to_model, samples, mesh is not None)
+    sampler = Sampler(
+        model, plan.data.tokenizer, cfg.logging, to_model, samples, mesh is not None,
+        trainable.stop_ids,
+    )  # fmt: skip
     count = trainable.flops_per_token or flops_per_token
     flops = count(model, cfg.seq_len) * plan.tokens_per_step
     peak = cfg.logging.peak_flops or measured_peak_flops(str(model.compute_dtype))

@@ -4,7 +4,9 @@
     PROMPT + continuation
 
 PROMPT is `logging.sample_prompt`, or `logging.sample_chat` (a user message) through the
-tokenizer's chat template, decoded with its special tokens.
+tokenizer's chat template, decoded with its special tokens. A fine-tune's chat sample stops at
+the base's end-of-turn ids, as `lmjax chat` does (`Trainable.stop_ids`; the id stays in the
+text, e.g. `<|im_end|>`).
 
 A mesh run samples from a host copy of its parameters (`process_allgather`: every process
 takes part, so it runs on all of them), decoding on one device; only the main process writes.
@@ -25,13 +27,26 @@ from lmjax.files import atomic_write_text
 
 
 def sample_text(
-    params, model, tokenizer, prompt: str | list[int], n_tokens: int, temperature: float, seed: int
+    params,
+    model,
+    tokenizer,
+    prompt: str | list[int],
+    n_tokens: int,
+    temperature: float,
+    seed: int,
+    stop_ids=(),
 ) -> str:
-    """`prompt` (text, or its ids) continued by `n_tokens` sampled tokens (decoded, prompt
-    included)."""
+    """`prompt` (text, or its ids) continued by up to `n_tokens` sampled tokens (decoded, prompt
+    included); the first of `stop_ids` sampled ends it (and is its last token)."""
     ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
     out = generate.generate(
-        params, [ids], model, max_new_tokens=n_tokens, temperature=temperature, seed=seed
+        params,
+        [ids],
+        model,
+        max_new_tokens=n_tokens,
+        temperature=temperature,
+        seed=seed,
+        stop_tokens=list(stop_ids),
     )
     return tokenizer.decode(list(ids) + list(out[0]))
 
@@ -75,6 +90,7 @@ class Sampler:
     model_params: Any  # trained params -> the tree generate takes
     path: Path
     gather: bool = False
+    stop_ids: tuple = ()  # a chat sample's end-of-turn ids (`Trainable.stop_ids`)
 
     def __call__(self, params, step: int) -> str | None:
         g = self.logging
@@ -86,8 +102,9 @@ class Sampler:
             params = multihost_utils.process_allgather(params, tiled=True)
         prompt, temperature = prompt_ids(self.tokenizer, g), g.sample_temperature
         text = sample_text(
-            params, self.model, self.tokenizer, prompt, g.sample_tokens, temperature, step
-        )
+            params, self.model, self.tokenizer, prompt, g.sample_tokens, temperature, step,
+            self.stop_ids,
+        )  # fmt: skip
         if parallel.is_main():
             with open(self.path, "a", encoding="utf-8") as handle:
                 handle.write(f"===== step {step} =====\n{text}\n\n")

@@ -68,6 +68,8 @@ class Trainable:
     # (model cfg, seq_len) -> FLOPs per trained token for MFU; None: metrics.flops_per_token
     flops_per_token: Any = None
     files: dict = dataclasses.field(default_factory=dict)  # {name: text} beside config.yaml
+    stop_ids: tuple = ()  # ids that end a sample (a chat model's end of turn), kept in its text
+    notes: tuple = ()  # lines said on the run's `out` once its config and data are checked
 
 
 @dataclasses.dataclass(frozen=True)
