@@ -77,6 +77,19 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
         handle.write(text)
 
 
+def copy_tree(source: str | os.PathLike, target: str | os.PathLike) -> None:
+    """Copy the directory `source` to the new `target`: the bytes, not the modes (shutil.copytree
+    copies those), so what is written follows the umask as any other write, whoever wrote the
+    source (a cache an older lmjax made owner-only, another user's files)."""
+    source, target = Path(source), Path(target)
+    target.mkdir(parents=True)
+    for path in source.iterdir():
+        if path.is_dir():
+            copy_tree(path, target / path.name)
+        else:
+            shutil.copyfile(path, target / path.name)
+
+
 def sha256(path: str | os.PathLike) -> str:
     """Hex SHA-256 of a file's bytes, read in 1 MiB blocks (never the whole file at once)."""
     digest = hashlib.sha256()

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import shlex
-import shutil
 from pathlib import Path
 
 import yaml
@@ -28,7 +27,7 @@ from lmjax import tokenizers
 from lmjax.config import RunConfig
 from lmjax.data.prepared import TOKENIZER_DIR
 from lmjax.errors import ConfigError, FileFormatError
-from lmjax.files import atomic_write_text
+from lmjax.files import atomic_write_text, copy_tree
 from lmjax.train.checkpoint import Checkpoints
 
 CONFIG_FILE = "config.yaml"
@@ -183,8 +182,8 @@ class RunDir:
 
     def copy_tokenizer(self, source: Path) -> None:
         """Copy `source` (a saved tokenizer) in as tokenizer/, unless the run has one."""
-        if not self.tokenizer_dir.exists():
-            shutil.copytree(source, self.tokenizer_dir)
+        if not self.tokenizer_dir.exists():  # the bytes; the modes are the umask's
+            copy_tree(source, self.tokenizer_dir)
 
 
 def run_label(path, step: int | None) -> str:
