@@ -16,7 +16,8 @@ from _decoding import F32_TOL, check_padded_decode, greedy_witness, padded_forwa
 
 from lmjax import generate as G
 from lmjax import models, testing
-from lmjax.errors import ShapeError
+from lmjax import params as ptree
+from lmjax.errors import ConfigError, ShapeError
 from lmjax.generate import kv_cache, loop
 
 # C = 24 and prompts up to 11 tokens: every window below is shorter than the longest prompt.
@@ -182,38 +183,69 @@ def decode_all(p, cfg, cache, tokens_BC, lengths):
 @pytest.mark.parametrize("cache_kind", ["contiguous", "paged"])
 @pytest.mark.parametrize("name", ["gqa2", "gqa2-qknorm-dh12-window6"])
 def test_scanned_and_unrolled_decoding_give_the_same_logits_and_caches(params, name, cache_kind):
-    """The same decode, layers as one `lax.scan` (the default) and as a Python loop: logits
-    within f32_rtol of the model's rounding chain (the two programs fuse, hence round, apart),
-    with attention over the cache's S slots; the caches hold the same keys and values."""
+    """The same decode, layers as one `lax.scan` (the default), as a Python loop over slices,
+    and as a loop over per-layer arrays (`decoding_params`, a CPU's layout): logits within
+    f32_rtol of the model's rounding chain (the programs fuse, hence round, apart), with
+    attention over the cache's S slots; the caches hold the same keys and values."""
     scanned = CONFIGS[name]
     unrolled, p = scanned.replace(scan_layers=False), params[name]
+    split = G.decoding_params(p, scanned, "per_layer")
     s = scanned.context_length if scanned.sliding_window is None else 8  # a ring with a window
     tokens_BC = np.random.default_rng(11).integers(0, scanned.vocab_size, (2, 24)).astype(np.int32)
     runs = []
-    for cfg in (scanned, unrolled):
+    for cfg, weights in ((scanned, p), (unrolled, p), (scanned, split)):
         cache = G.init_cache(cfg, 2, s) if cache_kind == "contiguous" else paged_cache(cfg, 2, s)
-        runs.append(decode_all(p, cfg, cache, tokens_BC, [3, 9]))
-    (logits_s, cache_s), (logits_u, cache_u) = runs
-    for a, b in zip(logits_s, logits_u, strict=True):
-        np.testing.assert_allclose(a, b, rtol=0, atol=testing.logits_atol(scanned, b, t=s))
-        np.testing.assert_array_equal(a.argmax(-1), b.argmax(-1))
-    scale = float(np.abs(cache_u.keys).max())
-    for x, y in ((cache_s.keys, cache_u.keys), (cache_s.values, cache_u.values)):
-        np.testing.assert_allclose(x, y, rtol=0, atol=testing.logits_atol(scanned, [[scale]], t=s))
-    np.testing.assert_array_equal(cache_s.lengths, cache_u.lengths)
+        runs.append(decode_all(weights, cfg, cache, tokens_BC, [3, 9]))
+    logits_s, cache_s = runs[0]
+    for logits_u, cache_u in runs[1:]:
+        for a, b in zip(logits_s, logits_u, strict=True):
+            np.testing.assert_allclose(a, b, rtol=0, atol=testing.logits_atol(scanned, b, t=s))
+            np.testing.assert_array_equal(a.argmax(-1), b.argmax(-1))
+        scale = float(np.abs(cache_u.keys).max())
+        atol = testing.logits_atol(scanned, [[scale]], t=s)
+        for x, y in ((cache_s.keys, cache_u.keys), (cache_s.values, cache_u.values)):
+            np.testing.assert_allclose(x, y, rtol=0, atol=atol)
+        np.testing.assert_array_equal(cache_s.lengths, cache_u.lengths)
 
 
 @pytest.mark.parametrize("name", ["gqa2", "mqa-window5"])
 def test_scanned_and_unrolled_generate_the_same_greedy_tokens(params, name):
-    """Batched prompts, contiguous and paged caches, both layer loops, and the full-forward
-    witness: one list of tokens."""
+    """Batched prompts, contiguous and paged caches, the three layer layouts (stacked and
+    scanned, stacked and looped, per-layer arrays: `layers="auto"` on this CPU), and the
+    full-forward witness: one list of tokens."""
     cfg, p = CONFIGS[name], params[name]
     n = cfg.context_length - len(PROMPTS[2])
     witness = [greedy_witness(p, prompt, cfg, n) for prompt in PROMPTS]
-    for c in (cfg, cfg.replace(scan_layers=False)):
-        assert G.generate(p, PROMPTS, c, max_new_tokens=n) == witness, c.scan_layers
-        paged = G.generate(p, PROMPTS, c, max_new_tokens=n, cache="paged", page_size=4)
-        assert paged == witness, c.scan_layers
+    for c, layers in ((cfg, "stacked"), (cfg.replace(scan_layers=False), "stacked"), (cfg, "auto")):
+        assert G.generate(p, PROMPTS, c, max_new_tokens=n, layers=layers) == witness, layers
+        paged = G.generate(
+            p, PROMPTS, c, max_new_tokens=n, cache="paged", page_size=4, layers=layers
+        )
+        assert paged == witness, (c.scan_layers, layers)
+
+
+def test_decoding_params_lays_the_blocks_out_for_the_platform(params):
+    """On a CPU "auto" splits the blocks into per-layer arrays (values unchanged); "stacked"
+    restacks a split tree; both take the compute dtype; a bad layout or layer is one line."""
+    cfg, p = CONFIGS["gqa2"], params["gqa2"]
+    split = G.decoding_params(p, cfg)
+    assert sorted(split["blocks"]) == [str(i) for i in range(cfg.n_layers)]
+    want = ptree.flatten(ptree.unstack(p))
+    got = ptree.flatten(split)
+    assert got.keys() == want.keys()
+    for name, leaf in got.items():
+        np.testing.assert_array_equal(leaf, want[name].astype(cfg.compute_dtype), err_msg=name)
+    restacked = G.decoding_params(split, cfg, "stacked")
+    assert ptree.blocks_layout(restacked) == "stacked"
+    for name, leaf in ptree.flatten(restacked).items():
+        np.testing.assert_array_equal(leaf, ptree.flatten(p)[name], err_msg=name)
+    with pytest.raises(ConfigError, match="layers = 'split'; expected one of"):
+        G.decoding_params(p, cfg, "split")
+    with pytest.raises(ConfigError, match="layers = 'scan'"):
+        G.generate(p, PROMPTS, cfg, max_new_tokens=2, layers="scan")
+    short = {**split, "blocks": {k: v for k, v in split["blocks"].items() if k != "1"}}
+    with pytest.raises(ShapeError):
+        G.generate(short, PROMPTS, cfg, max_new_tokens=2)
 
 
 def _lowered_decode(cfg, cache):

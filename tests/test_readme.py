@@ -527,3 +527,5 @@ def test_readme_generate_benchmark_runs_with_tiny_settings(tmp_path):
     (row,) = result["results"]
     assert (row["batch"], row["new_tokens"]) == (1, 4)
     assert row["tokens_identical"], row
+    # lmjax's default splits the blocks per layer on this CPU; stacked, the same tokens.
+    assert row["lmjax_blocks"] == "layers" and row["stacked_tokens_identical"], row

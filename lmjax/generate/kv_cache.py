@@ -40,6 +40,13 @@ The whole cache rides in the loop's carry and layer i writes its rows in place (
 layers' slices gone in as the scan's xs and come back as its ys, the ys would be a second
 cache-sized buffer, and every step would copy every layer's slab into it.
 
+Decoding reads every weight once a token, so its speed is the weights' bandwidth. XLA's CPU
+code copies a layer's weights out of the stacked arrays before each matmul (a dynamic slice in
+the scan, a static one in the loop: about 2x the memory traffic, half the tokens a second at
+batch 1), so on a CPU `decoding_params` splits the blocks into per-layer arrays once, which
+`run_layers` runs by its loop (`layers="auto"`; "stacked" or "per_layer" to choose). TPU
+fusions read the slice in place; elsewhere the blocks stay stacked and scanned.
+
 Contiguous memory: `2 * N * B * S * Hkv * Dh * itemsize` bytes (`cache_bytes`) for capacity
 S <= C, reserved for every row whatever its length (see `paged` for the alternative); GQA makes
 it H / Hkv times smaller than multi-head attention's, and a sliding window bounds the S a
@@ -48,12 +55,14 @@ decoding loop needs by W (`loop.stream` takes S = min(bucket(prompt + new), buck
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lmjax import params as ptree
 from lmjax.checks import is_positive_int, require
 from lmjax.errors import ShapeError
 from lmjax.generate.paged import PagedKVCache
@@ -149,7 +158,7 @@ def init_cache(cfg: ModelConfig, batch: int, capacity: int | None = None) -> KVC
 
 def prefill_hidden(params: dict, tokens_BT, cfg: ModelConfig, cache, lengths_B) -> tuple:
     """The prompt's final hidden states `[B, T, D]` (before the head) and the filled cache."""
-    check_params(params, cfg)
+    check_layout(params, cfg)
     p = cast(params, cfg.compute_dtype)
     slots_BT = prompt_slots(cfg, cache.capacity, tokens_BT.shape[1], lengths_B)
     x_BTD = embed(p, tokens_BT, cfg)
@@ -164,6 +173,45 @@ def prefill_hidden(params: dict, tokens_BT, cfg: ModelConfig, cache, lengths_B) 
 
     (x_BTD, cache), _ = run_layers(cfg, p["blocks"], (x_BTD, cache), step, _layer_index(cfg))
     return x_BTD, cache._replace(lengths=lengths_B.astype(jnp.int32))
+
+
+LAYOUTS = ("auto", "stacked", "per_layer")
+
+
+def decoding_params(params: dict, cfg: ModelConfig, layers: str = "auto") -> dict:
+    """The weights as decoding reads them: cast to `cfg.compute_dtype` (once, not every token)
+    and with the blocks `layers`: "stacked" (`[N, ...]`, one scan), "per_layer" (`{"0": ...}`,
+    a loop over N arrays of each) or "auto", per-layer where the params live on a CPU (module
+    docstring). Splitting is one copy of the block weights; a tree already laid out so is
+    returned cast. `prefill`, `decode_step` and `loop.stream` take either layout."""
+    require(layers in LAYOUTS, "layers", layers, f"one of {LAYOUTS}", "pass one of them")
+    if layers == "auto":
+        layers = "per_layer" if _on_cpu(params) else "stacked"
+    held = ptree.blocks_layout(params)
+    if layers == "per_layer" and held == "stacked":
+        return _split_cast(params, cfg.compute_dtype)
+    if layers == "stacked" and held == "layers":
+        params = ptree.stack(params)
+    return cast(params, cfg.compute_dtype)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _split_cast(params: dict, dtype) -> dict:
+    """Cast and split in one program: the per-layer arrays are its outputs (one copy)."""
+    return ptree.unstack(cast(params, dtype))
+
+
+def _on_cpu(params: dict) -> bool:
+    leaf = jax.tree.leaves(params)[0]
+    devices = leaf.devices() if isinstance(leaf, jax.Array) else {jax.devices()[0]}
+    return all(d.platform == "cpu" for d in devices)
+
+
+def check_layout(params: dict, cfg: ModelConfig) -> None:
+    """`check_params` for either layout of the blocks (per-layer ones checked as stacked)."""
+    if ptree.blocks_layout(params) == "layers":
+        params = jax.eval_shape(ptree.stack, params)
+    check_params(params, cfg)
 
 
 def _layer_index(cfg: ModelConfig) -> jax.Array:
@@ -190,7 +238,7 @@ def decode_logits(params: dict, token_B, cfg: ModelConfig, cache) -> tuple:
     `lengths[b]` (`loop.stream` maps them with its `PageAllocator`); otherwise the logits are
     silently wrong.
     """
-    check_params(params, cfg)
+    check_layout(params, cfg)
     p = cast(params, cfg.compute_dtype)
     positions_B1 = cache.lengths[:, None]
     slots_B1 = slots_of(cfg, cache.capacity, positions_B1)

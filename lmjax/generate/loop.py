@@ -40,10 +40,17 @@ import numpy as np
 
 from lmjax.checks import check_token_ids, is_int, is_positive_int, require
 from lmjax.errors import ConfigError, NonFiniteError, TokenError
-from lmjax.generate.kv_cache import decode_logits, init_cache, prefill_hidden
+from lmjax.generate.kv_cache import (
+    LAYOUTS,
+    check_layout,
+    decode_logits,
+    decoding_params,
+    init_cache,
+    prefill_hidden,
+)
 from lmjax.generate.paged import PageAllocator, init_paged_cache
 from lmjax.generate.sampling import Sampling, sample
-from lmjax.models import ModelConfig, check_params, head
+from lmjax.models import ModelConfig, head
 from lmjax.models.transformer import cast
 
 CACHES = ("contiguous", "paged")
@@ -102,6 +109,7 @@ def stream(
     cache: str = "contiguous",
     page_size: int | None = None,
     num_pages: int | None = None,
+    layers: str = "auto",
 ) -> Iterator[Step]:
     """Decode a batch of prompts step by step; see the module docstring for the policies.
 
@@ -117,19 +125,19 @@ def stream(
     this call, so paging saves memory only with a smaller `num_pages` (see `paged`); if such a
     pool runs out mid-stream, `ConfigError` says the step reached (the tokens yielded so far
     stand) and the worst-case count to pass. `page_size` / `num_pages` with the contiguous cache
-    raise `ConfigError`.
-    Everything else is validated before the first step: `TokenError` for an empty batch or
-    prompt, non-integer or out-of-vocabulary ids (prompts and stop tokens) or a prompt longer
-    than C; `ConfigError` for sampling options, the seed, `max_new_tokens < 1` or past the
-    context, bad cache options; `ShapeError` for params that do not match `cfg`. Non-finite
-    logits of an active row raise `NonFiniteError` at that step.
+    raise `ConfigError`. `layers`: the blocks' layout (`kv_cache.decoding_params`). All else is
+    validated before the first step: `TokenError` for an empty batch or prompt, non-integer or
+    out-of-vocabulary ids (prompts and stop tokens) or a prompt longer than C; `ConfigError`
+    for sampling options, the seed, `max_new_tokens < 1` or past the context, bad cache options
+    or layout; `ShapeError` for params that do not match `cfg`. Non-finite logits of an active
+    row raise `NonFiniteError` at that step.
     """
     rows = _check_prompts(prompts, cfg)
     sampling = Sampling(temperature, top_k, top_p)
     sampling.check_vocab(cfg.vocab_ids)
-    _check_run(rows, cfg, max_new_tokens, seed, cache, page_size, num_pages)
+    _check_run(rows, cfg, max_new_tokens, seed, cache, page_size, num_pages, layers)
     stops = _check_stop_tokens(stop_tokens, cfg)
-    check_params(params, cfg)
+    check_layout(params, cfg)
     tokens_BT, lengths = _right_padded(rows, cfg)
     b, s = len(rows), cache_slots(cfg, int(lengths.max()) + max_new_tokens)
     pages, worst = None, 0
@@ -143,9 +151,8 @@ def stream(
         )
     else:
         kv = init_cache(cfg, b, s)
-
-    # Once, here: the jitted steps then get compute-dtype weights (their own cast is a no-op).
-    params = cast(params, cfg.compute_dtype)
+    # Once, here: compute-dtype weights (the steps' own cast is a no-op), laid out for decoding.
+    params = decoding_params(params, cfg, layers)
     key = jax.random.key(seed)
     token_B, finite_B, kv = prefill_sample(params, tokens_BT, lengths, kv, key, cfg, sampling)
     emitted = np.zeros(b, np.int32)
@@ -293,7 +300,8 @@ def _check_prompts(prompts, cfg: ModelConfig) -> list[np.ndarray]:
     return rows
 
 
-def _check_run(rows, cfg, max_new_tokens, seed, cache, page_size, num_pages) -> None:
+def _check_run(rows, cfg, max_new_tokens, seed, cache, page_size, num_pages, layers) -> None:
+    require(layers in LAYOUTS, "layers", layers, f"one of {LAYOUTS}", "pass one of them")
     longest = max(len(r) for r in rows)
     fix = "ask for at least one token"
     require(is_positive_int(max_new_tokens), "max_new_tokens", max_new_tokens, "an int >= 1", fix)

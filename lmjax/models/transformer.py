@@ -34,6 +34,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from lmjax import ops
+from lmjax import params as ptree
 from lmjax.checks import check_token_ids, is_concrete, require
 from lmjax.errors import ShapeError
 from lmjax.models.attention import attend
@@ -211,13 +212,17 @@ def run_layers(cfg: ModelConfig, blocks: dict, x_BTD: jax.Array, step, per_layer
     """`x <- step(layer_params, x, per_layer_i)` for each layer in order: one `lax.scan` over
     the stacked `blocks` (and the `[N, ...]` leaves of `per_layer`) when `cfg.scan_layers`, a
     Python loop over their slices otherwise. `step` returns `(x, out_i)`; the outs come back
-    stacked `[N, ...]` (a KV cache's new entries, for instance), or None.
+    stacked `[N, ...]` (a KV cache's new entries, for instance), or None. Per-layer `blocks`
+    (`{"0": ..., "1": ...}`, decoding's layout on a CPU: `lmjax.generate.decode_layout`) always
+    run by the loop.
     """
-    if cfg.scan_layers:
+    split = ptree.blocks_layout({ptree.STACKED: blocks}) == "layers"
+    if cfg.scan_layers and not split:
         return jax.lax.scan(lambda x, xs: step(xs[0], x, xs[1]), x_BTD, (blocks, per_layer))
     outs = []
     for i in range(cfg.n_layers):
-        x_BTD, out = step(layer(blocks, i), x_BTD, layer(per_layer, i))
+        p_layer = blocks[str(i)] if split else layer(blocks, i)
+        x_BTD, out = step(p_layer, x_BTD, layer(per_layer, i))
         outs.append(out)
     stacked = jax.tree.map(lambda *o: jnp.stack(o), *outs) if outs[0] is not None else None
     return x_BTD, stacked
