@@ -144,9 +144,12 @@ class _Session:
     """The conversation and what the command line asked for; `take` handles one line."""
 
     def __init__(self, args: argparse.Namespace, run, conversation):
+        from lmjax import generate
         from lmjax.chat import run_stop_ids
 
         self.args, self.run, self.conversation = args, run, conversation
+        # Laid out for decoding once for the session, not again at every turn's stream.
+        self.params = generate.decoding_params(run.params, run.model)
         self.stops = [*args.stop_token, *run_stop_ids(run)]
         self.room = reply_room(args.max_new_tokens, run.model.context_length)
         self.refused = 0  # turns not sent and unknown commands (a script's exit status)
@@ -213,7 +216,7 @@ class _Session:
         sampling = {k: getattr(args, k) for k in ("temperature", "top_k", "top_p", "seed")}
         try:
             steps = generate.stream(
-                self.run.params,
+                self.params,
                 [prompt],
                 self.run.model,
                 max_new_tokens=length,
