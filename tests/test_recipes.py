@@ -225,3 +225,27 @@ def test_sft_run_resumed_without_data_says_how_and_resumes(ws, capfd):
     assert "resumed runs/j2 from step 2" in capfd.readouterr().out
     rows = [json.loads(line) for line in (ws / "runs/j2/metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "loss" in r] == [2, 3]  # logging.every 10: each end
+
+
+def test_every_data_file_of_the_package_is_installed_with_it():
+    """A wheel holds a package's non-Python files only where `[tool.setuptools.package-data]`
+    names them (an editable install here finds them either way): every such file under lmjax/
+    and pallas_kernels/ (the recipes `--recipe` reads) matches one of its globs."""
+    import fnmatch
+    import tomllib
+
+    root = Path(__file__).resolve().parents[1]
+    data = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    globs = data.get("package-data", {})
+    files = [
+        f
+        for top in ("lmjax", "pallas_kernels")
+        for f in (root / top).rglob("*")
+        if f.is_file() and f.suffix not in (".py", ".pyc") and "__pycache__" not in f.parts
+    ]
+    assert files, "the recipes, at least"
+    for f in files:
+        package = ".".join(f.parent.relative_to(root).parts)
+        owners = [p for p in globs if package == p or package.startswith(p + ".")]
+        rel = {p: f.relative_to(root / p.replace(".", "/")).as_posix() for p in owners}
+        assert any(fnmatch.fnmatch(rel[p], g) for p in owners for g in globs[p]), f
