@@ -29,6 +29,7 @@ from __future__ import annotations
 import fnmatch
 import math
 import re
+import sys
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -281,6 +282,18 @@ def stack(params: Tree) -> dict:
     return {**params, STACKED: jax.tree.map(one, *layers)}
 
 
+def note_converted(where) -> None:
+    """The one line (stderr, main process) that says a checkpoint step or a file `where` held
+    per-layer blocks (written before they were stacked) and was stacked on load."""
+    if jax.process_index() == 0:
+        print(
+            f"lmjax: {where} was saved with per-layer blocks; converted to the stacked layout "
+            "on load (the files are unchanged; what lmjax saves from it is stacked)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
 def unstack(params: Tree) -> dict:
     """The inverse of `stack`: stacked `{"blocks": t}` -> `{"blocks": {"0": t[0], ...}}`, each
     layer's leaves sliced from the stacked ones (a per-layer view for tools and files)."""
@@ -318,4 +331,5 @@ __all__ = [
     "map_with_names",
     "matches",
     "natural_key",
+    "note_converted",
 ]

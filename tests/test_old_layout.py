@@ -21,7 +21,7 @@ import safetensors.numpy
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from lmjax import cli, parallel, train
+from lmjax import cli, lora, models, parallel, testing, train
 from lmjax import params as ptree
 from lmjax.train import optim
 from lmjax.train.checkpoint import Checkpoints, layers
@@ -182,3 +182,32 @@ def test_the_fixture_is_unchanged_by_loading(copy, capsys):
     after = {p: p.read_bytes() for p in sorted(copy.rglob("*")) if p.is_file()}
     assert after == before
     assert len(before) > 30  # every file of the fixture
+
+
+def test_old_adapters_load_stacked_and_compute_what_they_computed(copy, capsys):
+    """`adapters/adapters.safetensors`, LoRA adapters saved per layer by the same old code (a
+    projection in every layer, two in layer 1 only; `adapters/write_adapters.py`): loaded
+    against today's stacked adapters with one line saying so, they merge into the very
+    parameters the old code merged (its fingerprint, per-layer names) and give its logits with
+    the adapters attached, to the forward pass's float32 rounding."""
+    reference = json.loads((copy / "adapters" / "reference.json").read_text())
+    path = Path("adapters/adapters.safetensors")
+    run = train.load_run("weights")
+    _, lcfg = lora.load_adapters(path)  # no model to stack against: names kept, no line
+    expected = jax.eval_shape(lambda: lora.init(jax.random.PRNGKey(0), run.params, lcfg))
+    capsys.readouterr()
+    adapters, _ = lora.load_adapters(path, expected)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [
+        f"lmjax: {path} {CONVERTED} (the files are unchanged; what lmjax saves from it is stacked)"
+    ]
+    assert all(
+        name.startswith("blocks.") and not name.split(".")[1].isdecimal()
+        for name in ptree.flatten(adapters)
+    )
+    merged = lora.merge(run.params, adapters, lcfg)
+    assert fingerprint(ptree.unstack(merged)) == reference["merged_fingerprint"]
+    tokens = np.asarray(reference["tokens"], np.int32)
+    logits = models.forward(lora.attach(run.params, adapters, lcfg), tokens, run.model)
+    theirs = np.asarray(reference["logits"])
+    np.testing.assert_allclose(logits, theirs, rtol=0, atol=testing.logits_atol(run.model, theirs))

@@ -245,7 +245,8 @@ def load_adapters(path: str | os.PathLike, expected=None) -> tuple[dict, LoraCon
     """`(adapters, lcfg)` from `save_adapters`' file, stacked as `init` makes them: per-layer
     names (a partly targeted projection, or a file written before the blocks were stacked) are
     stacked with zeros in the other layers, given N from the file or from `expected` (an
-    adapter tree or its `jax.eval_shape`, checked name by name when given). An old file read
+    adapter tree or its `jax.eval_shape`, checked name by name when given); an old file so
+    stacked is named in one stderr line (`lmjax.params.note_converted`). An old file read
     without `expected` keeps its per-layer names; `attach` and `merge` stack them."""
     meta = safetensors.metadata(path)
     if meta.get("format") != "lmjax-lora" or "lora" not in meta:
@@ -264,6 +265,8 @@ def load_adapters(path: str | os.PathLike, expected=None) -> tuple[dict, LoraCon
     lcfg = LoraConfig.from_dict(fields, where=f"{path} lora")
     adapters = safetensors.load(path)
     n = _file_layers(meta, expected)
+    if n is not None and "layers" not in meta:  # a file from before the blocks were stacked
+        ptree.note_converted(path)
     adapters = adapters if n is None else stack_adapters(adapters, n)
     if expected is not None:
         _check_expected(path, adapters, expected)

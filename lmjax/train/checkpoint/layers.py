@@ -14,7 +14,6 @@ state is held twice (per layer and stacked), once.
 from __future__ import annotations
 
 import re
-import sys
 from collections.abc import Callable, Iterable
 
 import jax
@@ -107,15 +106,6 @@ def converts(abstract_state) -> bool:
     return any(_holds_stacked(leaf) for leaf in leaves)
 
 
-def note_converted(where) -> None:
-    """The one line (stderr, main process) that says a step or file was converted on load."""
-    if jax.process_index() == 0:
-        print(
-            f"lmjax: {where} was saved with per-layer blocks; converted to the stacked layout "
-            "on load (the files are unchanged; what lmjax saves from it is stacked)",
-            file=sys.stderr,
-            flush=True,
-        )
-
+note_converted = ptree.note_converted  # where the blocks are stacked, beside stack and unstack
 
 __all__ = ["converts", "note_converted", "per_layer_target", "saved_per_layer", "stacked_like"]
