@@ -18,6 +18,7 @@ This module sits at the bottom of the import order (with `lmjax.errors`), so eve
 
 from __future__ import annotations
 
+import difflib
 import math
 import numbers
 from typing import Any
@@ -132,7 +133,17 @@ def check_token_ids(
         )
 
 
+def unknown_name(what: str, name: str, known) -> ConfigError:
+    """The error for a key or section `name` that is none of `known`, suggesting the nearest one
+    (difflib's closest match), as a typo (`finetune.bsae`) usually is one letter pair off:
+    `finetune key = 'bsae'; expected one of [...]. Fix: did you mean 'base'? Else remove it.`"""
+    close = difflib.get_close_matches(name, [str(k) for k in known], n=1)
+    fix = f"did you mean {close[0]!r}? Else remove it" if close else "fix the spelling or remove it"
+    return ConfigError.describe(what, name, f"one of {list(known)}", fix)
+
+
 __all__ = [
+    "unknown_name",
     "require",
     "is_int",
     "is_real",

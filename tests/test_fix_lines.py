@@ -144,6 +144,10 @@ TYPOS = {
         ["train", "train.yaml", "trian.steps=3"],
         "'logging', 'parallel']. Fix: did you mean 'train'? Else remove it.",
     ),
+    "lora.trgets": (
+        ["finetune", "ft.yaml", "lora.trgets=[q_proj]"],
+        "lora key = 'trgets'; expected one of [",
+    ),
     "--qlroa": (
         ["finetune", "ft.yaml", "--qlroa"],
         "lmjax finetune: error: unrecognized arguments: --qlroa (did you mean --qlora?). "
@@ -158,6 +162,8 @@ def test_a_typo_is_named_with_its_nearest_spelling(ws, capsys, monkeypatch, case
     code, out, err = run_main(ws, argv, capsys, monkeypatch)
     assert_one_line_error(code, out, err, said)
     assert "template" not in err and "{base:" not in err, err
+    if case == "lora.trgets":
+        assert err.endswith("Fix: did you mean 'targets'? Else remove it.\n"), err
 
 
 def test_a_yaml_section_typo_lists_the_finetune_sections(ws, capsys, monkeypatch):

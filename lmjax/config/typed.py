@@ -9,12 +9,11 @@ unions of them with None. Ints are accepted for floats (`lr: 1`) and lists for t
 
 from __future__ import annotations
 
-import difflib
 import types
 import typing
 from typing import Any
 
-from lmjax.checks import is_finite_real, is_int, is_real, require
+from lmjax.checks import is_finite_real, is_int, is_real, require, unknown_name
 from lmjax.config.overrides import parse_value
 from lmjax.errors import ConfigError
 
@@ -34,15 +33,6 @@ def require_mapping(value: Any, where: str) -> dict[str, Any]:
     if bad:
         raise ConfigError.describe(f"{where} key", bad[0], "a string", "quote the key")
     return value
-
-
-def unknown_name(what: str, name: str, known) -> ConfigError:
-    """The error for a key or section `name` that is none of `known`, suggesting the nearest one
-    (difflib's closest match), as a typo (`finetune.bsae`) usually is one letter pair off:
-    `finetune key = 'bsae'; expected one of [...]. Fix: did you mean 'base'? Else remove it.`"""
-    close = difflib.get_close_matches(name, [str(k) for k in known], n=1)
-    fix = f"did you mean {close[0]!r}? Else remove it" if close else "fix the spelling or remove it"
-    return ConfigError.describe(what, name, f"one of {list(known)}", fix)
 
 
 def build_section(cls, values: Any, where: str):

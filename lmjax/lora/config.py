@@ -9,7 +9,14 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from lmjax.checks import is_finite_real, is_int, is_positive_int, is_real, require
+from lmjax.checks import (
+    is_finite_real,
+    is_int,
+    is_positive_int,
+    is_real,
+    require,
+    unknown_name,
+)
 from lmjax.config.overrides import parse_value
 from lmjax.errors import ConfigError
 
@@ -59,9 +66,7 @@ class LoraConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - names)
         if unknown:
-            raise ConfigError.describe(
-                f"{where} key", unknown[0], f"one of {sorted(names)}", "fix the spelling"
-            )
+            raise unknown_name(f"{where} key", unknown[0], sorted(names))
         return cls(**{k: _coerce(k, v, where) for k, v in data.items()})
 
     @classmethod
