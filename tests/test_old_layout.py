@@ -10,6 +10,7 @@ works on a copy and checks the one line that says the layout was converted.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -31,6 +32,7 @@ from lmjax.train.step import init_state
 FIXTURE = Path(__file__).parent / "fixtures" / "per_layer_run"
 REFERENCE = json.loads((FIXTURE / "reference.json").read_text())
 CONVERTED = "was saved with per-layer blocks; converted to the stacked layout on load"
+UNCHANGED = "(the files are unchanged; what lmjax saves from it is stacked)"
 
 
 @pytest.fixture(scope="module")
@@ -211,3 +213,41 @@ def test_old_adapters_load_stacked_and_compute_what_they_computed(copy, capsys):
     logits = models.forward(lora.attach(run.params, adapters, lcfg), tokens, run.model)
     theirs = np.asarray(reference["logits"])
     np.testing.assert_allclose(logits, theirs, rtol=0, atol=testing.logits_atol(run.model, theirs))
+
+
+def test_a_partly_frozen_full_fine_tune_resumes_as_the_old_code_did(copy, cache, capsys):
+    """`full_ft/`: a full fine-tune of `run` with `blocks.0.*` frozen, saved at step 2 by the
+    old code, whose trained state held layer 1 of each block leaf only (per layer, nothing of
+    a frozen layer). Resumed to step 4 it is converted once (layer 0 restored as the zeros the
+    stacked layout trains in a frozen layer) and logs the old code's own resumed losses; its
+    merged export keeps layer 0 of the base bit for bit."""
+    stored = _saved_state(copy / "full_ft/checkpoints/2")
+    names = ptree.flatten(stored["params"])
+    assert "blocks.1.attention.query.weight" in names
+    assert not any(n.startswith("blocks.0.") for n in names)
+    # The fine-tune recorded its prepared corpus under the cache it ran with: this test's.
+    config = copy / "full_ft/config.yaml"
+    recorded = re.search(r"dir: (\S+)/lmjax/data/", config.read_text()).group(1)
+    config.write_text(config.read_text().replace(recorded, str(cache)))
+    args = ["finetune", "full_ft.yaml", "run.dir=full_ft", "--resume", "train.steps=4"]
+    out, lines = _lmjax(capsys, *args, "checkpoint.every=2")
+    assert "resumed full_ft from step 2" in out
+    # Each converted once: the base it joins (still per layer) and the fine-tune's own step.
+    assert lines == [
+        f"lmjax: {copy / where} {CONVERTED} {UNCHANGED}"
+        for where in ("run/checkpoints/4", "full_ft/checkpoints/2")
+    ]
+    records = train.metrics.MetricsLog(copy / "full_ft/metrics.jsonl").read()
+    losses = {str(r["step"]): r["loss"] for r in records if "loss" in r and r["step"] > 2}
+    val = {str(r["step"]): r["val_loss"] for r in records if "val_loss" in r and r["step"] > 2}
+    for ours, theirs in (
+        (losses, REFERENCE["full_ft_resumed_losses"]),
+        (val, REFERENCE["full_ft_resumed_val_losses"]),
+    ):
+        assert ours.keys() == theirs.keys()
+        np.testing.assert_allclose([ours[k] for k in theirs], list(theirs.values()), rtol=2**-17)
+    base = ptree.flatten(ptree.unstack(train.load_run("run").params))
+    merged = ptree.flatten(ptree.unstack(train.load_run("full_ft/merged").params))
+    for name, value in base.items():
+        frozen = name.startswith("blocks.0.")
+        assert np.array_equal(np.asarray(merged[name]), np.asarray(value)) == frozen, name

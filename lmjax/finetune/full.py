@@ -111,6 +111,8 @@ def full_trainable(cfg, spec: FinetuneSpec, init, frozen: dict):
         model_params=lambda trained: join(trained, frozen, spec.freeze),
         meta={"finetune": spec.to_dict()},
         files={FINETUNE_FILE: spec.to_yaml()},
+        # A checkpoint saved per layer held no leaves of a frozen layer: zeros, stacked.
+        absent_layers=lambda name: ptree.matches(name, spec.freeze),
     )
 
 

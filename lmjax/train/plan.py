@@ -41,6 +41,10 @@ RESUMABLE_CHANGES = (
     "logging.",
     "checkpoint.",
     "parallel.",  # a checkpoint restores onto any mesh
+    # How the program runs the same model (docs/models.md#scanned-layers): a run saved before
+    # `remat: auto` and scanning were the defaults recorded `remat: none`.
+    "model.remat",
+    "model.scan_layers",
 )
 
 

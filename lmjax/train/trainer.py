@@ -70,6 +70,9 @@ class Trainable:
     files: dict = dataclasses.field(default_factory=dict)  # {name: text} beside config.yaml
     stop_ids: tuple = ()  # ids that end a sample (a chat model's end of turn), kept in its text
     notes: tuple = ()  # lines said on the run's `out` once its config and data are checked
+    # per-layer name -> whether a checkpoint saved per layer may lack that layer (a full
+    # fine-tune's frozen layers, restored as zeros: Checkpoints.restore); None: none may
+    absent_layers: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,7 +145,9 @@ class Trainer:
             )
         model = self.plan.model
         state, moved = self.ckpt.restore_complete(
-            abstract, lambda meta, where: check_same_model(meta, model, where)
+            abstract,
+            lambda meta, where: check_same_model(meta, model, where),
+            self.trainable.absent_layers,
         )
         for step, err, name in moved if parallel.is_main() else ():
             self._note(

@@ -17,10 +17,12 @@ import re
 from collections.abc import Callable, Iterable
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from lmjax import params as ptree
 from lmjax.errors import CheckpointError
+from lmjax.train.checkpoint.integrity import path_name
 
 # A stored leaf name (`lmjax.train.checkpoint.integrity.path_name`) inside per-layer blocks.
 _PER_LAYER = re.compile(r"(^|\.)" + re.escape(ptree.STACKED) + r"\.\d+(\.|$)")
@@ -71,6 +73,69 @@ def per_layer_target(abstract_state):
     return jax.tree.map(_unstack_node, abstract_state, is_leaf=_holds_stacked)
 
 
+# `prefix.blocks.<i>.rest`: the tree a stored name sits in, its layer, and its per-layer name.
+_LAYER_NAME = re.compile(r"^(?:(.*)\.)?" + re.escape(ptree.STACKED) + r"\.(\d+)\.(.+)$")
+
+
+def absent_layers(target, stored_names: Iterable[str], absent: Callable[[str], bool]) -> set:
+    """`{(prefix, i)}`: the layers of `per_layer_target` that a step lacks whole and may lack,
+    every missing leaf's per-layer name (`blocks.0.attention.query.weight`) passing `absent`
+    (a full fine-tune's frozen layers, which per-layer states did not hold). Empty when any
+    other leaf is missing: the structure check then names it."""
+    stored, missing = set(stored_names), {}
+    for path, _ in jax.tree_util.tree_flatten_with_path(target)[0]:
+        match = _LAYER_NAME.match(path_name(path))
+        if match is None or path_name(path) in stored:
+            continue
+        prefix, i, rest = match.groups()
+        if not absent(f"{ptree.STACKED}.{i}.{rest}"):
+            return set()
+        missing.setdefault((prefix or "", int(i)), set()).add(path_name(path))
+    present: dict[str, set] = {}
+    for m in filter(None, map(_LAYER_NAME.match, stored)):
+        present.setdefault(m.group(1) or "", set()).add(int(m.group(2)))
+    whole = {key for key in missing if key[1] not in present.get(key[0], set())}
+    return whole if whole == set(missing) else set()
+
+
+def _each_layered(tree, fn):
+    """`fn(prefix, node)` in place of every node holding per-layer blocks."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, node: fn(path_name(path), node) if _holds_layers(node) else node,
+        tree,
+        is_leaf=_holds_layers,
+    )
+
+
+def without_layers(target, layers: set):
+    """`target` without the `(prefix, i)` layers (`absent_layers`), to restore a step into."""
+
+    def drop(prefix, node):
+        kept = {k: v for k, v in node[ptree.STACKED].items() if (prefix, int(k)) not in layers}
+        return {**node, ptree.STACKED: kept}
+
+    return _each_layered(target, drop)
+
+
+def with_zero_layers(state, target, layers: set):
+    """`state` (restored `without_layers`) with those layers back, zeros of `target`'s shapes:
+    what the stacked layout holds in a trained leaf's frozen layers."""
+    full = {
+        path_name(path): node[ptree.STACKED]
+        for path, node in jax.tree_util.tree_flatten_with_path(target, is_leaf=_holds_layers)[0]
+        if _holds_layers(node)
+    }
+
+    def fill(prefix, node):
+        blocks = dict(node[ptree.STACKED])
+        for key, layer in full.get(prefix, {}).items():
+            if (prefix, int(key)) in layers:
+                blocks[key] = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), layer)
+        return {**node, ptree.STACKED: blocks}
+
+    return _each_layered(state, fill)
+
+
 def _stack_all(tree):
     """Every per-layer `blocks` sub-tree of `tree` stacked (`lmjax.params.stack`)."""
     return jax.tree.map(
@@ -108,4 +173,13 @@ def converts(abstract_state) -> bool:
 
 note_converted = ptree.note_converted  # where the blocks are stacked, beside stack and unstack
 
-__all__ = ["converts", "note_converted", "per_layer_target", "saved_per_layer", "stacked_like"]
+__all__ = [
+    "absent_layers",
+    "with_zero_layers",
+    "without_layers",
+    "converts",
+    "note_converted",
+    "per_layer_target",
+    "saved_per_layer",
+    "stacked_like",
+]

@@ -125,7 +125,7 @@ class Checkpoints:
             raise unreadable(self.directory / str(step), "meta is not a JSON object")
         return restored.meta
 
-    def restore(self, abstract_state, step: int | None = None):
+    def restore(self, abstract_state, step: int | None = None, absent=None):
         """The state saved at `step` (default: the latest), in the structure of `abstract_state`.
 
         `abstract_state` is the expected state (arrays or `jax.ShapeDtypeStruct`s); any
@@ -133,14 +133,18 @@ class Checkpoints:
         is restored with the leaf's `sharding` (default: the first local device), so a state
         saved on one mesh restores onto another (`lmjax.parallel`). A step saved before the
         blocks were stacked is restored per layer and stacked, with one line on stderr
-        (`layers`).
+        (`layers`); `absent(per-layer name)` says which layers such a step may lack whole (a
+        full fine-tune's frozen ones: restored as the zeros they are stacked), none by default.
         """
         step = self._require_step(step)
         where = self.directory / str(step)
         stored = self._stored_leaves(step)
         if not (layers.saved_per_layer(stored) and layers.converts(abstract_state)):
             return self._read(step, stored, abstract_state)
-        state = self._read(step, stored, layers.per_layer_target(abstract_state))
+        target = layers.per_layer_target(abstract_state)
+        lacking = set() if absent is None else layers.absent_layers(target, stored, absent)
+        state = self._read(step, stored, layers.without_layers(target, lacking))
+        state = layers.with_zero_layers(state, target, lacking)
         state = layers.stacked_like(state, abstract_state, _target_sharding)
         layers.note_converted(where)
         return state
@@ -167,21 +171,21 @@ class Checkpoints:
         verify(where, step, state, restored.meta)
         return state
 
-    def restore_complete(self, abstract_state, check_meta=None):
+    def restore_complete(self, abstract_state, check_meta=None, absent=None):
         """`(state, set_aside)`: the newest step that restores completely (for a resume).
 
         Newer steps that are damaged (`DamagedCheckpointError`) are renamed to
         `<step>.corrupt` (kept for inspection, never listed again) and returned as
         `[(step, error, new name)]`. `check_meta(meta, step_dir)` may refuse a step (the model):
         any error but a damaged step stops the search and is raised, with nothing moved, as is
-        the newest step's error when no step is complete.
+        the newest step's error when no step is complete. `absent`: as `restore`'s.
         """
         damaged = []
         for step in sorted(self.steps(), reverse=True):
             try:
                 if check_meta is not None:
                     check_meta(self.read_meta(step), self.directory / str(step))
-                state = self.restore(abstract_state, step)
+                state = self.restore(abstract_state, step, absent)
             except DamagedCheckpointError as err:
                 damaged.append((step, err))
                 continue
