@@ -13,20 +13,27 @@ Two parts, one JSON (`benchmarks/results/compile_time.json`):
         configs/tpu-llama3-8b.yaml on v5p:2x2x2, scanned and unrolled: compile seconds,
         per-device generated code and memory.
 
-The two sides of each row run back to back in one process, so machine load hits both alike;
-run it on a quiet machine for absolute seconds. Targets (issue 44, 2-core host): GPT-2 124M's
-TPU compile <= 25 s and the 8B's <= 40 s, the 12-layer compile <= 1.3x the 2-layer one, and
-generated code per device <= 64 MB for both.
+The sides of each row run back to back (the TPU compiles each in a fresh process,
+`_tpu_row.py`), so machine load hits them alike; run it on a quiet machine for absolute
+seconds. `--baseline-tree DIR` adds a third side to each TPU row: the same config compiled by
+an older checkout's lmjax (before the blocks were stacked: `git worktree add DIR caddb00`),
+giving `ratios_over_baseline` that hold on a host of any speed. Targets (issue 44, 2-core
+host, where caddb00 compiled 2 GPT-2 layers in 18.8 s, 12 in 45.4 and the 8B in 136.8): GPT-2
+124M's TPU compile <= 25 s and the 8B's <= 40 s, the 12-layer compile <= 1.3x the 2-layer
+one, and generated code per device <= 64 MB for both.
 
     JAX_PLATFORMS=cpu python benchmarks/compile_time.py                # both parts
     JAX_PLATFORMS=cpu python benchmarks/compile_time.py --part cpu --layers 1,2,4
     JAX_PLATFORMS=cpu python benchmarks/compile_time.py --quick        # tiny shapes, seconds
+    JAX_PLATFORMS=cpu python benchmarks/compile_time.py --part tpu --baseline-tree /tmp/base
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -85,23 +92,55 @@ def cpu_row(config: str, n_layers: int, scan: bool, batch: int, seq: int, extra=
     }
 
 
-def tpu_row(config: str, topology: str, n_layers: int, scan: bool) -> dict:
-    from lmjax.train import tpu_compile
-
-    overrides = [f"model.n_layers={n_layers}", f"model.scan_layers={str(scan).lower()}"]
-    run = load_run_config(ROOT / config, overrides)
-    report = tpu_compile.compile_train_step(run, topology, count_layers=False)
-    mem = report.memory
+def tpu_row(config: str, topology: str, n_layers: int, scan: bool | None, tree: Path = ROOT):
+    """One `lmjax compile` (`_tpu_row.py`) in a fresh process with `tree`'s lmjax, so every row
+    pays the same first-compile costs; `scan` None for a baseline tree, which cannot scan."""
+    overrides = [f"model.n_layers={n_layers}"]
+    if scan is not None:
+        overrides.append(f"model.scan_layers={str(scan).lower()}")
+    env = {**os.environ, "PYTHONPATH": str(tree), "JAX_PLATFORMS": "cpu"}
+    command = [sys.executable, str(ROOT / "benchmarks" / "_tpu_row.py"), config, topology]
+    out = subprocess.run(
+        [*command, *overrides], cwd=ROOT, env=env, capture_output=True, text=True, check=False
+    )
+    if out.returncode != 0:
+        raise SystemExit(f"{tree}: {config} at {n_layers} layers failed:\n{out.stderr[-2000:]}")
+    row = json.loads(out.stdout.strip().splitlines()[-1])
+    assert Path(row.pop("lmjax")).resolve() == tree.resolve(), (row, tree)  # the tree asked for
     return {
         "config": config,
         "topology": topology,
         "layers": n_layers,
         "scan_layers": scan,
-        "compile_s": round(report.compile_s, 2),
-        "generated_code_bytes": mem.generated_code,
-        "device_total_bytes": mem.total,
-        "fits": report.fits,
+        "tree": "this" if tree == ROOT else "baseline",
+        **row,
     }
+
+
+def _commit(tree: Path) -> str:
+    out = subprocess.run(["git", "-C", str(tree), "rev-parse", "HEAD"], capture_output=True)
+    return out.stdout.decode().strip()
+
+
+def _baseline_ratios(rows):
+    """This tree's compile seconds over the baseline's, per (config, layers)."""
+    base = {(r["config"], r["layers"]): r for r in rows if r["tree"] == "baseline"}
+    out = []
+    for r in rows:
+        b = base.get((r["config"], r["layers"]))
+        if r["tree"] == "this" and b:
+            out.append(
+                {
+                    "config": r["config"],
+                    "layers": r["layers"],
+                    "scan_layers": r["scan_layers"],
+                    "compile_ratio_over_baseline": round(r["compile_s"] / b["compile_s"], 3),
+                    "code_ratio_over_baseline": round(
+                        r["generated_code_bytes"] / max(b["generated_code_bytes"], 1), 3
+                    ),
+                }
+            )
+    return out
 
 
 def _pairs(rows):
@@ -133,10 +172,20 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--quick", action="store_true", help="tiny shapes, CPU only")
+    parser.add_argument(
+        "--baseline-tree",
+        type=Path,
+        help="a checkout of lmjax from before the blocks were stacked (git worktree add DIR "
+        "caddb00): its unrolled TPU compiles run beside this tree's, for ratios that do not "
+        "depend on the host's speed",
+    )
     parser.add_argument("--output", type=Path, default=RESULT)
     args = parser.parse_args(argv)
     layers = [int(n) for n in args.layers.split(",")]
-    result = {"machine": _harness.machine(), "argv": sys.argv[1:]}
+    result = {}
+    if args.part != "both" and args.output.exists():  # one part replaces its own section only
+        result = json.loads(args.output.read_text())
+    result["machine"] = _harness.machine()
     config, extra = "configs/gpt2-124m.yaml", ()
     if args.quick:
         layers, args.part = [1, 2, 4], "cpu"
@@ -149,14 +198,21 @@ def main(argv=None) -> int:
                 rows.append(cpu_row(config, n, scan, args.batch, args.seq, extra))
                 print(rows[-1], flush=True)
         result["cpu"] = {"config": config, "batch": args.batch, "seq": args.seq, "rows": rows}
+        result["cpu"]["argv"] = sys.argv[1:]
         result["cpu"]["ratios"] = _pairs(rows)
     if args.part in ("tpu", "both"):
         rows = []
         for cfg, topology, n in TPU_ROWS:
-            for scan in (True, False):
-                rows.append(tpu_row(cfg, topology, n, scan))
+            sides = [(True, ROOT), (False, ROOT)]
+            if args.baseline_tree:
+                sides.insert(0, (None, args.baseline_tree))
+            for scan, tree in sides:
+                rows.append(tpu_row(cfg, topology, n, scan, tree))
                 print(rows[-1], flush=True)
-        result["tpu"] = {"rows": rows, "ratios": _pairs(rows)}
+        result["tpu"] = {"rows": rows, "ratios": _pairs(rows), "argv": sys.argv[1:]}
+        if args.baseline_tree:
+            result["tpu"]["baseline_commit"] = _commit(args.baseline_tree)
+            result["tpu"]["ratios_over_baseline"] = _baseline_ratios(rows)
     _harness.write_result(args.output, result)
     print(f"wrote {args.output}")
     return 0

@@ -119,12 +119,14 @@ def test_readme_lmjax_commands_parse():
     subcommand or flag fails here); running them is the job of the CLI and training tests."""
     text = _text()
     commands = [argv for argv in _shell_blocks(text) if argv[0] == "lmjax"]
-    # Inline ones too, except synopses (`lmjax inspect PRESET [key=value ...]`).
+    # Inline ones too, except synopses (`lmjax inspect PRESET [key=value ...]`) and quoted
+    # messages (`lmjax chat: the context ... is full`).
     inline = re.findall(r"`(lmjax [a-z][^`]*)`", text)
     commands += [
         shlex.split(span)
         for span in inline
-        if not re.search(r"\[|\.\.\.|\b[A-Z]{2,}\b", span) and len(span.split()) > 2
+        if not re.search(r"\[|\.\.\.|\b[A-Z]{2,}\b|^lmjax [a-z-]+:", span)
+        and len(span.split()) > 2
     ]
     assert len(commands) >= 25, commands
     for argv in commands:

@@ -44,8 +44,8 @@ Decoding reads every weight once a token, so its speed is the weights' bandwidth
 code copies a layer's weights out of the stacked arrays before each matmul (a dynamic slice in
 the scan, a static one in the loop: about 2x the memory traffic, half the tokens a second at
 batch 1), so on a CPU `decoding_params` splits the blocks into per-layer arrays once, which
-`run_layers` runs by its loop (`layers="auto"`; "stacked" or "per_layer" to choose). TPU
-fusions read the slice in place; elsewhere the blocks stay stacked and scanned.
+`run_layers` runs by its loop (`layers="auto"`; "stacked" or "per_layer" to choose). Off a
+CPU the blocks stay stacked and scanned (neither layout timed on an accelerator yet).
 
 Contiguous memory: `2 * N * B * S * Hkv * Dh * itemsize` bytes (`cache_bytes`) for capacity
 S <= C, reserved for every row whatever its length (see `paged` for the alternative); GQA makes
