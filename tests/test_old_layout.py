@@ -78,6 +78,21 @@ def _assert_equal_trees(ours, theirs):
         np.testing.assert_array_equal(np.asarray(flat_ours[name]), np.asarray(leaf), name)
 
 
+def _assert_resumed_losses(metrics: Path, step: int, key: str) -> None:
+    """The losses and validation losses logged after `step` against the old code's own resume
+    (`REFERENCE[key + "_losses"]`, `[key + "_val_losses"]`), which ran the blocks unrolled; this
+    one scans them. Float32 round-off only (the same ops, XLA free to fuse them otherwise): 64
+    ulps of the loss, 2**-17 relative."""
+    records = train.metrics.MetricsLog(metrics).read()
+    for field, theirs in (
+        ("loss", REFERENCE[f"{key}_losses"]),
+        ("val_loss", REFERENCE[f"{key}_val_losses"]),
+    ):
+        ours = {str(r["step"]): r[field] for r in records if field in r and r["step"] > step}
+        assert ours.keys() == theirs.keys(), field
+        np.testing.assert_allclose([ours[k] for k in theirs], list(theirs.values()), rtol=2**-17)
+
+
 def test_the_converted_state_is_the_saved_one(copy, capsys):
     run = train.load_run("run")
     assert capsys.readouterr().err.count(CONVERTED) == 1
@@ -148,17 +163,7 @@ def test_resume_converts_once_and_continues_as_the_old_code_did(copy, capsys):
     assert Checkpoints(copy / "run/checkpoints", create=False).steps() == [6]  # keep: 1
     names = ptree.flatten(_saved_state(copy / "run/checkpoints/6")["params"])
     assert "blocks.attention.query.weight" in names and not any(".0." in n for n in names)
-    records = train.metrics.MetricsLog(copy / "run/metrics.jsonl").read()
-    losses = {str(r["step"]): r["loss"] for r in records if "loss" in r and r["step"] > 4}
-    val = {str(r["step"]): r["val_loss"] for r in records if "val_loss" in r and r["step"] > 4}
-    # The old code's resume, unrolled; this one scans the same blocks. Float32 round-off only
-    # (the same ops, XLA free to fuse them otherwise): 64 ulps of the loss, 2**-17 relative.
-    for ours, theirs in (
-        (losses, REFERENCE["resumed_losses"]),
-        (val, REFERENCE["resumed_val_losses"]),
-    ):
-        assert ours.keys() == theirs.keys()
-        np.testing.assert_allclose([ours[k] for k in theirs], list(theirs.values()), rtol=2**-17)
+    _assert_resumed_losses(copy / "run/metrics.jsonl", 4, "resumed")
     # Saved stacked: loading it again converts nothing.
     _, lines = _lmjax(capsys, "eval", "run")
     assert lines == []
@@ -237,15 +242,7 @@ def test_a_partly_frozen_full_fine_tune_resumes_as_the_old_code_did(copy, cache,
         f"lmjax: {copy / where} {CONVERTED} {UNCHANGED}"
         for where in ("run/checkpoints/4", "full_ft/checkpoints/2")
     ]
-    records = train.metrics.MetricsLog(copy / "full_ft/metrics.jsonl").read()
-    losses = {str(r["step"]): r["loss"] for r in records if "loss" in r and r["step"] > 2}
-    val = {str(r["step"]): r["val_loss"] for r in records if "val_loss" in r and r["step"] > 2}
-    for ours, theirs in (
-        (losses, REFERENCE["full_ft_resumed_losses"]),
-        (val, REFERENCE["full_ft_resumed_val_losses"]),
-    ):
-        assert ours.keys() == theirs.keys()
-        np.testing.assert_allclose([ours[k] for k in theirs], list(theirs.values()), rtol=2**-17)
+    _assert_resumed_losses(copy / "full_ft/metrics.jsonl", 2, "full_ft_resumed")
     base = ptree.flatten(ptree.unstack(train.load_run("run").params))
     merged = ptree.flatten(ptree.unstack(train.load_run("full_ft/merged").params))
     for name, value in base.items():
