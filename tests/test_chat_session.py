@@ -37,8 +37,11 @@ TOO_LONG = "fox " * 150  # more than the 128 positions by itself
 # The child: `lmjax chat` whose first reply waits after its second token (a marker file tells
 # the test it is there), so a Ctrl-C surely lands inside a reply; later replies run freely.
 CHILD = """
-import os, sys, time
+import os, signal, sys, time
 os.close(os.open(os.ttyname(0), os.O_RDWR))  # a session leader opening a terminal: its own
+# As a process started by a non-interactive shell's `cmd &` inherits it (and this suite under
+# `make test &` passes it on): SIGINT ignored. lmjax chat must hear Ctrl-C regardless.
+signal.signal(signal.SIGINT, signal.SIG_IGN)
 from lmjax import cli, generate
 stream, marker = generate.stream, sys.argv.pop(1)
 

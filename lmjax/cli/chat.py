@@ -16,6 +16,7 @@ the model; "//" sends a line starting with "/".
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from lmjax.cli.args import add_quantize, add_run, add_sampling, add_step
@@ -95,12 +96,22 @@ def run_chat(args: argparse.Namespace) -> int:
     where = RunDir(run.directory).tokenizer_dir
     session = _Session(args, run, chat.Conversation(run.tokenizer, args.system, where))
     typed = not args.message and sys.stdin.isatty()
+    if typed:
+        _hear_ctrl_c()
     for line in args.message or (_typed_lines() if typed else _piped_lines()):
         if args.message:  # a script's transcript: say which turn each reply answers
             print(f"> {line}")
         if not session.take(line):
             break
     return 2 if session.refused and not typed else 0
+
+
+def _hear_ctrl_c() -> None:
+    """At a terminal Ctrl-C is how a reply is stopped, so it must raise: a process started with
+    SIGINT ignored (by a non-interactive shell's `cmd &`, which passes that on to what it
+    runs) would otherwise let every reply run to its end and never leave on Ctrl-C."""
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def parse_line(line: str) -> tuple[str | None, str]:
