@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -110,6 +111,50 @@ def test_resume_in_a_new_process_is_bit_exact(workspace, straight):
     assert "resumed resumed from step 4" in done.stdout  # said, on stdout
     assert_same_state(final_state(workspace / "resumed"), final_state(straight))
     assert losses(workspace / "resumed") == losses(straight)  # every step logged once
+
+
+# Killed as the run starts: its directory, metrics.jsonl and checkpoints/ made, config.yaml not
+# yet written (the moment before `loop.publish`).
+KILL_BEFORE_CONFIG = """
+import os, signal
+from lmjax.train import loop
+loop.publish = lambda plan, trainable: os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_run_killed_while_starting_restarts_with_or_without_resume(workspace, straight):
+    """Neither `--resume` nor a fresh start refuses what such a kill leaves (each used to point
+    at the other); both run the whole run in it, as the straight run did, saying so once."""
+    killed = lmjax(
+        workspace, "train", "tiny.yaml", "run.dir=starting", check=False, prelude=KILL_BEFORE_CONFIG
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    left = {p.name for p in (workspace / "starting").iterdir()}
+    assert left == {"checkpoints", "metrics.jsonl", "tensorboard"}, left  # as issue 45 found
+    shutil.copytree(workspace / "starting", workspace / "starting_again")
+    for directory, resume in (("starting", ("--resume",)), ("starting_again", ())):
+        done = lmjax(workspace, "train", "tiny.yaml", f"run.dir={directory}", *resume)
+        said = [line for line in done.stderr.splitlines() if "stopped while it started" in line]
+        assert len(said) == 1 and said[0].startswith(f"lmjax: {directory} holds no config.yaml")
+        assert_same_state(final_state(workspace / directory), final_state(straight))
+        assert losses(workspace / directory) == losses(straight)
+
+
+@pytest.mark.parametrize("leftover", ["notes.txt", "metrics.jsonl"])
+def test_a_directory_with_more_than_a_start_left_is_still_refused(
+    workspace, monkeypatch, capsys, leftover
+):
+    """A file of the user's, or metrics a run logged, is never taken over."""
+    directory = workspace / f"not_a_start_{leftover.split('.')[0]}"
+    (directory / "checkpoints").mkdir(parents=True)
+    (directory / leftover).write_text('{"step": 1, "loss": 2.0}\n')
+    before = snapshot(directory)
+    for resume in ((), ("--resume",)):
+        code, _, err = run_cli(
+            workspace, monkeypatch, capsys, "train", "tiny.yaml", f"run.dir={directory}", *resume
+        )
+        assert code == 2 and err.count("\n") == 1, err
+    assert snapshot(directory) == before
 
 
 KILL_DURING_STEP_4_SAVE = """

@@ -15,6 +15,7 @@ the tokenizer can't encode or that leaves no room, a mesh the devices can't hold
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import Any
 
 from lmjax import parallel
@@ -70,7 +71,15 @@ def make_plan(
     """Resolve and check a run (`finetune`: the run trains adapters over a frozen base)."""
     require_installed(cfg.train.wandb)  # before anything (the data cache) is written
     run = RunDir.for_config(cfg, config_path)
-    run.check_writable(resume)
+    started_afresh = run.never_started()
+    resume = run.check_writable(resume)
+    if started_afresh and parallel.is_main():
+        print(
+            f"lmjax: {run.path} holds no config.yaml and no checkpoint (a run stopped while it "
+            "started): starting a new run in it",
+            file=sys.stderr,
+            flush=True,
+        )
     # A fine-tune's checkpoints hold adapters, not a model: restoring them as one would fail
     # after config.yaml had been rewritten.
     ok = not (resume and not finetune and run.is_finetune())

@@ -40,6 +40,8 @@ FINETUNE_FILE = "finetune.yaml"
 ADAPTERS_FILE = "adapters.safetensors"
 MERGED_DIR = "merged"
 TENSORBOARD_DIR = "tensorboard"
+# What the trainer makes before the run's config.yaml (`RunDir.never_started`).
+STARTING = (CHECKPOINTS_DIR, METRICS_FILE, TENSORBOARD_DIR)
 
 TRAINED, FINETUNED, WEIGHTS = "trained", "finetuned", "weights"
 
@@ -150,8 +152,23 @@ class RunDir:
 
     # ---- writing -----------------------------------------------------------------------------
 
-    def check_writable(self, resume: bool) -> None:
-        """A new run needs a new (or empty) directory; a resumed one its config.yaml."""
+    def never_started(self) -> bool:
+        """Whether the directory holds only what a run makes before it writes config.yaml (an
+        empty metrics.jsonl, checkpoints/ without a step, tensorboard/): a run killed while it
+        started, which left nothing to continue and nothing to keep."""
+        if not self.path.is_dir() or self.config_file.exists():
+            return False
+        entries = {entry.name for entry in self.path.iterdir()}
+        steps = self.checkpoints_dir.is_dir() and any(
+            entry.name.isdecimal() for entry in self.checkpoints_dir.iterdir()
+        )
+        metrics = self.metrics_file.exists() and self.metrics_file.stat().st_size > 0
+        return bool(entries) and entries <= set(STARTING) and not steps and not metrics
+
+    def check_writable(self, resume: bool) -> bool:
+        """A new run needs a new (or empty) directory; a resumed one its config.yaml. A directory
+        a run was killed in while starting (`never_started`) is taken as new, with or without
+        `resume`: returns whether the run resumes."""
         for parent in [self.path, *self.path.parents]:
             if parent.exists() and not parent.is_dir():
                 raise ConfigError.describe(
@@ -160,6 +177,8 @@ class RunDir:
                     f"a directory path ({parent} is a file)",
                     "pick another run.dir",
                 )
+        if self.never_started():
+            return False
         exists = self.path.exists() and (not self.path.is_dir() or any(self.path.iterdir()))
         if exists and not resume:
             raise ConfigError.describe(
@@ -176,6 +195,7 @@ class RunDir:
                 f"a run directory with {CONFIG_FILE}",
                 "check run.dir, or drop --resume to start a new run",
             )
+        return resume
 
     def write_config(self, cfg: RunConfig) -> None:
         atomic_write_text(self.config_file, yaml.safe_dump(cfg.to_dict(), sort_keys=False))
