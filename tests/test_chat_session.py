@@ -314,3 +314,23 @@ def test_a_template_that_rewrites_a_reply_gets_its_text(run):
     chat.add_reply("  the dog  ", tok.encode("  the dog  ", add_special_tokens=False))
     ids = chat.prompt_ids("And?")
     assert ids == tok.apply_chat_template(chat.messages, add_generation_prompt=True)
+
+
+def test_a_second_ctrl_c_after_a_cleared_line_leaves(monkeypatch, capsys):
+    """Ctrl-C on a typed line clears it; the next Ctrl-C, at that now empty prompt, leaves even
+    if readline's buffer still reports the cleared text."""
+    readline = pytest.importorskip("readline")
+    from lmjax.cli import chat as chat_cli
+
+    keys = iter(["hello", KeyboardInterrupt, KeyboardInterrupt, "never read"])
+
+    def typed(prompt):
+        key = next(keys)
+        if key is KeyboardInterrupt:
+            raise KeyboardInterrupt
+        return key
+
+    monkeypatch.setattr("builtins.input", typed)
+    monkeypatch.setattr(readline, "get_line_buffer", lambda: "half a thou")
+    assert list(chat_cli._typed_lines()) == ["hello"]
+    assert next(keys) == "never read"

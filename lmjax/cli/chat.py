@@ -258,11 +258,14 @@ def _piped_lines():
 
 def _typed_lines():
     """Lines typed after a "> " prompt until Ctrl-D, or Ctrl-C at an empty prompt; Ctrl-C on a
-    line with text clears it, as a shell does (with readline; without it, Ctrl-C leaves)."""
+    line with text clears it, as a shell does (with readline; without it, Ctrl-C leaves). A
+    Ctrl-C right after one that cleared a line leaves too: that prompt was empty, so leaving
+    never depends on what readline's buffer still holds of the cleared line."""
     try:
         import readline  # noqa: F401  (input() then edits lines and keeps a history)
     except ImportError:
         readline = None
+    cleared = False  # the last prompt ended in a Ctrl-C that cleared its line
     while True:
         try:
             line = input("> ")
@@ -271,8 +274,10 @@ def _typed_lines():
             return
         except KeyboardInterrupt:
             print()
-            if readline is not None and readline.get_line_buffer():
+            if readline is not None and readline.get_line_buffer() and not cleared:
+                cleared = True
                 continue
             return
+        cleared = False
         if line.strip():
             yield line
