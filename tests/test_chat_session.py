@@ -17,6 +17,7 @@ import json
 import os
 import re
 import select
+import signal
 import subprocess
 import sys
 import time
@@ -327,7 +328,7 @@ def test_a_second_ctrl_c_after_a_cleared_line_leaves(monkeypatch, capsys):
     def typed(prompt):
         key = next(keys)
         if key is KeyboardInterrupt:
-            raise KeyboardInterrupt
+            signal.raise_signal(signal.SIGINT)  # as a terminal's Ctrl-C: the handler raises
         return key
 
     monkeypatch.setattr("builtins.input", typed)

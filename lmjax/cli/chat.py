@@ -16,6 +16,7 @@ the model; "//" sends a line starting with "/".
 from __future__ import annotations
 
 import argparse
+import functools
 import signal
 import sys
 
@@ -259,25 +260,41 @@ def _piped_lines():
 def _typed_lines():
     """Lines typed after a "> " prompt until Ctrl-D, or Ctrl-C at an empty prompt; Ctrl-C on a
     line with text clears it, as a shell does (with readline; without it, Ctrl-C leaves). A
-    Ctrl-C right after one that cleared a line leaves too: that prompt was empty, so leaving
-    never depends on what readline's buffer still holds of the cleared line."""
+    Ctrl-C right after one that cleared a line leaves too: that prompt was empty.
+
+    Whether the line held text is read when Ctrl-C arrives (`_on_ctrl_c`, which readline runs
+    before it clears its line), not after: on Python 3.13 readline's buffer after the
+    interrupt was seen both cleared and still holding the old line."""
     try:
         import readline  # noqa: F401  (input() then edits lines and keeps a history)
     except ImportError:
         readline = None
+    had_text = [False]
+    previous = signal.signal(signal.SIGINT, functools.partial(_on_ctrl_c, readline, had_text))
     cleared = False  # the last prompt ended in a Ctrl-C that cleared its line
-    while True:
-        try:
-            line = input("> ")
-        except EOFError:
-            print()  # Ctrl-D after the prompt sign: end its line
-            return
-        except KeyboardInterrupt:
-            print()
-            if readline is not None and readline.get_line_buffer() and not cleared:
-                cleared = True
-                continue
-            return
-        cleared = False
-        if line.strip():
-            yield line
+    try:
+        while True:
+            had_text[0] = False
+            try:
+                line = input("> ")
+            except EOFError:
+                print()  # Ctrl-D after the prompt sign: end its line
+                return
+            except KeyboardInterrupt:
+                print()
+                if had_text[0] and not cleared:
+                    cleared = True
+                    continue
+                return
+            cleared = False
+            if line.strip():
+                yield line
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _on_ctrl_c(readline, had_text: list, signum, frame) -> None:
+    """SIGINT: note whether readline's line holds text, then stop what runs (a reply or
+    `input`) as Python's own handler does."""
+    had_text[0] = readline is not None and bool(readline.get_line_buffer())
+    raise KeyboardInterrupt
