@@ -79,7 +79,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("lmjax.lora",),
     ("lmjax.data",),
     ("lmjax.train",),
-    ("lmjax.finetune", "lmjax.chat"),
+    ("lmjax.finetune", "lmjax.chat", "lmjax.eval_harness"),
     ("lmjax.cli", "lmjax.__main__"),
 )
 OPS = "lmjax.ops"
