@@ -51,7 +51,8 @@ def paused(*args, **kwargs):
         yield step
         if n == 1 and not os.path.exists(marker):
             open(marker, "w").close()
-            time.sleep(60)
+            for _ in range(600):  # a slow step: Ctrl-C is heard between its parts
+                time.sleep(0.1)
 
 generate.stream = paused
 sys.exit(cli.main(sys.argv[1:]))
@@ -335,3 +336,47 @@ def test_a_second_ctrl_c_after_a_cleared_line_leaves(monkeypatch, capsys):
     monkeypatch.setattr(readline, "get_line_buffer", lambda: "half a thou")
     assert list(chat_cli._typed_lines()) == ["hello"]
     assert next(keys) == "never read"
+
+
+# The prompt alone, on a terminal, in a process with another thread: each marker file makes
+# that thread send SIGINT to itself, as the kernel may hand a Ctrl-C to any of JAX's threads.
+ELSEWHERE_CHILD = """
+import os, signal, sys, threading, time
+os.close(os.open(os.ttyname(0), os.O_RDWR))
+from lmjax.cli import chat
+marker = sys.argv[1]
+
+def elsewhere():
+    for n in range(2):
+        while not os.path.exists(f"{marker}{n}"):
+            time.sleep(0.01)
+        signal.pthread_kill(threading.get_ident(), signal.SIGINT)
+
+threading.Thread(target=elsewhere, daemon=True).start()
+for line in chat._typed_lines():
+    print(f"got {line!r}", flush=True)
+print("left", flush=True)
+"""
+
+
+def test_ctrl_c_caught_by_another_thread_still_reaches_the_prompt(tmp_path):
+    """Without the watcher, the main thread sleeps on in readline's select() and the first
+    expect below times out; with it, the line clears and the second Ctrl-C leaves."""
+    pytest.importorskip("readline")
+    marker = tmp_path / "sigint"
+    t = Terminal([sys.executable, "-c", ELSEWHERE_CHILD, str(marker)])
+    try:
+        t.expect(r"> $")
+        t.type("kept\r")
+        t.expect("got 'kept'")
+        t.expect(r"> $")
+        t.type("half a thou")
+        t.expect("half a thou")
+        (tmp_path / "sigint0").touch()
+        t.expect(r"> $", timeout=20)
+        (tmp_path / "sigint1").touch()
+        t.expect("left", timeout=20)
+        assert t.exit_code() == 0
+        assert "got 'half a thou'" not in t.log
+    finally:
+        t.close()

@@ -16,12 +16,12 @@ the model; "//" sends a line starting with "/".
 from __future__ import annotations
 
 import argparse
-import functools
 import signal
 import sys
 
 from lmjax.cli.args import add_quantize, add_run, add_sampling, add_step
 from lmjax.cli.common import load_run
+from lmjax.cli.prompt import Prompt
 from lmjax.errors import FileFormatError, TokenError
 
 DEFAULT_REPLY = 200  # tokens a reply may take by default (at most half the context)
@@ -262,39 +262,27 @@ def _typed_lines():
     line with text clears it, as a shell does (with readline; without it, Ctrl-C leaves). A
     Ctrl-C right after one that cleared a line leaves too: that prompt was empty.
 
-    Whether the line held text is read when Ctrl-C arrives (`_on_ctrl_c`, which readline runs
-    before it clears its line), not after: on Python 3.13 readline's buffer after the
+    Whether the line held text is read when Ctrl-C arrives (`Prompt.had_text`, in the handler,
+    before readline clears its line), not after: on Python 3.13 readline's buffer after the
     interrupt was seen both cleared and still holding the old line."""
     try:
         import readline  # noqa: F401  (input() then edits lines and keeps a history)
     except ImportError:
         readline = None
-    had_text = [False]
-    previous = signal.signal(signal.SIGINT, functools.partial(_on_ctrl_c, readline, had_text))
     cleared = False  # the last prompt ended in a Ctrl-C that cleared its line
-    try:
+    with Prompt(readline) as prompt:
         while True:
-            had_text[0] = False
             try:
-                line = input("> ")
+                line = prompt.input("> ")
             except EOFError:
                 print()  # Ctrl-D after the prompt sign: end its line
                 return
             except KeyboardInterrupt:
                 print()
-                if had_text[0] and not cleared:
+                if prompt.had_text and not cleared:
                     cleared = True
                     continue
                 return
             cleared = False
             if line.strip():
                 yield line
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
-def _on_ctrl_c(readline, had_text: list, signum, frame) -> None:
-    """SIGINT: note whether readline's line holds text, then stop what runs (a reply or
-    `input`) as Python's own handler does."""
-    had_text[0] = readline is not None and bool(readline.get_line_buffer())
-    raise KeyboardInterrupt
