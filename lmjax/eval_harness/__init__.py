@@ -19,7 +19,7 @@ from __future__ import annotations
 
 try:
     import lm_eval.models  # noqa: F401  (its lazy table first: lm_eval reads it only when empty)
-    from lm_eval.api.registry import register_model
+    from lm_eval.api.registry import model_registry, register_model
 except ImportError as err:  # pragma: no cover - exercised by the CLI test with a stub
     raise ImportError(
         f"lmjax.eval_harness needs lm-evaluation-harness ({err}); pip install 'lmjax[eval]'"
@@ -27,6 +27,18 @@ except ImportError as err:  # pragma: no cover - exercised by the CLI test with 
 
 from lmjax.eval_harness.model import DEFAULT_BATCH, LMJaxLM
 
-register_model("lmjax")(LMJaxLM)
+
+def _registered_before(existing) -> bool:
+    """Whether the registry's "lmjax" is LMJaxLM from an earlier import of this package (a
+    `importlib.reload`, or a run that purged lmjax from `sys.modules`): a class of the same
+    module and name. lm_eval refuses a second class under one alias; that one still works."""
+    return isinstance(existing, type) and (existing.__module__, existing.__qualname__) == (
+        LMJaxLM.__module__,
+        LMJaxLM.__qualname__,
+    )
+
+
+if not _registered_before(model_registry.get("lmjax", None)):
+    register_model("lmjax")(LMJaxLM)  # a different "lmjax" is lm_eval's one-line conflict
 
 __all__ = ["DEFAULT_BATCH", "LMJaxLM"]
