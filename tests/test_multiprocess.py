@@ -59,7 +59,7 @@ from lmjax.train.checkpoint import CheckpointError, Checkpoints
 from lmjax.train.runs import load_run
 
 ROOT = Path(__file__).resolve().parent.parent
-STEPS, BATCH, HEARTBEAT_S = 4, 8, 6
+STEPS, BATCH, HEARTBEAT_S, STEP_S = 4, 8, 6, 8
 RUN_LIMIT_S = 240  # one launch, compile included, on a loaded 2-core machine
 # For the runs whose samples and plot no test reads: no sampler to compile, no matplotlib (the
 # 2x2 run and the two-process fine-tune keep both, for the tests of what process 0 writes).
@@ -103,7 +103,12 @@ from lmjax.errors import ConfigError
 from lmjax.data import prepared as data
 
 real = data.train_batch
+hang = os.environ.get("HANG_AT")  # "RANK:STEP": that process hangs reading that step's batch
 def train_batch(tokens, seed, step, *rest):
+    if hang == f"{os.environ.get('LMJAX_PROCESS_ID')}:{int(step)}":
+        import time
+        while True:  # alive, its heartbeats going, never reaching the step's collective
+            time.sleep(1)
     rows = rest[3] if len(rest) > 3 else None
     record["rows"].append([int(step), None if rows is None else [int(r) for r in rows]])
     return real(tokens, seed, step, *rest)
@@ -330,6 +335,48 @@ def test_resume_in_two_new_processes_continues_exactly(straight, killed):
     assert_same_training(run, straight["2x2"], [3, 4], exact=True)
 
 
+@pytest.fixture(scope="module")
+def hung(corpus, straight):
+    """2x2's checkpoint 2 resumed by two new processes; process 1 hangs reading the batch of
+    step 4 (0-based: after checkpoint 4), alive and heart-beating. Both must stop by themselves
+    within the step bound (evaluation moved out of the way: its first compile would count into
+    the bound, docs/scale.md)."""
+    target = resumed_copy(straight["2x2"].dir, corpus / "hung", 2)
+    args = [str(corpus / "c.yaml"), "--resume", "train.steps=100000", "train.eval_every=1000",
+            *QUIET]  # fmt: skip
+    env = {"LMJAX_HEARTBEAT_TIMEOUT": str(HEARTBEAT_S), "LMJAX_STEP_TIMEOUT": str(STEP_S),
+           "HANG_AT": "1:4"}  # fmt: skip
+    run = Run(corpus, "hung", 2, 2, args, env=env)
+    deadline = time.monotonic() + RUN_LIMIT_S
+    while not (target / "checkpoints" / "4").is_dir():
+        codes = [p.poll() for p in run.procs]
+        assert codes == [None, None] and time.monotonic() < deadline, run.stderr(0)[-3000:]
+        time.sleep(0.2)
+    saved = time.monotonic()
+    codes = run.wait(limit_s=STEP_S + HEARTBEAT_S + 60)
+    return run, codes, time.monotonic() - saved
+
+
+def test_a_hung_process_stops_every_process_naming_it_and_its_step(straight, hung):
+    """Both processes exit EXIT_LOST with one line: process 1 (its own step clock) names
+    itself and step 3, the last it started; process 0 names process 1 and that step, whichever
+    way it noticed first (process 1's exit breaking the collective, its heartbeats stopping, or
+    its own step clock). The checkpoints before the hang are the uninterrupted run's, bit for
+    bit, and the newest loads."""
+    run, codes, waited_s = hung
+    assert codes == [multihost.EXIT_LOST] * 2, [run.stderr(i)[-2000:] for i in range(2)]
+    assert waited_s < STEP_S + HEARTBEAT_S + 30, waited_s
+    for i, named in ((1, ("this process (1 of 2) = last started step 3",)),
+                     (0, ("process 1 of 2", "started step 3"))):  # fmt: skip
+        err = run.stderr(i)
+        lines = [line for line in err.splitlines() if "lmjax" in line and "error" in line]
+        assert len(lines) == 1 and lines[0] == err.strip().splitlines()[-1], err[-3000:]
+        assert all(w in lines[0] for w in named) and "--resume" in lines[0], lines[0]
+        assert "Traceback" not in err and "Check failure" not in err
+    assert Checkpoints(run.dir / "checkpoints", create=False).latest_step() == 4
+    assert_same_training(run, straight["2x2"], [3, 4], exact=True)
+
+
 class FakeClient:
     def key_value_set(self, key, value, allow_overwrite=False):
         pass
@@ -352,6 +399,37 @@ def test_the_watchdog_names_a_silent_process_or_a_silent_coordinator():
     assert dog.verdict(t0 + 15) is not None and "coordinator" in dog.verdict(t0 + 15)
 
 
+def test_the_watchdog_names_who_stopped_starting_steps():
+    """The step clock on a fake clock: none before the second step (the first compiles), then
+    a process that started no step for `step_timeout_s` names whoever is behind by the steps
+    the heartbeats carry: a peer, itself, or every process."""
+    dog = multihost.Watchdog(FakeClient(), rank=0, count=3, timeout_s=50, step_timeout_s=5)
+    t0 = dog.last_answer
+    dog.at_step(2, t0)  # the first step of this process (a resume from 2): no bound
+    assert dog.verdict(t0 + 40) is None and dog.steps_note() == ""
+    dog.at_step(3, t0 + 40)
+    dog.heard({"lmjax/heartbeat/1": "9 3", "lmjax/heartbeat/2": "4 2"}, t0 + 44)
+    assert dog.verdict(t0 + 44.9) is None
+    message = dog.verdict(t0 + 45.1)
+    assert message.startswith(
+        "process 2 of 3 = last started step 2, while process 0 waits in "
+        "step 3, with no new step for 5 s (LMJAX_STEP_TIMEOUT=5)"
+    ), message
+    assert "--resume" in message
+    assert dog.steps_note() == "; process 2 of 3 last started step 2, this one step 3"
+    dog.heard({"lmjax/heartbeat/1": "10 4", "lmjax/heartbeat/2": "5 4"}, t0 + 45.5)
+    assert dog.verdict(t0 + 46).startswith(
+        "this process (0 of 3) = last started step 3, while the others are in step 4"
+    ), dog.verdict(t0 + 46)
+    dog.at_step(4, t0 + 47)
+    assert dog.verdict(t0 + 51.9) is None and dog.steps_note() == ""
+    assert dog.verdict(t0 + 52.1).startswith("every process (3) = in step 4")
+    off = multihost.Watchdog(FakeClient(), rank=0, count=2, timeout_s=50, step_timeout_s=None)
+    off.at_step(1, t0), off.at_step(2, t0)
+    off.heard({"lmjax/heartbeat/1": "1 2"}, t0 + 40)
+    assert off.verdict(t0 + 45) is None  # LMJAX_STEP_TIMEOUT=0: no step bound
+
+
 def test_the_heartbeat_timeout_is_a_setting():
     env = {"LMJAX_COORDINATOR": "127.0.0.1:1", "LMJAX_NUM_PROCESSES": "2", "LMJAX_PROCESS_ID": "1"}
     assert "heartbeat_timeout_seconds" not in multihost.distributed_args(env)  # jax's 100 s
@@ -361,6 +439,12 @@ def test_the_heartbeat_timeout_is_a_setting():
     for bad in ("0", "-1", "2.5", "soon"):
         with pytest.raises(ConfigError, match="LMJAX_HEARTBEAT_TIMEOUT"):
             multihost.heartbeat_seconds({"LMJAX_HEARTBEAT_TIMEOUT": bad})
+    assert multihost.step_seconds({}) == multihost.DEFAULT_STEP_S == 600
+    assert multihost.step_seconds({"LMJAX_STEP_TIMEOUT": "30"}) == 30
+    assert multihost.step_seconds({"LMJAX_STEP_TIMEOUT": "0"}) is None  # no bound
+    for bad in ("-1", "2.5", "soon"):
+        with pytest.raises(ConfigError, match="LMJAX_STEP_TIMEOUT"):
+            multihost.step_seconds({"LMJAX_STEP_TIMEOUT": bad})
 
 
 def test_a_failed_collective_stops_the_run_even_inside_an_lmjax_error(monkeypatch):

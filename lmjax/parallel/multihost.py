@@ -28,6 +28,13 @@ exit skips jax's shutdown barrier, which with a dead peer waits and logs the fai
 When process 0 itself dies (it hosts the coordination service), jax's agent on the others
 aborts them at once (status 134, its own log): jaxlib 0.10.2 has no hook before that abort
 (its `missed_heartbeat_callback` cannot be given from Python: calling it throws bad_cast).
+A hung process (alive, its heartbeats going, but never reaching the next collective: a stuck
+data read, a deadlock): `LMJAX_STEP_TIMEOUT=T` (seconds, default 600; 0 turns it off). Each
+process also publishes the last step it started (`at_step`, called as a step is dispatched);
+one that started no step for T s stops with one line naming the processes behind it (`process
+1 of 2 = last started step 2, 7 s ago, while process 0 waits in step 3`) or itself, status
+`EXIT_LOST`. The clock starts at a process's second step, so the first (which compiles) has no
+bound; what runs between two steps (an evaluation, a checkpoint save) counts into T.
 Tested with real processes in tests/test_multiprocess.py.
 
 Data: every host computes the same random crop starts (a pure function of seed and step) but
@@ -61,6 +68,10 @@ ENV_PROCESS_ID = "LMJAX_PROCESS_ID"
 ENV_AUTO = "LMJAX_DISTRIBUTED"
 ENV_HEARTBEAT = "LMJAX_HEARTBEAT_TIMEOUT"
 DEFAULT_HEARTBEAT_S = 50  # half jax's default heartbeat timeout (100 s), which stays 2 S
+ENV_STEP = "LMJAX_STEP_TIMEOUT"
+# Longer than a step, an evaluation or a checkpoint save of the models lmjax trains (an 8B
+# model's save is a minute or two), far shorter than a hang left to the cluster's scheduler.
+DEFAULT_STEP_S = 600
 EXIT_LOST = 75  # sysexits' EX_TEMPFAIL: the run stopped whole; run it again with --resume
 BEAT_KEY = "lmjax/heartbeat"
 WATCHING: list = []  # the Watchdog initialize_from_env started in this process, if any
@@ -86,6 +97,22 @@ def heartbeat_seconds(env: dict[str, str] | None = None) -> int:
     ok = text.isdigit() and int(text) >= 1
     require(ok, ENV_HEARTBEAT, text, "a whole number of seconds >= 1", fix)
     return int(text)
+
+
+def step_seconds(env: dict[str, str] | None = None) -> int | None:
+    """`LMJAX_STEP_TIMEOUT`: seconds without a new step after which a process stops (None: 0,
+    no bound)."""
+    env = os.environ if env is None else env
+    text = env.get(ENV_STEP) or str(DEFAULT_STEP_S)
+    fix = f"export {ENV_STEP}={DEFAULT_STEP_S} (the default) or {ENV_STEP}=0 (no bound)"
+    require(text.isdigit(), ENV_STEP, text, "a whole number of seconds (0: no bound)", fix)
+    return int(text) or None
+
+
+def at_step(step: int) -> None:
+    """Tell the `Watchdog` (if any) that this process starts `step` now."""
+    if WATCHING:
+        WATCHING[-1].at_step(step, time.monotonic())
 
 
 def _cluster_args(env) -> dict | None:
@@ -133,11 +160,12 @@ def initialize_from_env(env: dict[str, str] | None = None) -> bool:
     kwargs = distributed_args(env)
     if kwargs is None:
         return False
-    seconds = heartbeat_seconds(env)
+    seconds, step_s = heartbeat_seconds(env), step_seconds(env)
     jax.distributed.initialize(**kwargs)
     client = jax_distributed.global_state.client
     if client is not None and jax.process_count() > 1:
-        watchdog = Watchdog(client, jax.process_index(), jax.process_count(), seconds)
+        rank, count = jax.process_index(), jax.process_count()
+        watchdog = Watchdog(client, rank, count, seconds, step_timeout_s=step_s)
         watchdog.start()
         WATCHING.append(watchdog)
         atexit.register(watchdog.stop)  # runs before jax's own shutdown (registered earlier)
@@ -212,8 +240,11 @@ def silent_processes(last_heard: dict[int, float], now: float, timeout_s: float)
     return sorted(p for p, heard in last_heard.items() if now - heard > timeout_s)
 
 
-def lost_message(lost: list[int], count: int, timeout_s: float, coordinator: bool) -> str:
-    """The one line a survivor prints; `coordinator`: the key-value store itself is gone."""
+def lost_message(
+    lost: list[int], count: int, timeout_s: float, coordinator: bool, note: str = ""
+) -> str:
+    """The one line a survivor prints; `coordinator`: the key-value store itself is gone;
+    `note`: where the steps stood (`Watchdog.steps_note`)."""
     setting = f"{ENV_HEARTBEAT}={timeout_s:g}"
     if coordinator:
         return _lost_text(
@@ -221,7 +252,26 @@ def lost_message(lost: list[int], count: int, timeout_s: float, coordinator: boo
         )
     ranks = ", ".join(map(str, lost))
     what = f"heartbeat of process{'es' * (len(lost) > 1)} {ranks} of {count}"
-    return _lost_text(what, f"none for {timeout_s:g} s ({setting})")
+    return _lost_text(what, f"none for {timeout_s:g} s ({setting}){note}")
+
+
+def stalled_message(rank: int, step: int, peers: dict[int, int], count: int, timeout_s: float):
+    """The line of a process that started no step after `step` for `timeout_s`: the processes
+    behind it (by the last step each started, `peers`) are named; else itself, if the others
+    are ahead; else all of them."""
+    setting = f"{ENV_STEP}={timeout_s:g}"
+    behind = sorted(p for p, s in peers.items() if s < step)
+    if behind:
+        last = min(peers[p] for p in behind)
+        ranks = ", ".join(map(str, behind))
+        what = f"process{'es' * (len(behind) > 1)} {ranks} of {count}"
+        value = f"last started step {last}, while process {rank} waits in step {step}"
+    elif any(s > step for s in peers.values()):
+        what = f"this process ({rank} of {count})"
+        value = f"last started step {step}, while the others are in step {max(peers.values())}"
+    else:
+        what, value = f"every process ({count})", f"in step {step}"
+    return _lost_text(what, f"{value}, with no new step for {timeout_s:g} s ({setting})")
 
 
 def _lost_text(what: str, value: str) -> str:
@@ -255,7 +305,8 @@ def exit_if_peer_lost(err: BaseException) -> None:
     text = str(err).strip()
     # Also inside lmjax's own errors: a checkpoint save reports its failed gloo all-gather.
     if "Gloo" in text or "Connection closed by peer" in text:
-        stop_lost(_lost_text("a collective with the other processes", _gloo_failure(text)))
+        where = WATCHING[-1].steps_note() if WATCHING else ""
+        stop_lost(_lost_text("a collective with the other processes", _gloo_failure(text) + where))
     if WATCHING and not isinstance(err, LMJaxError):  # lmjax's own errors happen on every host
         dog = WATCHING[-1]
         dog.done.wait(dog.timeout_s + 2 * dog.interval_s)  # its judge exits meanwhile if lost
@@ -272,21 +323,41 @@ def _gloo_failure(text: str) -> str:
 class Watchdog:
     """Heartbeats between the processes of a run, through jax's coordination key-value store.
 
-    A beating thread writes `BEAT_KEY/<rank>` (a counter) every `timeout_s / 10` seconds and
-    reads every process's key; a judging thread (apart, so that an RPC stuck on a dead
-    coordinator cannot hide it) checks that each counter moved, and the store answered, within
-    `timeout_s` on this process's clock, else calls `on_lost(message)` (`stop_lost`). A process
-    that wrote `exited` (`stop`, at a normal exit) is no longer watched.
+    A beating thread writes `BEAT_KEY/<rank>` ("<counter> <last step started>") every
+    `timeout_s / 10` seconds and reads every process's key; a judging thread (apart, so that an
+    RPC stuck on a dead coordinator cannot hide it) checks that each counter moved, and the
+    store answered, within `timeout_s` on this process's clock, and (with `step_timeout_s`)
+    that this process started a step within `step_timeout_s` of its last (from its second
+    step on), else calls `on_lost(message)` (`stop_lost`). A process that wrote `exited`
+    (`stop`, at a normal exit) is no longer watched.
     """
 
-    def __init__(self, client, rank: int, count: int, timeout_s: float, on_lost=stop_lost):
+    def __init__(
+        self, client, rank, count, timeout_s: float, on_lost=stop_lost, step_timeout_s=None
+    ):
         self.client, self.rank, self.count = client, rank, count
         self.timeout_s, self.interval_s = timeout_s, max(timeout_s / 10, 0.05)
-        self.on_lost = on_lost
+        self.on_lost, self.step_timeout_s = on_lost, step_timeout_s
         start = time.monotonic()
         self.last_heard = {p: start for p in range(count) if p != rank}
-        self.last_answer, self.seen = start, {}
+        self.last_answer, self.seen, self.peer_steps = start, {}, {}
+        self.step, self.stepped_at = None, None  # this process's last step, and when (clock)
         self.done = threading.Event()
+
+    def at_step(self, step: int, now: float) -> None:
+        """This process starts `step` at `now`; the step clock starts at the second call."""
+        self.stepped_at = None if self.step is None else now
+        self.step = step
+
+    def steps_note(self) -> str:
+        """`, process 1 of 2 last started step 3, this one step 4`: which process fell behind,
+        by the steps the heartbeats carried ("" before this process's first step)."""
+        if self.step is None:
+            return ""
+        behind = sorted(p for p, s in self.peer_steps.items() if s < self.step)
+        peers = "; ".join(f"process {p} of {self.count} last started step {self.peer_steps[p]}"
+                          for p in behind)  # fmt: skip
+        return f"; {peers}, this one step {self.step}" if peers else ""
 
     def start(self) -> None:
         for target, name in ((self._beat, "beat"), (self._judge, "judge")):
@@ -305,9 +376,8 @@ class Watchdog:
         while not self.done.is_set():
             beat += 1
             try:
-                self.client.key_value_set(
-                    f"{BEAT_KEY}/{self.rank}", str(beat), allow_overwrite=True
-                )
+                value = f"{beat} {'-' if self.step is None else self.step}"
+                self.client.key_value_set(f"{BEAT_KEY}/{self.rank}", value, allow_overwrite=True)
                 values = self.client.key_value_dir_get(BEAT_KEY)
             except Exception:  # noqa: BLE001  (an unreachable store: the judge times it out)
                 values = None
@@ -316,21 +386,31 @@ class Watchdog:
             self.done.wait(self.interval_s)
 
     def heard(self, values: dict[str, str], now: float) -> None:
-        """Record one answer of the store: `{BEAT_KEY/<rank>: counter or "exited"}` at `now`."""
+        """Record one answer of the store: `{BEAT_KEY/<rank>: "<counter> <step or ->" or
+        "exited"}` at `now`."""
         self.last_answer = now
         for key, value in values.items():
             rank = int(key.rsplit("/", 1)[1])
             if value == "exited":
                 self.last_heard.pop(rank, None)
+                self.peer_steps.pop(rank, None)
             elif rank in self.last_heard and self.seen.get(rank) != value:
                 self.seen[rank], self.last_heard[rank] = value, now
+                step = value.partition(" ")[2]
+                if step.isdigit():
+                    self.peer_steps[rank] = int(step)
 
     def verdict(self, now: float) -> str | None:
         """The line to stop with at `now`, or None while every watched process is heard."""
         if now - self.last_answer > self.timeout_s:
             return lost_message([0], self.count, self.timeout_s, coordinator=True)
         lost = silent_processes(self.last_heard, now, self.timeout_s)
-        return lost_message(lost, self.count, self.timeout_s, coordinator=False) if lost else None
+        if lost:
+            return lost_message(lost, self.count, self.timeout_s, False, self.steps_note())
+        limit, since = self.step_timeout_s, self.stepped_at
+        if limit and since is not None and now - since > limit:
+            return stalled_message(self.rank, self.step, self.peer_steps, self.count, limit)
+        return None
 
     def _judge(self) -> None:
         while not self.done.wait(self.interval_s):
