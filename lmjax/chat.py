@@ -95,7 +95,15 @@ def stop_ids(tokenizer, generation_config: dict, vocab_size: int) -> list[int]:
     ids = eos_ids(generation_config)
     eos = getattr(tokenizer, "eos_token", None)
     if eos is not None:
-        ids.append(tokenizer.token_id(eos))
+        try:
+            ids.append(tokenizer.token_id(eos))
+        except TokenError:
+            raise FileFormatError.describe(
+                "tokenizer_config.json: eos_token",
+                eos,
+                "one token of the tokenizer's vocabulary",
+                "fix the model's tokenizer_config.json",
+            ) from None
     return [i for i in dict.fromkeys(ids) if i < vocab_size]
 
 

@@ -197,7 +197,11 @@ CASES = {
         ConfigError,
         "n_embd = None",
     ),
-    "config.json n_head not dividing n_embd": (_edit_config(n_head=3), ConfigError, "n_heads"),
+    "config.json n_head not dividing n_embd": (
+        _edit_config(n_head=3),
+        ConfigError,
+        "n_embd % n_head",
+    ),
     "config.json claims 10**8 layers": (
         _edit_config(n_layer=10**8),
         CheckpointError,
@@ -564,7 +568,7 @@ LLAMA_CASES = {
     "key/value heads not dividing heads": (
         _edit_config(num_key_value_heads=3),
         ConfigError,
-        "n_heads % model.n_kv_heads",
+        "num_attention_heads % num_key_value_heads = '4 % 3 = 1'",
     ),
     "mlp_bias without the biases": (
         _edit_config(mlp_bias=True),

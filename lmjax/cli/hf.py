@@ -4,6 +4,7 @@ qwen2, qwen3) in and out of lmjax run directories, with their tokenizers."""
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 from pathlib import Path
 
@@ -77,6 +78,10 @@ def run_import_hf(args: argparse.Namespace) -> int:
             "import again)"
         )
     generation_config = _generation_config(source) if tokenizer is not None else None
+    if tokenizer is not None:  # chat's stop ids: a bad eos_token or eos_token_id fails here
+        from lmjax.chat import stop_ids
+
+        stop_ids(tokenizer, json.loads(generation_config or "{}"), model.vocab_size)
     if generation_config is not None:  # beside the tokenizer: chat's end-of-turn ids
         tokenizer = _WithFile(tokenizer, GENERATION_CONFIG, generation_config)
     try:

@@ -4,6 +4,8 @@
         a directory with model.safetensors or a sharded model.safetensors.index.json (its
         shards: plain names in the same directory), or one .safetensors file
     read_json(path)                        config.json / the index, FileFormatError if not JSON
+    model_config(name, fields, keys, where) the preset's config; its ConfigError re-raised
+                                           naming config.json's keys, not lmjax's fields
     read_headers(files, rename) -> entries  {name: (file, key, dtype, shape)}, no tensor read
     read_state(entries) -> {name: numpy}   the tensors, read once their shapes were checked
     check_finite(state, where)             no NaN/inf in a float weight
@@ -31,9 +33,9 @@ import numpy as np
 import safetensors
 
 from lmjax import params as ptree
-from lmjax.errors import CheckpointError, FileFormatError, ShapeError
+from lmjax.errors import CheckpointError, ConfigError, FileFormatError, ShapeError
 from lmjax.io import safetensors as st
-from lmjax.models import ModelConfig, check_params
+from lmjax.models import ModelConfig, check_params, preset
 
 FIX_CHECKPOINT = (
     "point at a Hugging Face checkpoint directory (the output of save_pretrained, "
@@ -89,6 +91,21 @@ def read_json(path: Path):
         raise FileFormatError.describe(
             str(path), err.strerror or str(err), "a readable JSON file", FIX_CHECKPOINT
         ) from None
+
+
+def model_config(name: str, fields: dict, keys: dict[str, str], where: str) -> ModelConfig:
+    """`preset(name, **fields)`, whose checks (sizes in [1, 2**31 - 1], heads dividing the width,
+    an even RoPE head size...) are the last word on config.json: a ConfigError is re-raised as
+    one FileFormatError line naming the file and its keys (`keys`: lmjax field -> file key), so
+    `model.n_heads` reads `num_attention_heads`. Nothing is allocated before this check."""
+    try:
+        return preset(name, **fields)
+    except ConfigError as err:
+        names = "|".join(sorted(keys, key=len, reverse=True))
+        text = re.sub(rf"\b(?:model\.)?({names})\b", lambda m: keys[m.group(1)], str(err))
+        text = text.partition(". Fix: ")[0]
+        fix = "restore the checkpoint's own config.json (its sizes must describe its weights)"
+        raise ConfigError(f"{where} {text}. Fix: {fix}.") from None
 
 
 def _shard_names(index: Path) -> list[str]:

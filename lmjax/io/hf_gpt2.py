@@ -48,7 +48,7 @@ from lmjax.errors import CheckpointError, ConfigError, FileFormatError
 from lmjax.files import atomic_write_text
 from lmjax.io import hf_files
 from lmjax.io import safetensors as st
-from lmjax.models import ModelConfig, check_params, preset
+from lmjax.models import ModelConfig, check_params
 
 _ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
 _ACTIVATIONS |= {"relu": "relu"}
@@ -61,14 +61,18 @@ _FIX_CKPT = "point at a Hugging Face GPT-2 checkpoint (GPT2LMHeadModel.save_pret
 
 
 _SIZES = ("vocab_size", "n_positions", "n_embd", "n_head", "n_layer")
+# lmjax's field -> config.json's key, for the errors of ModelConfig's own checks.
+KEYS = dict(vocab_size="vocab_size", context_length="n_positions", d_model="n_embd")
+KEYS |= dict(n_heads="n_head", n_layers="n_layer", d_ff="n_inner", eps="layer_norm_epsilon")
+KEYS |= dict(d_head="n_embd / n_head")
 
 
 def _check_numbers(hf: dict, where: str) -> None:
-    """Sizes are ints (n_inner an int or null), layer_norm_epsilon a number, when present."""
+    """Sizes are ints >= 1 (n_inner one or null), layer_norm_epsilon a number, when present."""
     for key in (*_SIZES, "n_inner"):
         value = hf.get(key)
-        ok = key not in hf or is_int(value) or (key == "n_inner" and value is None)
-        kind = "an int or null" if key == "n_inner" else "an int"
+        ok = key not in hf or (is_int(value) and value >= 1) or (key == "n_inner" and value is None)
+        kind = "an int >= 1 or null" if key == "n_inner" else "an int >= 1"
         require(ok, f"{where} {key}", value, kind, _FIX_CKPT)
     eps = hf.get("layer_norm_epsilon", 1e-5)
     require(is_real(eps), f"{where} layer_norm_epsilon", eps, "a number (GPT-2: 1e-05)", _FIX_CKPT)
@@ -97,25 +101,27 @@ def config_from_hf(hf: dict, dtype: str = "float32", where: str = "config.json")
     }
     missing = [k for k in _SIZES if k not in hf]
     if missing:
-        raise ConfigError.describe(f"{where} keys", missing, "present", _FIX_CKPT)
+        # config.json without model_type is read as GPT-2's (the hub's original gpt2 has none)
+        implied = "" if "model_type" in hf else " (no model_type: read as gpt2's config)"
+        raise ConfigError.describe(f"{where} keys", missing, f"present{implied}", _FIX_CKPT)
     _check_numbers(hf, where)
     for key, (value, allowed) in unsupported.items():
         expected = f"one of {allowed} (what lmjax's gpt2 expresses)"
         fix = "convert the model to a plain GPT-2 first"
         require(value in allowed, f"{where} {key}", value, expected, fix)
     d = hf["n_embd"]
-    return preset(
-        "gpt2",
+    fields = dict(
         vocab_size=hf["vocab_size"],
         context_length=hf["n_positions"],
         d_model=d,
         n_heads=hf["n_head"],
         n_layers=hf["n_layer"],
-        d_ff=hf.get("n_inner") or 4 * d,
+        d_ff=4 * d if hf.get("n_inner") is None else hf["n_inner"],
         activation=_ACTIVATIONS[hf.get("activation_function", "gelu_new")],
         eps=float(hf.get("layer_norm_epsilon", 1e-5)),
         param_dtype=dtype,
     )
+    return hf_files.model_config("gpt2", fields, KEYS, where)
 
 
 def config_to_hf(cfg: ModelConfig) -> dict:
@@ -287,7 +293,8 @@ def _check_shapes(shapes: dict[str, tuple], cfg: ModelConfig, where: Path) -> No
         where,
         {k: (None, shape) for k, shape in shapes.items()},
         want,
-        "the GPT-2 state dict of config.json",
+        f"the GPT-2 state dict of config.json (vocab_size {cfg.vocab_size}, n_positions "
+        f"{cfg.context_length}, n_embd {cfg.d_model}, n_inner {cfg.d_ff})",
         _FIX_CKPT,
         unexpected="not a GPT-2 key:",
     )

@@ -94,10 +94,23 @@ def _check_shapes(shapes: dict, cfg: ModelConfig, layout: Layout, where: Path) -
         where,
         {k: (None, shape) for k, shape in shapes.items()},
         want,
-        f"the {layout.family} state dict of config.json",
+        f"the {layout.family} state dict of config.json ({_claims(cfg, layout)})",
         hf_files.FIX_CHECKPOINT,
         unexpected=f"not a {layout.family} key:",
     )
+
+
+def _claims(cfg: ModelConfig, layout: Layout) -> str:
+    """What config.json says of the tensors (defaults applied), to name the key behind a shape."""
+    claims = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model)
+    claims |= dict(intermediate_size=cfg.d_ff, num_attention_heads=cfg.n_heads)
+    claims |= dict(num_key_value_heads=cfg.kv_heads, head_dim=cfg.d_head)
+    if layout.family in ("llama", "qwen3"):
+        claims["attention_bias"] = layout.o_bias
+    if layout.family == "llama":
+        claims["mlp_bias"] = layout.mlp_bias
+    claims["tie_word_embeddings"] = layout.tied
+    return ", ".join(f"{k} {json.dumps(v)}" for k, v in claims.items())
 
 
 def _to_lmjax(state: dict, cfg: ModelConfig, layout: Layout) -> dict[str, np.ndarray]:

@@ -23,7 +23,8 @@ from typing import Any
 
 from lmjax.checks import is_finite_real, is_int
 from lmjax.errors import ConfigError, FileFormatError
-from lmjax.models import ModelConfig, preset
+from lmjax.io.hf_files import model_config
+from lmjax.models import ModelConfig
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 ARCHITECTURES = {
@@ -43,6 +44,14 @@ _MUST_BE = {
     "final_logit_softcapping": None,
     "quantization_config": None,
 }
+# lmjax's field -> config.json's key, for the errors of ModelConfig's own checks.
+KEYS = dict(vocab_size="vocab_size", context_length="max_position_embeddings")
+KEYS |= dict(d_model="hidden_size", n_heads="num_attention_heads", d_ff="intermediate_size")
+KEYS |= dict(n_kv_heads="num_key_value_heads", head_dim="head_dim", d_head="head_dim")
+KEYS |= dict(n_layers="num_hidden_layers", eps="rms_norm_eps", sliding_window="sliding_window")
+KEYS |= dict(rope_theta="rope_theta", rope_factor="factor", rope_low_freq_factor="low_freq_factor")
+KEYS |= dict(rope_high_freq_factor="high_freq_factor")
+KEYS |= dict(rope_original_context="original_max_position_embeddings")
 _ROPE_KEYS = {
     "none": {"rope_type", "type", "rope_theta"},
     "linear": {"rope_type", "type", "rope_theta", "factor"},
@@ -99,7 +108,7 @@ def _rope(hf: dict, where: str) -> dict[str, Any]:
         raise _bad(where, key, params, "a JSON object {rope_type, rope_theta, ...}")
     kind = params.get("rope_type", params.get("type", "default"))
     kind = "none" if kind in ("default", None) else kind
-    if kind not in _ROPE_KEYS:
+    if not isinstance(kind, str) or kind not in _ROPE_KEYS:
         raise _bad(where, f"{key}.rope_type", kind, "one of 'default', 'linear', 'llama3'")
     extra = sorted(set(params) - _ROPE_KEYS[kind])
     if extra:
@@ -124,22 +133,27 @@ def _window(hf: dict, family: str, n_layers: int, where: str) -> int | None:
         window = hf.get("sliding_window", 4096)  # MistralConfig's default
         return None if window is None else _int(hf, "sliding_window", where, 4096)
     use = _flag(hf, "use_sliding_window", where)
-    window = _int(hf, "sliding_window", where, 4096) if use else None
-    types = hf.get("layer_types")
-    if types is None:  # what Qwen2Config / Qwen3Config derive
+    window = _int(hf, "sliding_window", f"{where} (use_sliding_window true)", 4096) if use else None
+    types, kinds = hf.get("layer_types"), ("full_attention", "sliding_attention")
+    if types is None:  # what Qwen2Config / Qwen3Config derive: layers >= max_window_layers slide
         first = hf.get("max_window_layers", 28)
         if not is_int(first) or first < 0:
             raise _bad(where, "max_window_layers", first, "an int >= 0")
-        types = ["sliding_attention" if i >= first else "full_attention" for i in range(n_layers)]
-    kinds = ("full_attention", "sliding_attention")
-    if not isinstance(types, list) or len(types) != n_layers or any(t not in kinds for t in types):
-        raise _bad(where, "layer_types", types, f"{n_layers} of {kinds}")
-    windows = {window if t == "sliding_attention" else None for t in types}
+        sliding = max(0, n_layers - first)
+        windows = ({None} if first > 0 else set()) | ({window} if sliding else set())
+    elif (
+        not isinstance(types, list) or len(types) != n_layers or any(t not in kinds for t in types)
+    ):
+        expected = f"{n_layers} (num_hidden_layers) of {kinds}"
+        raise _bad(where, "layer_types", types, expected)
+    else:
+        windows = {window if t == "sliding_attention" else None for t in types}
+        sliding = types.count("sliding_attention")
     if len(windows) > 1:
         raise _bad(
             where,
             "layer_types / max_window_layers",
-            f"{types.count('sliding_attention')} of {n_layers} layers with a sliding window",
+            f"{sliding} of {n_layers} layers with a sliding window",
             "the same attention on every layer (lmjax has one sliding_window per model)",
         )
     return windows.pop()
@@ -173,7 +187,7 @@ def config_from_hf(hf: dict, dtype: str, where: str) -> tuple[ModelConfig, Layou
     _check_known(hf, family, where)
     layout = _layout(hf, family, where)
     d, h = _int(hf, "hidden_size", where), _int(hf, "num_attention_heads", where)
-    kv = _int(hf, "num_key_value_heads", where, h) if hf.get("num_key_value_heads") else h
+    kv = h if hf.get("num_key_value_heads") is None else _int(hf, "num_key_value_heads", where)
     head_dim = _int(hf, "head_dim", where) if hf.get("head_dim") is not None else None
     bias = layout.o_bias or layout.mlp_bias
     fields = dict(
@@ -194,7 +208,7 @@ def config_from_hf(hf: dict, dtype: str, where: str) -> tuple[ModelConfig, Layou
         **_rope(hf, where),
     )
     fields["sliding_window"] = _window(hf, family, fields["n_layers"], where)
-    return preset("llama", **fields), layout
+    return model_config("llama", fields, KEYS, where), layout
 
 
 def _rope_to_hf(cfg: ModelConfig) -> dict[str, Any]:

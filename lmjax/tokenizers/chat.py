@@ -24,7 +24,6 @@ import json
 from datetime import datetime
 from itertools import accumulate
 from pathlib import Path
-from typing import Any
 
 import jinja2
 import jinja2.ext
@@ -36,11 +35,28 @@ from lmjax.errors import FileFormatError, TokenError
 _FIX_MESSAGES = "pass a list of {'role': ..., 'content': ...} dicts the template accepts"
 
 
-def token_text(value: Any) -> str | None:
-    """A special token as tokenizer_config.json writes it: a str, or {"content": str, ...}."""
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) else None
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
+SPECIAL_TOKENS += ("sep_token", "cls_token", "mask_token")
+
+
+def special_tokens(config: dict, where: Path) -> dict[str, str]:
+    """The special-token strings of a tokenizer_config.json (`where`), by name: each a str or
+    {"content": str, ...}; absent or null: not set. Anything else is one error line naming the
+    key (it was read as "not set", so a chat never stopped at an `eos_token` of 2)."""
+    found = {}
+    for name in SPECIAL_TOKENS:
+        value = config.get(name)
+        text = value.get("content") if isinstance(value, dict) else value
+        if value is not None and not isinstance(text, str):
+            raise FileFormatError.describe(
+                f"{where}: {name}",
+                value,
+                'a token string, {"content": string, ...} or null',
+                "fix the tokenizer_config.json",
+            )
+        if text is not None:
+            found[name] = text
+    return found
 
 
 def config_template(config: dict, where: Path) -> str | None:

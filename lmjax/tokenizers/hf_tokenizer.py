@@ -96,8 +96,9 @@ class HFTokenizer:
         self._engine = _engine(data, where)
         spec = self.spec
         self.special_tokens = {t.content: t.id for t in spec.added if t.special}
-        self.bos_token = chat.token_text(self._config.get("bos_token"))
-        self.eos_token = chat.token_text(self._config.get("eos_token"))
+        self._specials = chat.special_tokens(self._config, where.parent / CONFIG_FILE)
+        self.bos_token = self._specials.get("bos_token")
+        self.eos_token = self._specials.get("eos_token")
         self.chat_template = (
             template if template is not None else config_template(self._config, where)
         )
@@ -171,17 +172,7 @@ class HFTokenizer:
 
     def template_variables(self) -> dict:
         """The special-token strings a chat template sees (bos_token, eos_token, ...)."""
-        names = (
-            "bos_token",
-            "eos_token",
-            "unk_token",
-            "pad_token",
-            "sep_token",
-            "cls_token",
-            "mask_token",
-        )
-        found = {n: chat.token_text(self._config.get(n)) for n in names}
-        return {n: v for n, v in found.items() if v is not None}
+        return dict(self._specials)
 
     def apply_chat_template(
         self, messages, *, add_generation_prompt: bool = False, **variables
