@@ -10,6 +10,11 @@ umask lets read it (another user, a container, a serving process).
 
 `atomic_dir` does the same for a whole directory, and is safe when several processes build the
 same directory at once: the first rename wins and the others check and accept its result.
+
+Both survive a power cut: the new file (every file and directory of the new tree) is fsynced
+before the rename, and the parent directory after it, so once they return the new content is on
+disk under its name (`fsync_tree`, `fsync_dir`); a cut before that leaves the old content or
+none, and at worst a hidden temporary (`.NAME.<16 hex>.tmp`, `remove_stale`).
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ def atomic_open(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
+        fsync_dir(path.parent)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
@@ -78,11 +84,12 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
 
 
 def copy_tree(source: str | os.PathLike, target: str | os.PathLike) -> None:
-    """Copy the directory `source` to the new `target`: the bytes, not the modes (shutil.copytree
-    copies those), so what is written follows the umask as any other write, whoever wrote the
-    source (a cache an older lmjax made owner-only, another user's files)."""
+    """Copy the directory `source` to `target` (new, or empty: an `atomic_dir`): the bytes, not
+    the modes (shutil.copytree copies those), so what is written follows the umask as any other
+    write, whoever wrote the source (a cache an older lmjax made owner-only, another user's
+    files)."""
     source, target = Path(source), Path(target)
-    target.mkdir(parents=True)
+    target.mkdir(parents=True, exist_ok=True)
     for path in source.iterdir():
         if path.is_dir():
             copy_tree(path, target / path.name)
@@ -120,11 +127,59 @@ def atomic_dir(
     tmp = _new_dir(path)
     try:
         yield tmp
+        fsync_tree(tmp)
         published = _rename_if_absent(tmp, path)
+        fsync_dir(path.parent)
     finally:  # after a successful rename `tmp` is gone and this removes nothing
         shutil.rmtree(tmp, ignore_errors=True)
     if not published:
         _accept_twin(path, twin)
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """fsync the directory `path`: the names created, renamed or removed in it are on disk."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(path: str | os.PathLike) -> None:
+    """fsync every file and directory under `path` (deepest first), `path` itself and its
+    parent: the whole tree, its names included, is on disk when this returns."""
+    path = Path(path)
+    for root, _, files in os.walk(path, topdown=False):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(root)
+    fsync_dir(path.parent)
+
+
+def temporary_of(name: str) -> str | None:
+    """NAME when `name` is a temporary of ours for it (`.NAME.<16 hex>.tmp`), else None."""
+    parts = name.rsplit(".", 2)
+    ours = len(parts) == 3 and parts[0][:1] == "." and parts[2] == "tmp" and len(parts[1]) == 16
+    return parts[0][1:] if ours else None
+
+
+def remove_stale(directory: str | os.PathLike, names: tuple[str, ...]) -> list[str]:
+    """Remove the temporaries `atomic_open` and `atomic_dir` left for `names` in `directory`
+    when their process was killed; their names. Only for a directory one process writes (a
+    run's own files): elsewhere another writer's temporary may be in use."""
+    removed = []
+    for path in sorted(Path(directory).iterdir()):
+        if temporary_of(path.name) in names:
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+            removed.append(path.name)
+    return removed
 
 
 def _rename_if_absent(tmp: Path, path: Path) -> bool:

@@ -307,6 +307,12 @@ class MetricsLog:
         for log in self.also:
             log.append(record)
 
+    def sync(self) -> None:
+        """fsync the file: every record appended so far survives a power cut."""
+        if self.path.exists():
+            with open(self.path, "rb") as handle:
+                os.fsync(handle.fileno())
+
     def close(self) -> None:
         for log in self.also:
             log.close()

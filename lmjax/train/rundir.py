@@ -27,7 +27,7 @@ from lmjax import tokenizers
 from lmjax.config import RunConfig
 from lmjax.data.prepared import TOKENIZER_DIR
 from lmjax.errors import ConfigError, FileFormatError
-from lmjax.files import atomic_write_text, copy_tree
+from lmjax.files import atomic_dir, atomic_write_text, copy_tree, remove_stale, temporary_of
 from lmjax.train.checkpoint import Checkpoints
 
 CONFIG_FILE = "config.yaml"
@@ -42,6 +42,10 @@ MERGED_DIR = "merged"
 TENSORBOARD_DIR = "tensorboard"
 # What the trainer makes before the run's config.yaml (`RunDir.never_started`).
 STARTING = (CHECKPOINTS_DIR, METRICS_FILE, TENSORBOARD_DIR)
+# The files and directories of a run written atomically (`lmjax.files`): a kill mid-write
+# leaves a hidden temporary of one of these, which the next run in the directory removes.
+ATOMIC = (CONFIG_FILE, METRICS_FILE, SAMPLES_FILE, PLOT_FILE, FINETUNE_FILE, TOKENIZER_DIR,
+          ADAPTERS_FILE, f".{MERGED_DIR}.new")  # fmt: skip
 
 TRAINED, FINETUNED, WEIGHTS = "trained", "finetuned", "weights"
 
@@ -154,11 +158,12 @@ class RunDir:
 
     def never_started(self) -> bool:
         """Whether the directory holds only what a run makes before it writes config.yaml (an
-        empty metrics.jsonl, checkpoints/ without a step, tensorboard/): a run killed while it
-        started, which left nothing to continue and nothing to keep."""
+        empty metrics.jsonl, checkpoints/ without a step, tensorboard/, and the temporary of a
+        file being written): a run killed while it started, which left nothing to continue and
+        nothing to keep."""
         if not self.path.is_dir() or self.config_file.exists():
             return False
-        entries = {entry.name for entry in self.path.iterdir()}
+        entries = {e.name for e in self.path.iterdir() if temporary_of(e.name) not in ATOMIC}
         steps = self.checkpoints_dir.is_dir() and any(
             entry.name.isdecimal() for entry in self.checkpoints_dir.iterdir()
         )
@@ -201,9 +206,15 @@ class RunDir:
         atomic_write_text(self.config_file, yaml.safe_dump(cfg.to_dict(), sort_keys=False))
 
     def copy_tokenizer(self, source: Path) -> None:
-        """Copy `source` (a saved tokenizer) in as tokenizer/, unless the run has one."""
+        """Copy `source` (a saved tokenizer) in as tokenizer/, unless the run has one; whole or
+        not at all (a kill mid-copy left a half tokenizer/ that a resume then kept)."""
         if not self.tokenizer_dir.exists():  # the bytes; the modes are the umask's
-            copy_tree(source, self.tokenizer_dir)
+            with atomic_dir(self.tokenizer_dir) as tmp:
+                copy_tree(source, tmp)
+
+    def remove_stale(self) -> list[str]:
+        """Remove the temporaries a killed writer left beside the run's files; their names."""
+        return remove_stale(self.path, ATOMIC)
 
 
 def run_label(path, step: int | None) -> str:

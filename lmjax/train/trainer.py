@@ -191,7 +191,12 @@ class Trainer:
             self._note(
                 f"lmjax: removed the half-written checkpoint {name} (a save that never finished)"
             )
+        if parallel.is_main():  # a file write killed midway: the file itself is whole
+            self.plan.run.remove_stale()
         start = int(self.state.step)
+        lost = None  # killed between its checkpoint and its evaluation: evaluate it now
+        if self._evaluation_lost(start):
+            lost = self._evaluate(start)
         bar = progress_bar(start, t.steps, self.plan.cfg.logging.progress, self.out)
         p, tokens = self.pieces, self.plan.tokens_per_step
         latest = self.ckpt.latest_step
@@ -207,7 +212,7 @@ class Trainer:
             raise
         bar.close()
         if start >= t.steps and val_loss is None:
-            val_loss = self.pieces.evaluate(self.state.params)
+            val_loss, sample = lost or (self.pieces.evaluate(self.state.params), None)
         params = self.state.params
         return RunResult(self.plan.run.path, int(self.state.step), val_loss, sample, params)
 
@@ -227,12 +232,22 @@ class Trainer:
                 if done % cfg.logging.every == 0 or done == t.steps or _due(done, cfg):
                     window.flush(int(self.state.step))
                 if done % cfg.checkpoint.every == 0 or done == t.steps:
+                    self.log.sync()  # the losses up to the step are on disk before it is
                     self.ckpt.save(self.state, self._meta(done))
                     window.restart()
                 if done % t.eval_every == 0 or done == t.steps:
                     val_loss, sample = self._evaluate(done)
                     window.restart()
         return val_loss, sample
+
+    def _evaluation_lost(self, step: int) -> bool:
+        """Whether `step`, resumed from, is an evaluation step whose evaluation was never
+        logged (the process was killed after the checkpoint, before the evaluation): it is
+        run again, as the uninterrupted run ran it. Every process reads the one shared file."""
+        t = self.plan.cfg.train
+        due = step > 0 and (step % t.eval_every == 0 or step == t.steps)
+        logged = (r for r in self.log.read() if r.get("step") == step and "val_loss" in r)
+        return self.plan.resume and due and next(logged, None) is None
 
     def _batch(self, step: int) -> dict:
         t, seq_len = self.plan.cfg.train, self.plan.cfg.seq_len

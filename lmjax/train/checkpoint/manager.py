@@ -13,6 +13,8 @@ import orbax.checkpoint as ocp
 
 from lmjax.checks import require
 from lmjax.errors import CheckpointError
+from lmjax.files import fsync_dir, fsync_tree
+from lmjax.parallel import multihost
 from lmjax.train.checkpoint import layers
 from lmjax.train.checkpoint.integrity import (
     DamagedCheckpointError,
@@ -31,18 +33,21 @@ logging.getLogger("absl").setLevel(logging.WARNING)
 
 # The suffix orbax gives a step directory while it is being written (renamed away when done).
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
+# The suffix a step beyond `keep` is renamed to before it is removed (never listed again).
+DROPPED_SUFFIX = ".dropped"
 
 
 class Checkpoints:
     """The checkpoints under one directory (usually `RUN/checkpoints`)."""
 
     def __init__(self, directory: str | os.PathLike, keep: int = 3, create: bool = True):
-        self.directory = Path(directory).absolute()
+        self.directory, self.keep = Path(directory).absolute(), keep
         ok, where = create or self.directory.is_dir(), str(self.directory)
         fix = "check the run path"
         require(ok, "checkpoint directory", where, "an existing directory", fix, CheckpointError)
+        # lmjax drops the steps beyond `keep` itself, once the new step is on disk (`save`).
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, enable_async_checkpointing=False, create=create
+            max_to_keep=None, enable_async_checkpointing=False, create=create
         )
         # Handlers named per item, so a manager that has not saved yet can read metadata too.
         registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
@@ -60,8 +65,12 @@ class Checkpoints:
 
     def remove_temporary(self, step: int | None = None) -> list[str]:
         """Remove the temporary directories of unfinished saves (of `step`, or all); their
-        names. A writer calls it before its first save: a killed save leaves one behind."""
+        names. A writer calls it before its first save: a killed save leaves one behind. The
+        rest of a dropped step whose removal was killed goes too, unnamed (it was dropped)."""
         prefix = "" if step is None else str(step)
+        if step is None:
+            for path in self.directory.glob(f"*{DROPPED_SUFFIX}"):
+                shutil.rmtree(path, ignore_errors=True)
         removed = []
         for path in sorted(self.directory.glob(f"{prefix}*{TMP_SUFFIX}*")):
             if step is None or path.name.split(".")[0] == str(step):
@@ -97,6 +106,8 @@ class Checkpoints:
             with quiet():
                 self._manager.save(step, args=args, force=True)
                 self._manager.wait_until_finished()
+            if jax.process_index() == 0:
+                fsync_tree(self.directory / str(step))  # on disk before an older step goes
         except BaseException as err:
             self._remove_failed_save(step)
             if not isinstance(err, Exception):  # Ctrl-C: the caller reports it
@@ -110,7 +121,33 @@ class Checkpoints:
                 "free disk space or fix the directory's permissions, then continue with "
                 f"--resume (from step {self.latest_step()}; nothing half-written was left)",
             ) from None
+        self._drop_beyond_keep()
         return step
+
+    def _drop_beyond_keep(self) -> None:
+        """Remove the oldest steps beyond `keep`: process 0 renames each `<step>.dropped` first
+        (one atomic step off the list; a kill during the removal leaves only that name, which
+        `remove_temporary` removes), makes the renames durable, and removes them once every
+        process has listed the steps again (none reads a directory while it is renamed)."""
+        old = sorted(self.steps())[: -self.keep]
+        if not old:
+            return
+        dropped = [self.directory / f"{step}{DROPPED_SUFFIX}" for step in old]
+        if jax.process_index() == 0:
+            for step, path in zip(old, dropped, strict=True):
+                shutil.rmtree(path, ignore_errors=True)  # one a kill left (rare)
+                os.rename(self.directory / str(step), path)
+            fsync_dir(self.directory)
+        self._reload_after("lmjax_checkpoint_drop")
+        if jax.process_index() == 0:
+            for path in dropped:
+                shutil.rmtree(path, ignore_errors=True)
+
+    def _reload_after(self, name: str) -> None:
+        """List the steps again once every process is here (after process 0 renamed some)."""
+        multihost.barrier(name)
+        with quiet():
+            self._manager.reload()
 
     def read_meta(self, step: int | None = None) -> dict[str, Any]:
         step = self._require_step(step)
@@ -211,8 +248,7 @@ class Checkpoints:
             target = self.directory / f"{step}.corrupt{n}"
         if jax.process_index() == 0:
             os.rename(source, target)
-        with quiet():
-            self._manager.reload()
+        self._reload_after("lmjax_checkpoint_set_aside")
         return target.name
 
     def _stored_leaves(self, step: int) -> dict[str, tuple]:
