@@ -15,8 +15,9 @@ The runs (one corpus prepared once; each a fresh `lmjax train` subprocess):
     ft-1x4  `lmjax finetune` (QLoRA, all linear layers) of 1x4's model, data=2,fsdp=2
     ft-2x2  the same over two processes x 2 devices: the NF4 base sharded across them
 
-Every process runs WORKER: `lmjax train` with the batch rows it read (`train_batch`'s `rows`)
-and every file it wrote (a `sys.addaudithook` on open/rename/mkdir) recorded.
+Every process runs WORKER (benchmarks/_multiprocess.py, shared with the fault benchmark):
+`lmjax train` with the batch rows it read (`train_batch`'s `rows`) and every file it wrote (a
+`sys.addaudithook` on open/rename/mkdir) recorded.
 
 Tolerance (rtol 1e-6 on losses and gradient norms, atol 1e-6 on parameters, float32): the
 processes run the same partitioned program, but a reduction over devices in two processes runs
@@ -38,18 +39,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
-import socket
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
-from _xla_flags import host_devices
+from _benchmarks import load_benchmark
 
 from lmjax import cli, testing
 from lmjax.data import prepared as D
@@ -58,150 +54,18 @@ from lmjax.parallel import multihost
 from lmjax.train.checkpoint import CheckpointError, Checkpoints
 from lmjax.train.runs import load_run
 
-ROOT = Path(__file__).resolve().parent.parent
+P = load_benchmark("_multiprocess")  # the processes' launcher, shared with the benchmark
+CONFIG, Run, resumed_copy, RUN_LIMIT_S = P.CONFIG, P.Run, P.resumed_copy, P.RUN_LIMIT_S
 STEPS, BATCH, HEARTBEAT_S, STEP_S = 4, 8, 6, 8
-RUN_LIMIT_S = 240  # one launch, compile included, on a loaded 2-core machine
 # For the runs whose samples and plot no test reads: no sampler to compile, no matplotlib (the
 # 2x2 run and the two-process fine-tune keep both, for the tests of what process 0 writes).
 QUIET = ["logging.sample_tokens=0", "logging.plot=false"]
-
-CONFIG = """
-model: {{preset: llama, vocab_size: null, context_length: 16, n_layers: 1}}
-data: {{corpus: {corpus}, tokenizer: char, dir: {data}}}
-schedule: {{warmup_steps: 1}}
-train: {{steps: {steps}, batch_size: {batch}, seq_len: 8, eval_every: {steps}, eval_batches: 1}}
-checkpoint: {{every: 1, keep: 100}}
-logging: {{every: 1, progress: false, sample_tokens: 2, sample_prompt: T, peak_flops: 1.0e+12}}
-parallel: {{mesh: "data=2,fsdp=2"}}
-"""
-
-# One process of a run: `lmjax train ARGS`, recording (in RECORD, as JSON) the batch rows each
-# train_batch call read and every path under RUN it opened for writing, renamed or made.
-WORKER = r"""
-import json, os, sys
-run, record_path, args = os.path.realpath(sys.argv[1]), sys.argv[2], sys.argv[3:]
-record = {"rows": [], "writes": []}
-WRITE = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
-
-def mine(path):
-    if isinstance(path, (str, os.PathLike)):
-        path = os.path.realpath(os.fspath(path))
-        if path.startswith(run + os.sep):
-            record["writes"].append(os.path.relpath(path, run))
-
-def audit(event, details):
-    if event == "open" and isinstance(details[2], int) and details[2] & WRITE:
-        mine(details[0])
-    elif event in ("os.rename", "os.replace"):
-        mine(details[1])
-    elif event == "os.mkdir":
-        mine(details[0])
-
-sys.addaudithook(audit)
-from lmjax import cli
-from lmjax.errors import ConfigError
-from lmjax.data import prepared as data
-
-real = data.train_batch
-hang = os.environ.get("HANG_AT")  # "RANK:STEP": that process hangs reading that step's batch
-def train_batch(tokens, seed, step, *rest):
-    if hang == f"{os.environ.get('LMJAX_PROCESS_ID')}:{int(step)}":
-        import time
-        while True:  # alive, its heartbeats going, never reaching the step's collective
-            time.sleep(1)
-    rows = rest[3] if len(rest) > 3 else None
-    record["rows"].append([int(step), None if rows is None else [int(r) for r in rows]])
-    return real(tokens, seed, step, *rest)
-
-data.train_batch = train_batch
-code = cli.main(args)
-with open(record_path, "w") as f:
-    json.dump(record, f)
-sys.exit(code)
-"""
-
-PROCESSES: list[subprocess.Popen] = []  # every process started here: all killed at the end
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _kill_every_process():
     yield
-    for proc in PROCESSES:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Run:
-    """One `lmjax train` (or `verb`: finetune) over `processes` processes of `devices` CPU
-    devices each."""
-
-    def __init__(
-        self, root: Path, name: str, processes: int, devices: int, args, env=None, verb="train"
-    ):
-        self.dir, self.logs = root / name, root / f"{name}.logs"
-        self.logs.mkdir(parents=True, exist_ok=True)
-        port = free_port()
-        self.procs = []
-        for i in range(processes):
-            ranks = {} if processes == 1 else {
-                "LMJAX_COORDINATOR": f"127.0.0.1:{port}",
-                "JAX_COORDINATOR_BIND_ADDRESS": f"127.0.0.1:{port}",  # loopback only
-                "LMJAX_NUM_PROCESSES": str(processes),
-                "LMJAX_PROCESS_ID": str(i),
-            }  # fmt: skip
-            full_env = {
-                **os.environ, "JAX_PLATFORMS": "cpu", **ranks, **(env or {}),
-                "XLA_FLAGS": host_devices(devices),
-            }  # fmt: skip
-            with open(self.logs / f"{i}.err", "w") as err:
-                command = [sys.executable, "-c", WORKER, str(self.dir), str(self.record_path(i))]
-                proc = subprocess.Popen(
-                    [*command, verb, *args, f"run.dir={self.dir}"],
-                    cwd=ROOT, env=full_env, stdout=subprocess.DEVNULL, stderr=err,
-                )  # fmt: skip
-            PROCESSES.append(proc)
-            self.procs.append(proc)
-
-    def record_path(self, i: int) -> Path:
-        return self.logs / f"{i}.json"
-
-    def stderr(self, i: int) -> str:
-        return (self.logs / f"{i}.err").read_text()
-
-    def wait(self, limit_s: float = RUN_LIMIT_S) -> list[int]:
-        deadline = time.monotonic() + limit_s
-        codes = []
-        for proc in self.procs:
-            try:
-                codes.append(proc.wait(timeout=max(deadline - time.monotonic(), 0.1)))
-            except subprocess.TimeoutExpired:
-                for p in self.procs:
-                    p.kill()
-                pytest.fail(f"{self.dir.name}: still running after {limit_s} s")
-        return codes
-
-    def finish(self) -> Run:
-        codes = self.wait()
-        errors = [self.stderr(i)[-3000:] for i, c in enumerate(codes) if c != 0]
-        assert codes == [0] * len(codes), errors
-        return self
-
-    def record(self, i: int) -> dict:
-        return json.loads(self.record_path(i).read_text())
-
-    def metrics(self) -> dict[int, dict]:
-        lines = (self.dir / "metrics.jsonl").read_text().splitlines()
-        return {r["step"]: r for r in map(json.loads, lines) if "loss" in r}
-
-    def params(self, step: int):
-        return load_run(self.dir, step).params
+    P.kill_all()
 
 
 @pytest.fixture(scope="module")
@@ -223,15 +87,6 @@ def straight(corpus):
     baseline = [config, *QUIET, "checkpoint.every=4"]  # compared at step 4, resumed by nothing
     runs = {"1x4": Run(corpus, "1x4", 1, 4, baseline), "2x2": Run(corpus, "2x2", 2, 2, [config])}
     return {name: run.finish() for name, run in runs.items()}
-
-
-def resumed_copy(source: Path, target: Path, step: int) -> Path:
-    """A copy of a run directory whose checkpoints after `step` are gone (as if it stopped)."""
-    shutil.copytree(source, target)
-    for later in (target / "checkpoints").iterdir():
-        if later.name.isdigit() and int(later.name) > step:
-            shutil.rmtree(later)
-    return target
 
 
 @pytest.fixture(scope="module")
@@ -338,9 +193,9 @@ def test_resume_in_two_new_processes_continues_exactly(straight, killed):
 @pytest.fixture(scope="module")
 def hung(corpus, straight):
     """2x2's checkpoint 2 resumed by two new processes; process 1 hangs reading the batch of
-    step 4 (0-based: after checkpoint 4), alive and heart-beating. Both must stop by themselves
-    within the step bound (evaluation moved out of the way: its first compile would count into
-    the bound, docs/scale.md)."""
+    step 5 (`train_batch`'s 0-based step 4, after checkpoint 4), alive and heart-beating. Both
+    must stop by themselves within the step bound (evaluation moved out of the way: its first
+    compile would count into the bound, docs/scale.md)."""
     target = resumed_copy(straight["2x2"].dir, corpus / "hung", 2)
     args = [str(corpus / "c.yaml"), "--resume", "train.steps=100000", "train.eval_every=1000",
             *QUIET]  # fmt: skip
@@ -359,15 +214,16 @@ def hung(corpus, straight):
 
 def test_a_hung_process_stops_every_process_naming_it_and_its_step(straight, hung):
     """Both processes exit EXIT_LOST with one line: process 1 (its own step clock) names
-    itself and step 3, the last it started; process 0 names process 1 and that step, whichever
+    itself and step 4, the last it started (steps numbered as logged); process 0 names process 1
+    and that step, whichever
     way it noticed first (process 1's exit breaking the collective, its heartbeats stopping, or
     its own step clock). The checkpoints before the hang are the uninterrupted run's, bit for
     bit, and the newest loads."""
     run, codes, waited_s = hung
     assert codes == [multihost.EXIT_LOST] * 2, [run.stderr(i)[-2000:] for i in range(2)]
     assert waited_s < STEP_S + HEARTBEAT_S + 30, waited_s
-    for i, named in ((1, ("this process (1 of 2) = last started step 3",)),
-                     (0, ("process 1 of 2", "started step 3"))):  # fmt: skip
+    for i, named in ((1, ("this process (1 of 2) = last started step 4",)),
+                     (0, ("process 1 of 2", "started step 4"))):  # fmt: skip
         err = run.stderr(i)
         lines = [line for line in err.splitlines() if "lmjax" in line and "error" in line]
         assert len(lines) == 1 and lines[0] == err.strip().splitlines()[-1], err[-3000:]
@@ -422,7 +278,8 @@ def test_the_watchdog_names_who_stopped_starting_steps():
         "this process (0 of 3) = last started step 3, while the others are in step 4"
     ), dog.verdict(t0 + 46)
     dog.at_step(4, t0 + 47)
-    assert dog.verdict(t0 + 51.9) is None and dog.steps_note() == ""
+    assert dog.verdict(t0 + 51.9) is None
+    assert dog.steps_note([2]) == "; process 2 of 3 last started step 4, this one step 4"
     assert dog.verdict(t0 + 52.1).startswith("every process (3) = in step 4")
     off = multihost.Watchdog(FakeClient(), rank=0, count=2, timeout_s=50, step_timeout_s=None)
     off.at_step(1, t0), off.at_step(2, t0)

@@ -25,14 +25,15 @@ at once, and any other error of the train loop (not lmjax's own) first waits for
 verdict (`exit_if_peer_lost`). jax's own heartbeat timeout is 2 S (its default 100 s when S is
 unset), so lmjax's line comes first: jax's would abort the process with a C++ stack trace. The
 exit skips jax's shutdown barrier, which with a dead peer waits and logs the failure again.
-When process 0 itself dies (it hosts the coordination service), jax's agent on the others
-aborts them at once (status 134, its own log): jaxlib 0.10.2 has no hook before that abort
-(its `missed_heartbeat_callback` cannot be given from Python: calling it throws bad_cast).
+When process 0 itself dies (it hosts the coordination service), a survivor waiting in a
+collective meets gloo's closed connection and stops with lmjax's line, unless jax's agent
+aborts it first (status 134, its own log): jaxlib 0.10.2 has no hook before that abort (its
+`missed_heartbeat_callback` cannot be given from Python: calling it throws bad_cast).
 A hung process (alive, its heartbeats going, but never reaching the next collective: a stuck
 data read, a deadlock): `LMJAX_STEP_TIMEOUT=T` (seconds, default 600; 0 turns it off). Each
 process also publishes the last step it started (`at_step`, called as a step is dispatched);
 one that started no step for T s stops with one line naming the processes behind it (`process
-1 of 2 = last started step 2, 7 s ago, while process 0 waits in step 3`) or itself, status
+1 of 2 = last started step 2, while process 0 waits in step 3`) or itself, status
 `EXIT_LOST`. The clock starts at a process's second step, so the first (which compiles) has no
 bound; what runs between two steps (an evaluation, a checkpoint save) counts into T.
 Tested with real processes in tests/test_multiprocess.py.
@@ -110,7 +111,8 @@ def step_seconds(env: dict[str, str] | None = None) -> int | None:
 
 
 def at_step(step: int) -> None:
-    """Tell the `Watchdog` (if any) that this process starts `step` now."""
+    """Tell the `Watchdog` (if any) that this process starts `step` now (numbered as
+    metrics.jsonl and the checkpoints number it: the step that ends at checkpoint `step`)."""
     if WATCHING:
         WATCHING[-1].at_step(step, time.monotonic())
 
@@ -349,14 +351,19 @@ class Watchdog:
         self.stepped_at = None if self.step is None else now
         self.step = step
 
-    def steps_note(self) -> str:
-        """`, process 1 of 2 last started step 3, this one step 4`: which process fell behind,
-        by the steps the heartbeats carried ("" before this process's first step)."""
+    def steps_note(self, ranks=None) -> str:
+        """`; process 1 of 2 last started step 3, this one step 4`: where `ranks` (default: the
+        peers behind this process, else every peer) stood, by the steps their heartbeats
+        carried ("" before this process's first step, or when none was heard)."""
         if self.step is None:
             return ""
-        behind = sorted(p for p, s in self.peer_steps.items() if s < self.step)
-        peers = "; ".join(f"process {p} of {self.count} last started step {self.peer_steps[p]}"
-                          for p in behind)  # fmt: skip
+        known = self.peer_steps
+        if ranks is None:
+            ranks = [p for p in known if known[p] < self.step] or list(known)
+        ranks = sorted(p for p in ranks if p in known)
+        peers = "; ".join(
+            f"process {p} of {self.count} last started step {known[p]}" for p in ranks
+        )
         return f"; {peers}, this one step {self.step}" if peers else ""
 
     def start(self) -> None:
@@ -406,7 +413,7 @@ class Watchdog:
             return lost_message([0], self.count, self.timeout_s, coordinator=True)
         lost = silent_processes(self.last_heard, now, self.timeout_s)
         if lost:
-            return lost_message(lost, self.count, self.timeout_s, False, self.steps_note())
+            return lost_message(lost, self.count, self.timeout_s, False, self.steps_note(lost))
         limit, since = self.step_timeout_s, self.stepped_at
         if limit and since is not None and now - since > limit:
             return stalled_message(self.rank, self.step, self.peer_steps, self.count, limit)

@@ -225,7 +225,7 @@ class Trainer:
             for step in range(start, t.steps):
                 _, batch, data_s = batches.next()
                 batch = {**batch, "step": np.int32(step)}
-                parallel.multihost.at_step(step)  # a hung process is named by it (multihost)
+                parallel.multihost.at_step(step + 1)  # its number as logged: names a hung process
                 self.state, metrics = self.step.fn(self.state, batch, self.trainable.frozen)
                 done = step + 1
                 window.add(done, metrics, first=step == start, data_s=data_s)
