@@ -160,6 +160,21 @@ def fsync_tree(path: str | os.PathLike) -> None:
     fsync_dir(path.parent)
 
 
+def replace_dir(new: str | os.PathLike, path: str | os.PathLike) -> None:
+    """Put the complete directory `new` (beside `path`, e.g. an `atomic_dir`'s) in place of
+    `path`, which may exist: the old one is renamed to a hidden temporary (`.NAME.<16 hex>.tmp`),
+    `new` to `path`, the parent fsynced, the old removed. A kill leaves under `path` the old
+    directory, the new one or none (the rest as temporaries), never one half written or half
+    removed, as `shutil.rmtree(path)` then a rename could."""
+    new, path = Path(new), Path(path)
+    old = path.parent / f".{path.name}.{secrets.token_hex(8)}.tmp"
+    if path.exists():
+        os.rename(path, old)
+    os.rename(new, path)
+    fsync_dir(path.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def temporary_of(name: str) -> str | None:
     """NAME when `name` is a temporary of ours for it (`.NAME.<16 hex>.tmp`), else None."""
     parts = name.rsplit(".", 2)

@@ -58,6 +58,7 @@ from lmjax.checks import require
 from lmjax.config import RunConfig
 from lmjax.data import sft
 from lmjax.errors import ConfigError
+from lmjax.files import replace_dir
 from lmjax.finetune.config import (
     check_tokenizer,
     load_config,
@@ -78,7 +79,7 @@ from lmjax.train.finetuned import (
     read_spec,
 )
 from lmjax.train.metrics import lora_flops_per_token
-from lmjax.train.rundir import FINETUNE_FILE, MERGED_DIR, RunDir, run_label
+from lmjax.train.rundir import FINETUNE_FILE, STAGED_MERGED, RunDir, run_label
 from lmjax.train.runs import write_weights_run
 
 
@@ -260,10 +261,10 @@ def _in_base_dtype(params: dict, base_run) -> dict:
 
 
 def _write_merged(run_dir: Path, params: dict, base_run) -> None:
-    target = RunDir(run_dir).merged_dir
-    tmp = run_dir / f".{MERGED_DIR}.new"
-    shutil.rmtree(tmp, ignore_errors=True)
+    """RUN/merged/, built whole beside it and put in its place (`replace_dir`): a kill leaves
+    the old merged model, the new one or none, never one half written or half removed."""
+    staged = run_dir / STAGED_MERGED
+    shutil.rmtree(staged, ignore_errors=True)  # one a kill left, complete or not
     kind = base_run.cfg.data.tokenizer
-    write_weights_run(tmp, params, base_run.model, base_run.tokenizer, kind)
-    shutil.rmtree(target, ignore_errors=True)
-    tmp.rename(target)
+    write_weights_run(staged, params, base_run.model, base_run.tokenizer, kind)
+    replace_dir(staged, RunDir(run_dir).merged_dir)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import shlex
+import shutil
 from pathlib import Path
 
 import yaml
@@ -45,7 +46,9 @@ STARTING = (CHECKPOINTS_DIR, METRICS_FILE, TENSORBOARD_DIR)
 # The files and directories of a run written atomically (`lmjax.files`): a kill mid-write
 # leaves a hidden temporary of one of these, which the next run in the directory removes.
 ATOMIC = (CONFIG_FILE, METRICS_FILE, SAMPLES_FILE, PLOT_FILE, FINETUNE_FILE, TOKENIZER_DIR,
-          ADAPTERS_FILE, f".{MERGED_DIR}.new")  # fmt: skip
+          ADAPTERS_FILE, MERGED_DIR)  # fmt: skip
+# Where a fine-tune builds its merged model before it replaces merged/ (`lmjax.finetune`).
+STAGED_MERGED = f".{MERGED_DIR}.new"
 
 TRAINED, FINETUNED, WEIGHTS = "trained", "finetuned", "weights"
 
@@ -214,7 +217,10 @@ class RunDir:
 
     def remove_stale(self) -> list[str]:
         """Remove the temporaries a killed writer left beside the run's files; their names."""
-        return remove_stale(self.path, ATOMIC)
+        staged = self.path / STAGED_MERGED  # built whole, not yet in place of merged/
+        found = [STAGED_MERGED] if staged.is_dir() else []
+        shutil.rmtree(staged, ignore_errors=True)
+        return remove_stale(self.path, (*ATOMIC, STAGED_MERGED)) + found
 
 
 def run_label(path, step: int | None) -> str:
