@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 RUNTIME_STAMP := $(VENV)/.installed-runtime-stamp
 
-.PHONY: venv venv-next demo test test-next test-gpu-line test-fast test-portable bench lint strip-notebooks clean
+.PHONY: venv venv-next demo test test-next test-gpu-line test-fast test-portable bench fuzz lint strip-notebooks clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -141,6 +141,20 @@ bench: $(STAMP)
 	if ls benchmarks/*.py >/dev/null 2>&1; then \
 		for b in benchmarks/*.py; do echo "== $$b"; env $$platform $(PY) $$b || exit 1; done; \
 	else echo "no benchmarks yet"; fi
+
+# Every fuzz target of fuzz/targets.py for FUZZ_SECONDS each, coverage-guided by atheris (the
+# 'fuzz' extra; where it cannot install, fuzz/mutate.py's mutations, without coverage), from the
+# committed seeds in fuzz/corpus/. A finding (an exception other than lmjax.errors', a hang past
+# 5 s, a resident size past the bound) stops with exit 1, its input in fuzz/findings/TARGET/.
+# FUZZ_WORK (default /tmp/lmjax-fuzz) keeps the inputs each run found for the next.
+FUZZ_SECONDS ?= 60
+fuzz: $(STAMP)
+	@$(PY) -c "import atheris" 2>/dev/null || $(PY) -m pip install -q -e '.[fuzz]' \
+		|| echo "atheris did not install: fuzz/mutate.py's mutations instead (no coverage)"
+	@for t in $$(JAX_PLATFORMS=cpu $(PY) fuzz/run.py --list); do \
+		echo "== $$t ($(FUZZ_SECONDS) s)"; \
+		JAX_PLATFORMS=cpu $(PY) fuzz/run.py $$t -max_total_time=$(FUZZ_SECONDS) || exit 1; \
+	done
 
 lint: $(STAMP)
 	$(PY) -m ruff check lmjax pallas_kernels tests benchmarks notebooks

@@ -199,6 +199,18 @@ def json_problem(err: json.JSONDecodeError) -> str:
 
 
 def _parquet_documents(path: Path, field: str, bad: BadRecords) -> Iterator[Document]:
+    try:
+        yield from _parquet_rows(path, field, bad)
+    except (pa.ArrowException, OSError, UnicodeDecodeError) as err:  # not parquet, corrupt...
+        raise FileFormatError.describe(
+            f"parquet file {path}",
+            " ".join(str(err).split())[:160],
+            "a readable parquet file",
+            "rewrite it (pyarrow.parquet.write_table) or check the download",
+        ) from None
+
+
+def _parquet_rows(path: Path, field: str, bad: BadRecords) -> Iterator[Document]:
     table = pq.ParquetFile(path)
     schema = table.schema_arrow
     kind = schema.field(field).type if field in schema.names else None

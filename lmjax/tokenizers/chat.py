@@ -7,6 +7,9 @@ way transformers renders it, and the assistant-token mask supervised fine-tuning
         does not escape HTML, `dict`, a `namespace` refusing `_names`, a `{% generation %}` tag
         that renders its body; template variables messages, tools=None, documents=None,
         add_generation_prompt and the special-token strings (bos_token, eos_token, ...).
+        A template is code from a downloaded file: it cannot reach files, the environment or
+        Python internals (the sandbox), `*`, `**` and `%` may not build values past `_MAX_SIZE`, and
+        whatever else it raises (1/0, a type error, jinja2's own `inf` slip) is one error line.
 
 The assistant mask (`render_with_mask`) is found by rendering prefixes: assistant message k
 spans the characters from the end of `render(messages[:k], add_generation_prompt=True)` (the
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from datetime import datetime
 from itertools import accumulate
 from pathlib import Path
@@ -121,10 +125,52 @@ def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=F
     )
 
 
+_MAX_SIZE = 1 << 20  # items of a repeated str/list, bits of an int power: far past any chat
+
+
+class _Sandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
+    """jinja2's immutable sandbox, with `'x' * n`, `a ** b` and `'%099999999d' % x` bounded:
+    unbounded, one line of a template (`{{ 2 ** 999999999 }}`) hangs the process or takes all
+    its memory. (A loop of loops or a filter such as `center` can still spend both: the fuzz
+    harness bounds those by time and resident size.)"""
+
+    intercepted_binops = frozenset({"*", "**", "%"})
+
+    def call_binop(self, context, operator, left, right):
+        if operator == "**" and _power_bits(left, right) > _MAX_SIZE:
+            raise jinja2.exceptions.SecurityError(f"{left!r} ** {right!r} is too large")
+        if operator == "*" and _repeat_size(left, right) > _MAX_SIZE:
+            raise jinja2.exceptions.SecurityError(f"a sequence * {right!r} is too large")
+        if operator == "%" and isinstance(left, str) and _format_width(left) > _MAX_SIZE:
+            raise jinja2.exceptions.SecurityError(f"a %-format width past {_MAX_SIZE}")
+        return super().call_binop(context, operator, left, right)
+
+
+def _power_bits(base, exponent) -> int:
+    """About how many bits `base ** exponent` takes (0 where it is not an int power)."""
+    if not all(isinstance(v, int) for v in (base, exponent)) or exponent <= 0 or abs(base) < 2:
+        return 0
+    return exponent * abs(base).bit_length()
+
+
+def _repeat_size(left, right) -> int:
+    """How many items `left * right` holds where one side is a sequence and the other an int."""
+    for seq, n in ((left, right), (right, left)):
+        if isinstance(seq, (str, list, tuple)) and isinstance(n, int):
+            return len(seq) * n
+    return 0
+
+
+def _format_width(text: str) -> int:
+    """The widest field width or precision of a printf-style format string (0 if none)."""
+    fields = re.findall(r"%[-#0 +]*(\d*)(?:\.(\d*))?", text)
+    return max((int(d) for pair in fields for d in pair if d), default=0)
+
+
 @functools.lru_cache(maxsize=16)
 def compile_template(template: str) -> jinja2.Template:
     """The template compiled in transformers' sandbox (cached: one template per tokenizer)."""
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+    env = _Sandbox(
         trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, jinja2.ext.loopcontrols]
     )
     env.filters["tojson"] = _tojson
@@ -142,6 +188,11 @@ def compile_template(template: str) -> jinja2.Template:
             err.message,
             "a valid Jinja template",
             "fix the template",
+        ) from None
+    except (ValueError, TypeError, RecursionError, MemoryError) as err:  # jinja2's compiler
+        reason = f"{type(err).__name__}: {err}"
+        raise FileFormatError.describe(
+            "chat_template", reason, "a valid Jinja template", "fix the template"
         ) from None
 
 
@@ -174,6 +225,13 @@ def render(template: str | None, messages, add_generation_prompt: bool, variable
     except jinja2.exceptions.TemplateError as err:  # raise_exception, an undefined call, security
         raise TokenError.describe(
             "chat template rendering", str(err), "messages the template accepts", _FIX_MESSAGES
+        ) from None
+    except Exception as err:  # noqa: BLE001 - the template is code: 1/0, 'a' + 1, jinja2's `inf`
+        raise TokenError.describe(
+            "chat template rendering",
+            f"{type(err).__name__}: {err}",
+            "a template that renders these messages",
+            "fix the chat template (it failed as code, not on the messages)",
         ) from None
 
 

@@ -61,6 +61,9 @@ def _splitter(tokens: list[AddedToken]):
     return split
 
 
+_MAX_ID = 2**31 - 1
+
+
 def _engine(data: dict, where: Path) -> hf_tokenizers.Tokenizer:
     """The `tokenizers` library's tokenizer for the (already checked) JSON object `data`."""
     try:
@@ -93,6 +96,10 @@ class HFTokenizer:
         where = where or Path(TOKENIZER_FILE)
         self._data, self._config = data, dict(config or {})
         self.spec: HFSpec = parse(data, where)
+        top = max(self.spec.token_bytes)
+        if top > _MAX_ID:  # lmjax's ids are int32 (and a huge id made decode's set of holes huge)
+            expected = f"token ids <= {_MAX_ID} (int32, as lmjax's token arrays)"
+            raise bad(f"{where}: largest token id", top, expected, "fix the tokenizer.json")
         self._engine = _engine(data, where)
         spec = self.spec
         self.special_tokens = {t.content: t.id for t in spec.added if t.special}
@@ -103,10 +110,10 @@ class HFTokenizer:
             template if template is not None else config_template(self._config, where)
         )
         self._raw_split = _splitter([t for t in spec.added if not t.normalized])
-        self._vocab_size = 1 + max(spec.token_bytes)
-        # ids below vocab_size that neither the vocab nor added_tokens define (rare): decode
-        # refuses them, where the library would drop them silently
-        self._holes = frozenset(range(self._vocab_size)) - spec.token_bytes.keys()
+        self._vocab_size = 1 + top
+        # are there ids below vocab_size that neither the vocab nor added_tokens define (rare)?
+        # decode refuses them, where the library would drop them silently
+        self._holes = len(spec.token_bytes) < self._vocab_size
 
     @property
     def vocab_size(self) -> int:
@@ -150,7 +157,7 @@ class HFTokenizer:
     def decode(self, ids, *, skip_special_tokens: bool = False) -> str:
         """Text of `ids` (invalid UTF-8 -> U+FFFD, as HF); special tokens kept unless skipped."""
         ids = check_ids(ids, self.vocab_size)
-        gaps = [i for i in ids if i in self._holes] if self._holes else []
+        gaps = [i for i in ids if i not in self.spec.token_bytes] if self._holes else []
         if gaps:
             raise TokenError.describe(
                 "token id", gaps[0], "an id this tokenizer.json defines", "decode ids from encode()"
