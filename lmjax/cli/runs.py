@@ -8,6 +8,7 @@ import dataclasses
 import itertools
 import math
 
+from lmjax.cli import harness
 from lmjax.cli.args import add_quantize, add_run, add_sampling, add_step
 from lmjax.cli.common import load_run
 from lmjax.errors import ConfigError, FileFormatError, TokenError
@@ -18,17 +19,20 @@ from lmjax.errors import ConfigError, FileFormatError, TokenError
 def add_eval(sub) -> None:
     ev = sub.add_parser(
         "eval",
-        help="print a run's validation loss",
+        help="print a run's validation loss, or its scores on lm-evaluation-harness tasks",
         description="Load RUN's newest (or --step) checkpoint and print the mean validation "
-        "loss over the run's fixed evaluation batches.",
+        "loss over the run's fixed evaluation batches; with --tasks, score it on "
+        "lm-evaluation-harness tasks instead and print the harness's table "
+        "(docs/evaluation.md).",
     )
     add_run(ev, "a run directory (or RUN/checkpoints/STEP)")
     add_step(ev)
     ev.add_argument(
         "--batches", type=int, default=None, help="evaluation batches (default: config)"
     )
-    ev.add_argument("--batch-size", type=int, default=None, help="sequences per batch")
+    ev.add_argument("--batch-size", type=int, default=None, help="sequences per batch (--tasks: 8)")
     ev.add_argument("--seq-len", type=int, default=None, help="tokens per sequence")
+    harness.add_task_flags(ev)
     ev.set_defaults(run=run_eval)
 
 
@@ -38,14 +42,19 @@ def run_eval(args: argparse.Namespace) -> int:
     from lmjax.train.rundir import RunDir, run_label
     from lmjax.train.runs import eval_tokenizer_dir
 
+    harness.check_flags(args)
+    # The run path first (a check of its files): a typo there is named before anything loads.
+    named_step = RunDir.parse(args.run_path)[1]
     if args.step is not None:  # a checkpoint path already names its step
         require(
-            RunDir.parse(args.run_path)[1] in (None, args.step),
+            named_step in (None, args.step),
             "--step",
             args.step,
             f"the step of the checkpoint path {args.run_path}",
             "pass a run directory with --step, or a checkpoint path alone",
         )
+    if args.tasks is not None:
+        return harness.run_tasks(args)
     run = load_run(args.run_path, args.step)
     cfg = _eval_config(args, run)
     tokenizer_dir = eval_tokenizer_dir(run, cfg)

@@ -12,6 +12,10 @@ from lmjax.tokenizers import BPETokenizer, HFTokenizer
 from lmjax.tokenizers.bpe_scheme import ENDOFTEXT
 from lmjax.tokenizers.chat import render
 
+# Appended to an open last message before rendering, and cut there after (`_render_open`); its
+# trailing space tells whether the template kept the content's trailing whitespace.
+OPEN_END = "<|lmjax-open-end|> "
+
 
 @dataclasses.dataclass(frozen=True)
 class RunText:
@@ -76,15 +80,41 @@ class RunText:
         return list(dict.fromkeys([*run_stops, self.eot_id]))
 
     def render_chat(self, messages, add_generation_prompt: bool) -> str:
-        """`messages` through the run's chat template, as text (`HFLM.apply_chat_template`):
-        without a generation prompt the last message is left open (continue_final_message)."""
+        """`messages` through the run's chat template, as text, as `HFLM.apply_chat_template`
+        renders it: without a generation prompt the last message is left open (transformers'
+        continue_final_message, `_render_open`); a template that refuses the messages (its
+        raise_exception, say on a system role) is tried again without the system messages."""
         tok = self.tokenizer
         chat.require_template(tok)
-        text = render(tok.chat_template, messages, add_generation_prompt, tok.template_variables())
-        if add_generation_prompt or not messages:
-            return text
-        last = messages[-1]["content"].strip()
-        return text[: text.rindex(last) + len(last)] if last in text else text
+        try:
+            return _render_open(tok, messages, add_generation_prompt)
+        except TokenError:
+            rest = [m for m in messages if m.get("role") != "system"]
+            if len(rest) == len(messages):
+                raise
+            return _render_open(tok, rest, add_generation_prompt)
+
+
+def _render_open(tok, messages, add_generation_prompt: bool) -> str:
+    """The rendered text; without a generation prompt, cut where the last message's content
+    ends: a marker appended to it is rendered with it and the text cut at the marker. Where
+    the template kept the marker's trailing space it kept the content's own trailing spaces,
+    so they stay; where it stripped the content, the text before the marker is stripped too."""
+    open_end = not add_generation_prompt and bool(messages)
+    if open_end:
+        last = dict(messages[-1], content=messages[-1]["content"] + OPEN_END)
+        messages = [*messages[:-1], last]
+    text = render(tok.chat_template, messages, add_generation_prompt, tok.template_variables())
+    if not open_end:
+        return text
+    at = text.rfind(OPEN_END.strip())
+    if at < 0:
+        raise TokenError.describe(
+            "chat template rendering", "the last message's content missing from the text",
+            "a template that writes every message's content",
+            "use add_generation_prompt, or a template that keeps the content",
+        )  # fmt: skip
+    return text[:at] if text.startswith(OPEN_END, at) else text[:at].rstrip()
 
 
 def _eot_id(tok, run) -> int | None:
