@@ -133,10 +133,21 @@ FINETUNE = """finetune: {{base: {base}}}
 lora: {{r: 4, alpha: 8, targets: [all-linear], dropout: 0.0}}
 data: {{corpus: {corpus}}}
 optimizer: {{name: adamw, lr: 0.05, weight_decay: 0.0}}
+schedule: {{warmup_steps: 1}}
 train: {{steps: 3, batch_size: 2, seq_len: 32, eval_every: 3, eval_batches: 1}}
 checkpoint: {{every: 3, keep: 1}}
 logging: {{every: 1, progress: false, sample_tokens: 0, plot: false}}
 """
+
+
+def _fine_tune(base, tmp_path, qlora: bool):
+    """tmp_path/ft: 3 LoRA (or QLoRA) steps over the witness `base` on CORPUS."""
+    (tmp_path / "corpus.txt").write_text(CORPUS)
+    config = FINETUNE.format(base=base.run.directory, corpus=tmp_path / "corpus.txt")
+    (tmp_path / "ft.yaml").write_text(config.replace("{base:", "{qlora: true, base:") if qlora
+                                      else config)  # fmt: skip
+    assert cli.main(["finetune", str(tmp_path / "ft.yaml"), f"run.dir={tmp_path / 'ft'}"]) == 0
+    return tmp_path / "ft"
 
 
 def test_a_lora_fine_tune_scores_as_hflm_on_its_export(witness, tmp_path):
@@ -150,11 +161,7 @@ def test_a_lora_fine_tune_scores_as_hflm_on_its_export(witness, tmp_path):
     name, _, _, base = witness
     if name != "gpt2":
         pytest.skip("one fine-tune is enough")
-    (tmp_path / "corpus.txt").write_text(CORPUS)
-    config = FINETUNE.format(base=base.run.directory, corpus=tmp_path / "corpus.txt")
-    (tmp_path / "ft.yaml").write_text(config)
-    run, hf = tmp_path / "ft", tmp_path / "ft_hf"
-    assert cli.main(["finetune", str(tmp_path / "ft.yaml"), f"run.dir={run}"]) == 0
+    run, hf = _fine_tune(base, tmp_path, qlora=False), tmp_path / "ft_hf"
     assert cli.main(["export-hf", str(run), "--out", str(hf)]) == 0
     theirs = HFLM(pretrained=str(hf), device="cpu", dtype="float32", batch_size=4)
     ours = LMJaxLM(run=str(run), batch_size=4)
@@ -169,6 +176,43 @@ def test_a_lora_fine_tune_scores_as_hflm_on_its_export(witness, tmp_path):
         assert abs(g[0] - w[0]) <= bound and g[1] == w[1], (ctx[:20], cont[:20], g, w)
         moved += abs(g[0] - b[0]) > 2 * bound
     assert moved >= len(LOGLIKELIHOOD) // 2  # the adapters are applied
+
+
+def test_a_qlora_run_scores_from_its_nf4_base(witness, tmp_path):
+    """A QLoRA run scores from its NF4 base with the adapters attached (what `lmjax generate`
+    decodes from): each request's log-likelihood is the one read off `models.forward` of those
+    weights on the request's whole row; `quantize=none` (the merged dequantized weights, the
+    same function) agrees, and the float base it was quantized from does not."""
+    from lmjax.eval_harness import LMJaxLM
+    from lmjax.models import forward
+    from lmjax.train.runs import is_qlora, load_run
+
+    name, _, _, base = witness
+    if name != "gpt2":
+        pytest.skip("one fine-tune is enough")
+    run = _fine_tune(base, tmp_path, qlora=True)
+    assert is_qlora(run)
+    nf4, merged = LMJaxLM(run=str(run), batch_size=4), LMJaxLM(run=str(run), quantize="none")
+    loaded = load_run(run, quantize="nf4")
+    pairs = [
+        nf4._encode_pair(c, t) if c else ([nf4.prefix_token_id], nf4.tok_encode(t))
+        for c, t in LOGLIKELIHOOD[:9]
+    ]  # fmt: skip  (all within C)
+    requests = [((None, None), c, t) for c, t in pairs]
+    scores = [lm._loglikelihood_tokens(requests, disable_tqdm=True) for lm in (nf4, merged, base)]
+    atol, moved = _atol(nf4), 0
+    for (ctx, cont), *found in zip(pairs, *scores, strict=True):
+        row = np.asarray([[*ctx, *cont][:-1]])
+        logits = np.asarray(forward(loaded.params, row, loaded.model), np.float64)[0]
+        logits = logits[len(ctx) - 1 :, : loaded.model.vocab_ids]
+        top = logits.max(-1)
+        logz = np.log(np.exp(logits - top[:, None]).sum(-1)) + top
+        want = float(sum(logits[i, t] - logz[i] for i, t in enumerate(cont)))
+        (ours, _), (dense, _), (float_base, _) = found
+        bound = 2 * len(cont) * atol
+        assert abs(ours - want) <= bound and abs(dense - want) <= bound, (ctx, cont, want)
+        moved += abs(float_base - want) > 2 * bound
+    assert moved >= len(pairs) // 2  # the NF4 base and adapters, not the float base
 
 
 def test_greedy_continuations_are_greedy_as_in_hflm(witness):
@@ -429,6 +473,7 @@ def test_lmjax_eval_tasks_prints_the_table_and_writes_json(witness, task_dir, tm
         assert float(row[7]) == pytest.approx(results[task][f"{row[5]},none"], rel=1e-3), row
 
 
+@pytest.mark.slow  # lm_eval's command line indexes its own ~15,000 tasks: 5 s alone, 15 s loaded
 def test_lm_evals_own_command_line_finds_the_model(witness, task_dir, tmp_path, monkeypatch):
     """`python -m lmjax.eval_harness ...` is `lm_eval ...` with "lmjax" registered."""
     import runpy
