@@ -451,6 +451,48 @@ def test_a_task_compiles_one_program_per_length_bucket(witness):
     assert len(shared.rows) == 1
 
 
+DATA_PARALLEL = """
+import json, jax, numpy as np
+from lmjax import models, testing
+from lmjax.eval_harness import scoring
+cfg = models.preset("gpt", vocab_size=97, context_length=64, d_model=32, n_heads=4, n_layers=2,
+                    d_ff=64)
+params = models.init(jax.random.PRNGKey(0), cfg)
+rng = np.random.default_rng(0)
+requests = [(rng.integers(0, 97, int(n)).tolist(), rng.integers(0, 97, int(k)).tolist())
+            for n, k in zip(rng.integers(1, 90, 30), rng.integers(1, 4, 30))]
+mesh = scoring.data_mesh()
+one = scoring.run(scoring.scoring_params(params, cfg), cfg, requests, batch_size=3)
+many = scoring.run(scoring.scoring_params(params, cfg, mesh), cfg, requests, batch_size=3,
+                   mesh=mesh)
+logits = models.forward(params, np.asarray([requests[0][0][:64] * 64])[:, :64], cfg)
+print(json.dumps({"devices": jax.device_count(), "rows": scoring.batch_rows(3, mesh),
+                  "one": one, "many": many, "lengths": [len(c) for _, c in requests],
+                  "atol": testing.logits_atol(cfg, np.asarray(logits)[0])}))
+"""
+
+
+def test_several_devices_split_the_batch_and_score_the_same():
+    """On 4 simulated CPU devices (a subprocess: the count is fixed when jax starts) the batch
+    is split over all of them (3 rows rounded up to 4) and every request scores as on one
+    device, within the request bound (the rows' matmuls are blocked differently)."""
+    import os
+    import subprocess
+
+    from _xla_flags import host_devices
+
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": host_devices(4)}
+    done = subprocess.run([sys.executable, "-c", DATA_PARALLEL], env=env, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["devices"] == 4 and result["rows"] == 4
+    for n, (a, a_greedy), (b, b_greedy) in zip(
+        result["lengths"], result["one"], result["many"], strict=True
+    ):
+        assert abs(a - b) <= 2 * n * result["atol"] and a_greedy == b_greedy, (n, a, b)
+
+
 def test_lmjax_eval_tasks_prints_the_table_and_writes_json(witness, task_dir, tmp_path, capsys):
     name, _, _, ours = witness
     if name != "gpt2":
