@@ -150,6 +150,7 @@ def _fine_tune(base, tmp_path, qlora: bool):
     return tmp_path / "ft"
 
 
+@pytest.mark.parametrize("witness", ["gpt2"], indirect=True)  # one fine-tune is enough
 def test_a_lora_fine_tune_scores_as_hflm_on_its_export(witness, tmp_path):
     """A LoRA run (adapters beside a frozen base, merged when loaded, as `lmjax generate`
     loads it) scores as HFLM on its `export-hf` copy, and not as its base. (Both sides merge
@@ -159,8 +160,6 @@ def test_a_lora_fine_tune_scores_as_hflm_on_its_export(witness, tmp_path):
     from lmjax.eval_harness import LMJaxLM
 
     name, _, _, base = witness
-    if name != "gpt2":
-        pytest.skip("one fine-tune is enough")
     run, hf = _fine_tune(base, tmp_path, qlora=False), tmp_path / "ft_hf"
     assert cli.main(["export-hf", str(run), "--out", str(hf)]) == 0
     theirs = HFLM(pretrained=str(hf), device="cpu", dtype="float32", batch_size=4)
@@ -178,6 +177,7 @@ def test_a_lora_fine_tune_scores_as_hflm_on_its_export(witness, tmp_path):
     assert moved >= len(LOGLIKELIHOOD) // 2  # the adapters are applied
 
 
+@pytest.mark.parametrize("witness", ["gpt2"], indirect=True)  # one fine-tune is enough
 def test_a_qlora_run_scores_from_its_nf4_base(witness, tmp_path):
     """A QLoRA run scores from its NF4 base with the adapters attached (what `lmjax generate`
     decodes from): each request's log-likelihood is the one read off `models.forward` of those
@@ -188,8 +188,6 @@ def test_a_qlora_run_scores_from_its_nf4_base(witness, tmp_path):
     from lmjax.train.runs import is_qlora, load_run
 
     name, _, _, base = witness
-    if name != "gpt2":
-        pytest.skip("one fine-tune is enough")
     run = _fine_tune(base, tmp_path, qlora=True)
     assert is_qlora(run)
     nf4, merged = LMJaxLM(run=str(run), batch_size=4), LMJaxLM(run=str(run), quantize="none")
@@ -365,12 +363,12 @@ def test_simple_evaluate_gives_hflms_metrics_for_each_output_type(witness, task_
     _assert_metrics_close(got, want, _metric_bounds(ours, _atol(ours)), name)
 
 
+# The GPT-2 witness has no chat template.
+@pytest.mark.parametrize("witness", ["llama"], indirect=True)
 def test_chat_template_renders_as_hflm(witness):
     """`apply_chat_template` is HFLM's text for a system, user and assistant history, with a
     generation prompt and with the last message left open (continue_final_message)."""
     name, _, theirs, ours = witness
-    if name != "llama":
-        pytest.skip("the GPT-2 witness has no chat template")
     history = [
         {"role": "system", "content": "Answer briefly."},
         {"role": "user", "content": "the quick brown fox"},
@@ -404,6 +402,8 @@ def _both_render(theirs, ours, messages, prompt: bool) -> str:
     return want
 
 
+# The GPT-2 witness has no chat template.
+@pytest.mark.parametrize("witness", ["llama"], indirect=True)
 def test_simple_evaluate_with_the_chat_template_gives_hflms_metrics(witness, task_dir):
     """The harness's chat-formatted requests (apply_chat_template, one few-shot example as
     turns of the conversation) score as HFLM's."""
@@ -411,8 +411,6 @@ def test_simple_evaluate_with_the_chat_template_gives_hflms_metrics(witness, tas
     from lm_eval.tasks import TaskManager
 
     name, _, theirs, ours = witness
-    if name != "llama":
-        pytest.skip("the GPT-2 witness has no chat template")
     manager = TaskManager(include_path=str(task_dir), include_defaults=False)
     run = dict(tasks=["tiny_mc", "tiny_ll", "tiny_gen"], task_manager=manager, num_fewshot=1,
                apply_chat_template=True, fewshot_as_multiturn=True, bootstrap_iters=0)  # fmt: skip
@@ -493,10 +491,9 @@ def test_several_devices_split_the_batch_and_score_the_same():
         assert abs(a - b) <= 2 * n * result["atol"] and a_greedy == b_greedy, (n, a, b)
 
 
+@pytest.mark.parametrize("witness", ["gpt2"], indirect=True)  # the command line once is enough
 def test_lmjax_eval_tasks_prints_the_table_and_writes_json(witness, task_dir, tmp_path, capsys):
     name, _, _, ours = witness
-    if name != "gpt2":
-        pytest.skip("the command line once is enough")
     run, out = str(ours.run.directory), tmp_path / "res" / "out.json"
     argv = ["eval", run, "--tasks", "tiny_mc,tiny_gen", "--include-path", str(task_dir),
             "--limit", "4", "--batch-size", "4", "--output", str(out)]  # fmt: skip
@@ -515,14 +512,13 @@ def test_lmjax_eval_tasks_prints_the_table_and_writes_json(witness, task_dir, tm
         assert float(row[7]) == pytest.approx(results[task][f"{row[5]},none"], rel=1e-3), row
 
 
+@pytest.mark.parametrize("witness", ["gpt2"], indirect=True)  # the command line once is enough
 @pytest.mark.slow  # lm_eval's command line indexes its own ~15,000 tasks: 5 s alone, 15 s loaded
 def test_lm_evals_own_command_line_finds_the_model(witness, task_dir, tmp_path, monkeypatch):
     """`python -m lmjax.eval_harness ...` is `lm_eval ...` with "lmjax" registered."""
     import runpy
 
     name, _, _, ours = witness
-    if name != "gpt2":
-        pytest.skip("the command line once is enough")
     out = tmp_path / "lm_eval_out"
     argv = ["lm_eval", "run", "--model", "lmjax", "--model_args", f"run={ours.run.directory}",
             "--batch_size", "4", "--tasks", "tiny_mc", "--include_path", str(task_dir),
@@ -542,10 +538,9 @@ def _one_error_line(argv, capsys) -> str:
     return err[0]
 
 
+@pytest.mark.parametrize("witness", ["gpt2"], indirect=True)  # the command line once is enough
 def test_lmjax_eval_tasks_errors_are_one_line(witness, tmp_path, capsys):
     name, _, _, ours = witness
-    if name != "gpt2":
-        pytest.skip("the command line once is enough")
     run = str(ours.run.directory)
     line = _one_error_line(["eval", str(tmp_path / "nowhere"), "--tasks", "arc_easy"], capsys)
     assert "run path" in line and "nowhere" in line  # before any task is looked up
@@ -557,11 +552,10 @@ def test_lmjax_eval_tasks_errors_are_one_line(witness, tmp_path, capsys):
     assert "--tasks" in line
 
 
+@pytest.mark.parametrize("witness", ["gpt2"], indirect=True)  # the command line once is enough
 @pytest.mark.slow  # indexing lm_eval's own ~15,000 task names: 6 s alone, 15-25 s under load
 def test_unknown_and_hub_only_tasks_are_one_line(witness, task_dir, capsys):
     name, _, _, ours = witness
-    if name != "gpt2":
-        pytest.skip("the command line once is enough")
     run = str(ours.run.directory)
     line = _one_error_line(["eval", run, "--tasks", "tiny_mx", "--include-path", str(task_dir)],
                            capsys)  # fmt: skip
@@ -571,6 +565,7 @@ def test_unknown_and_hub_only_tasks_are_one_line(witness, task_dir, capsys):
     assert "arc_easy" in line and "Hugging Face cache" in line and "ai2_arc" in line
 
 
+@pytest.mark.parametrize("witness", ["gpt2"], indirect=True)  # the command line once is enough
 def test_without_lm_eval_tasks_name_the_install_and_eval_stays_the_loss(
     witness, tmp_path, capsys, monkeypatch
 ):
@@ -579,8 +574,6 @@ def test_without_lm_eval_tasks_name_the_install_and_eval_stays_the_loss(
     import yaml
 
     name, _, _, ours = witness
-    if name != "gpt2":
-        pytest.skip("the command line once is enough")
     run = tmp_path / "run"
     shutil.copytree(ours.run.directory, run)
     (tmp_path / "corpus.txt").write_text(CORPUS)
