@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import pytest
 from _benchmarks import load_benchmark
 
+from lmjax.data import prepared
 from lmjax.files import atomic_write_text, remove_stale, temporary_of
 from lmjax.train.checkpoint import Checkpoints
 from lmjax.train.rundir import RunDir
@@ -113,3 +114,23 @@ def test_the_steps_beyond_keep_are_dropped_and_a_half_dropped_one_is_removed(tmp
     assert again.remove_temporary() == [] and not (ckpt.directory / "1.dropped").exists()
     abstract = _State(jnp.int32(0), {"w": jnp.zeros((3,), jnp.float32)})
     assert again.restore(abstract).params["w"].tolist() == [4.0] * 3
+
+
+def test_two_processes_drop_the_steps_beyond_keep_together(tmp_path):
+    """Over two processes process 0 drops the steps beyond keep and both list the steps again
+    after a barrier: a run saving every step with keep=2 ends with steps 3 and 4 only, nothing
+    dropped left, every process exiting 0 (a barrier one process skipped would hang)."""
+    mp = load_benchmark("_multiprocess")
+    (tmp_path / "corpus.txt").write_text("To be, or not to be, that is the question\n" * 60)
+    prepared.prepare(
+        str(tmp_path / "corpus.txt"), tmp_path / "data", tokenizer="char", progress=False
+    )
+    config = mp.CONFIG.format(corpus=tmp_path / "corpus.txt", data=tmp_path / "data", steps=4,
+                              batch=8)  # fmt: skip
+    (tmp_path / "c.yaml").write_text(config)
+    args = [str(tmp_path / "c.yaml"), "checkpoint.keep=2", "logging.sample_tokens=0"]
+    try:
+        run = mp.Run(tmp_path, "run", 2, 2, [*args, "logging.plot=false"]).finish()
+    finally:
+        mp.kill_all()
+    assert sorted(p.name for p in (run.dir / "checkpoints").iterdir()) == ["3", "4"]
