@@ -152,12 +152,15 @@ def test_the_harness_flags_other_exceptions_hangs_memory_and_the_canary(monkeypa
     monkeypatch.setitem(targets.TARGETS, "leaks_canary", leaks_canary)
     with pytest.raises(KeyError):
         mutate.checked_run("raises", b"")
+    with pytest.raises(targets.Finding, match="read the canary"):
+        mutate.checked_run("leaks_canary", b"")
     monkeypatch.setattr(mutate, "TIMEOUT_S", 0.2)
     with pytest.raises(targets.Finding, match="ran past 0.2 s"):
         mutate.checked_run("hangs", b"")
-    with pytest.raises(targets.Finding, match="read the canary"):
-        mutate.checked_run("leaks_canary", b"")
-    monkeypatch.setattr(mutate, "RSS_LIMIT_MB", 1)
-    with pytest.raises(targets.Finding, match="resident size"):
+    monkeypatch.setattr(mutate, "TIMEOUT_S", 60)
+    assert 50 < mutate._peak_mb() < 10**6  # this process's high-water mark, in MB
+    peaks = iter([300.0, 5000.0])  # ... before and after one input
+    monkeypatch.setattr(mutate, "_peak_mb", lambda: next(peaks))
+    with pytest.raises(targets.Finding, match="resident size 5000 MB past 4096 MB"):
         mutate.checked_run("corpus_txt", b"text")
     assert issubclass(targets.Finding, Exception) and not issubclass(targets.Finding, LMJaxError)
