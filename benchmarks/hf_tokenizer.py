@@ -99,6 +99,15 @@ def llama3_style(train_docs: list[str], vocab_size: int) -> Tokenizer:
     return tok
 
 
+OLD_TOKEN_TEXT = """
+
+def _old_token_text(value):
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+"""
+
+
 def python_engine(directory: str):
     """`load_hf_tokenizer(directory)` of lmjax before issue 34 (its pure-Python BPE), loaded
     from git history at PYTHON_ENGINE_COMMIT; None where that history is not at hand."""
@@ -115,6 +124,11 @@ def python_engine(directory: str):
         sources[name] = shown.stdout
     sources["hf_tokenizer"] = sources["hf_tokenizer"].replace(
         "from lmjax.tokenizers.hf_json import", "from bench_old_hf_json import"
+    )
+    # The old module's one call into lmjax.tokenizers.chat that chat no longer has (issue 45
+    # made a special token that is neither text nor {"content": text} an error): the old reading.
+    sources["hf_tokenizer"] = (
+        sources["hf_tokenizer"].replace("chat.token_text(", "_old_token_text(") + OLD_TOKEN_TEXT
     )
     modules = {}
     for name in ("hf_json", "hf_tokenizer"):
