@@ -52,6 +52,11 @@
 #            -> qlora_gpu.json (its --budget-s: the limit less 45)       QLORA_BENCH_TIMEOUT_S=300
 #            (not in the default run: with nf4bench at 180 s it is the second invocation,
 #            GPU_CHECK_STEPS="nf4bench qlorabench" NF4_BENCH_TIMEOUT_S=180, about 480 s)
+#   3e evalbench  benchmarks/eval_harness.py: lm-evaluation-harness requests/s of lmjax against
+#            its Hugging Face backend (HFLM, PyTorch) on the same model and local tasks, with
+#            equal metrics -> eval_harness.json; needs lm_eval and torch (pip install
+#            'lmjax[eval]' torch), skipped without them                   EVAL_BENCH_TIMEOUT_S=120
+#            (not in the default run: GPU_CHECK_STEPS=evalbench)
 #   6 gradcheck  `lmjax gradcheck` (its table in the log): every hand-written VJP against
 #            jax.grad of its reference on the GPU, with float32 matmuls at full precision (JAX_DEFAULT_MATMUL_PRECISION=highest,
 #            not TF32), so the CPU's float32 rtol 1e-5 applies; float64 finite differences
@@ -59,7 +64,7 @@
 #   4 fast   the other fast tests of the kernel and of ops.attention       FAST_TIMEOUT_S=120
 #            (all of them, smoke included, when step 2 did not pass)
 #   5 slow   the slow product, in the time left; skipped under 30 s        SLOW_TIMEOUT_S=120
-# Steps 3b, 3d, 4 and 5 are not in the default run: the device machine allows 600 s per command, so
+# Steps 3b, 3d, 3e, 4 and 5 are not in the default run: the device machine allows 600 s per command, so
 # one invocation does the compiled smoke tests, the timings, the profile and the gradient check
 # (1-3c, 6) in TOTAL_BUDGET_S=420, and a second, GPU_CHECK_STEPS="fast slow", the rest (at most
 # 30 + 120 + 120 s).
@@ -104,6 +109,7 @@ TRAIN_TIMEOUT_S="${TRAIN_TIMEOUT_S:-150}" # issue 11: the gpt2-124m train-step b
 NF4_TEST_TIMEOUT_S="${NF4_TEST_TIMEOUT_S:-60}"   # issue 8: NF4 matmul kernel tests (2b)
 NF4_BENCH_TIMEOUT_S="${NF4_BENCH_TIMEOUT_S:-50}" # issue 8: NF4 vs bf16 matmul timings (3c)
 QLORA_BENCH_TIMEOUT_S="${QLORA_BENCH_TIMEOUT_S:-300}" # issue 32: QLoRA vs LoRA train steps (3d)
+EVAL_BENCH_TIMEOUT_S="${EVAL_BENCH_TIMEOUT_S:-120}" # issue 46: lm-eval requests/s vs HFLM (3e)
 KILL_AFTER_S="${KILL_AFTER_S:-10}"
 TOTAL_BUDGET_S="${TOTAL_BUDGET_S:-420}"
 MIN_STEP_S=20 # a step with less time than this left is skipped, not started
@@ -285,10 +291,10 @@ if begin_step env "$ENV_TIMEOUT_S" 5 "python, jax, devices"; then
     run_bounded "$PYTHON" -c "$ENV_PY" "$DETAILS_DIR" "$DRY_RUN"
 fi
 if [ "$STEP_OUTCOME" != ok ]; then
-    for name in smoke nf4 profile bench train nf4bench qlorabench gradcheck fast slow; do
+    for name in smoke nf4 profile bench train nf4bench qlorabench evalbench gradcheck fast slow; do
         record "$name" skipped "" 0 0 "environment step failed"
     done
-    FAILED+=(smoke nf4 profile bench train nf4bench qlorabench gradcheck fast slow)
+    FAILED+=(smoke nf4 profile bench train nf4bench qlorabench evalbench gradcheck fast slow)
     write_summary true
     say "gpu_check: FAILED at the environment step; see $LOG"
     exit 1
@@ -396,6 +402,23 @@ fi
 if begin_step qlorabench "$QLORA_BENCH_TIMEOUT_S" "$MIN_STEP_S" "QLoRA vs LoRA train steps, bf16"; then
     run_bounded "$PYTHON" benchmarks/qlora_gpu.py "${QLORA_BENCH_ARGS[@]}" \
         --results-dir "$DETAILS_DIR" --budget-s "$((STEP_LIMIT > 65 ? STEP_LIMIT - 45 : 20))"
+fi
+
+# ---- 3e: lm-evaluation-harness requests/s, lmjax against HFLM (issue 46) ----------------------
+# The dry run scores the benchmark's tiny model (--quick), only to check this step and its JSON.
+if [ "$DRY_RUN" = 1 ]; then
+    EVAL_BENCH_ARGS=(--quick)
+else
+    EVAL_BENCH_ARGS=()
+fi
+if begin_step evalbench "$EVAL_BENCH_TIMEOUT_S" "$MIN_STEP_S" "lm-eval requests/s: lmjax vs HFLM"; then
+    if "$PYTHON" -c "import lm_eval, torch" >/dev/null 2>&1; then
+        run_bounded "$PYTHON" benchmarks/eval_harness.py "${EVAL_BENCH_ARGS[@]}" \
+            --output "$DETAILS_DIR/eval_harness.json"
+    else
+        say "--- $(clock) evalbench: skipped, lm_eval or torch is not installed"
+        record evalbench skipped "" 0 0 "lm_eval or torch not installed: pip install lmjax[eval] torch"
+    fi
 fi
 
 # ---- 6: every hand-written VJP against jax.grad, on the GPU (issue 31) ---------------------------

@@ -117,7 +117,7 @@ def _gpu_check_dry_run(workdir: Path) -> tuple[list[str], dict]:
     env = {
         **os.environ,
         "GPU_CHECK_DRY_RUN": "1",
-        "GPU_CHECK_STEPS": "train profile gradcheck",
+        "GPU_CHECK_STEPS": "train profile gradcheck evalbench",
         "PYTHON": sys.executable,
         "RESULTS_DIR": str(workdir),
     }
@@ -136,10 +136,11 @@ def start_in_background(names: set[str]) -> None:
 
 @pytest.mark.slow
 def test_gpu_check_dry_run_of_the_train_step_benchmark():
-    """scripts/gpu_check.sh steps 3b, 3 and 6 on CPU (GPU_CHECK_DRY_RUN=1): the gpt2-124m config,
-    shrunk, through `lmjax bench` (flash interpreted, bf16) and through the per-attention timing
-    and profile; `lmjax gradcheck` on a few ops. RESULTS_DIR holds five files at most (the
-    device machine returns 8), the rest packed into details.tar.gz."""
+    """scripts/gpu_check.sh steps 3b, 3, 3e and 6 on CPU (GPU_CHECK_DRY_RUN=1): the gpt2-124m
+    config, shrunk, through `lmjax bench` (flash interpreted, bf16) and through the per-attention
+    timing and profile; the lm-eval benchmark's tiny model; `lmjax gradcheck` on a few ops.
+    RESULTS_DIR holds five files at most (the device machine returns 8), the rest packed into
+    details.tar.gz."""
     import tarfile
 
     proc = GPU_CHECK.result()
@@ -150,9 +151,12 @@ def test_gpu_check_dry_run_of_the_train_step_benchmark():
     summary = json.loads((proc.workdir / "summary.json").read_text())
     steps = {s["step"]: s["outcome"] for s in summary["steps"]}
     assert steps["train"] == steps["profile"] == steps["gradcheck"] == "ok" and summary["finished"]
+    assert steps["evalbench"] == "ok"  # lm_eval and torch are test dependencies
     with tarfile.open(proc.workdir / "details.tar.gz") as tar:
         data = json.load(tar.extractfile("./train_step_gpu.json"))
+        scored = json.load(tar.extractfile("./eval_harness.json"))
         assert {"./environment.json", "./train_step_gpu.json"} <= set(tar.getnames())
+    assert scored["per_second"]["lmjax"] > 0 and scored["equal_results"], scored
     assert data["model"]["attention"] == "flash" and data["model"]["dtype"] == "bfloat16"
     assert data["finite"] and data["tokens_per_s"] > 0 and 0 < data["mfu"]
     assert "train: cpu" in proc.stdout
