@@ -125,8 +125,7 @@ def test_readme_lmjax_commands_parse():
     commands += [
         shlex.split(span)
         for span in inline
-        if not re.search(r"\[|\.\.\.|\b[A-Z]{2,}\b|^lmjax [a-z-]+:", span)
-        and len(span.split()) > 2
+        if not re.search(r"\[|\.\.\.|\b[A-Z]{2,}\b|^lmjax [a-z-]+:", span) and len(span.split()) > 2
     ]
     assert len(commands) >= 25, commands
     for argv in commands:
