@@ -138,7 +138,11 @@ def atomic_dir(
 
 def fsync_dir(path: str | os.PathLike) -> None:
     """fsync the directory `path`: the names created, renamed or removed in it are on disk."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    _fsync(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+
+
+def _fsync(path: str | os.PathLike, flags: int = os.O_RDONLY) -> None:
+    fd = os.open(path, flags)
     try:
         os.fsync(fd)
     finally:
@@ -151,11 +155,7 @@ def fsync_tree(path: str | os.PathLike) -> None:
     path = Path(path)
     for root, _, files in os.walk(path, topdown=False):
         for name in files:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            _fsync(os.path.join(root, name))
         fsync_dir(root)
     fsync_dir(path.parent)
 

@@ -85,9 +85,11 @@ def run_tasks(args: argparse.Namespace) -> int:
     if results.get("groups"):
         print(utils.make_table(results, "groups"))
     if args.output:
+        from lmjax.files import atomic_write_text
+
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         text = json.dumps(results, indent=2, default=utils.handle_non_serializable)
-        Path(args.output).write_text(text + "\n")
+        atomic_write_text(args.output, text + "\n")  # whole or not at all, as lmjax's files
         print(f"wrote {args.output}")
     return 0
 

@@ -257,12 +257,17 @@ def lost_message(
     return _lost_text(what, f"none for {timeout_s:g} s ({setting}){note}")
 
 
+def processes_behind(peers: dict[int, int], step: int) -> list[int]:
+    """The processes whose last started step (`peers`) is before `step`, in rank order."""
+    return sorted(p for p, s in peers.items() if s < step)
+
+
 def stalled_message(rank: int, step: int, peers: dict[int, int], count: int, timeout_s: float):
     """The line of a process that started no step after `step` for `timeout_s`: the processes
     behind it (by the last step each started, `peers`) are named; else itself, if the others
     are ahead; else all of them."""
     setting = f"{ENV_STEP}={timeout_s:g}"
-    behind = sorted(p for p, s in peers.items() if s < step)
+    behind = processes_behind(peers, step)
     if behind:
         last = min(peers[p] for p in behind)
         ranks = ", ".join(map(str, behind))
@@ -359,7 +364,7 @@ class Watchdog:
             return ""
         known = self.peer_steps
         if ranks is None:
-            ranks = [p for p in known if known[p] < self.step] or list(known)
+            ranks = processes_behind(known, self.step) or list(known)
         ranks = sorted(p for p in ranks if p in known)
         peers = "; ".join(
             f"process {p} of {self.count} last started step {known[p]}" for p in ranks
