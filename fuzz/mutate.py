@@ -103,9 +103,11 @@ def _resident_mb() -> float:
     return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def run(target: str, n: int, seed: int = 0) -> int:
+def run(target: str, n: int, seed: int = 0, findings: Path = HERE / "findings") -> int:
     """Run `n` mutated inputs of `target` (and its seeds); returns how many ran. A finding
-    escapes, its input saved to fuzz/findings/TARGET/ (a regression test runs each file)."""
+    escapes, its input saved to `findings`/TARGET/ (fuzz/findings/: a regression test runs each
+    file there; the suite passes its own temporary directory, so a failing test run leaves the
+    repository as it was) and the path added to the exception's notes."""
     pool = seeds(target)
     rng = random.Random(zlib.crc32(target.encode()) + seed)
     for data in pool:
@@ -114,10 +116,11 @@ def run(target: str, n: int, seed: int = 0) -> int:
         data = mutate(rng, rng.choice(pool), pool)
         try:
             checked_run(target, data)
-        except BaseException:
-            found = HERE / "findings" / target
-            found.mkdir(parents=True, exist_ok=True)
-            (found / f"mutate-{zlib.crc32(data):08x}").write_bytes(data)
+        except BaseException as e:
+            found = findings / target / f"mutate-{zlib.crc32(data):08x}"
+            found.parent.mkdir(parents=True, exist_ok=True)
+            found.write_bytes(data)
+            e.add_note(f"the input: {found}")
             raise
     return n + len(pool)
 

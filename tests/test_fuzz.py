@@ -31,8 +31,10 @@ FINDINGS = sorted(p for p in (ROOT / "fuzz" / "findings").glob("*/*") if p.is_fi
 
 
 @pytest.mark.parametrize("target", list(targets.TARGETS))
-def test_each_target_takes_mutated_inputs(target):
-    assert mutate.run(target, INPUTS) == INPUTS + len(mutate.seeds(target))
+def test_each_target_takes_mutated_inputs(target, tmp_path):
+    """A finding's input is kept under tmp_path (named in the failure), not in fuzz/findings/."""
+    ran = mutate.run(target, INPUTS, findings=tmp_path)
+    assert ran == INPUTS + len(mutate.seeds(target))
 
 
 @pytest.mark.parametrize("path", FINDINGS, ids=lambda p: f"{p.parent.name}/{p.name}")
@@ -173,3 +175,19 @@ def test_the_harness_flags_other_exceptions_hangs_memory_and_the_canary(monkeypa
     monkeypatch.setattr(mutate, "_resident_mb", lambda: 4900.0)
     mutate.checked_run("corpus_txt", b"text")
     assert issubclass(targets.Finding, Exception) and not issubclass(targets.Finding, LMJaxError)
+
+
+def test_a_finding_is_saved_where_asked_and_named(monkeypatch, tmp_path):
+    """mutate.run keeps a failing input under `findings` (the suite's temporary directory, not
+    fuzz/findings/) and names the file in the exception's notes."""
+
+    def fails_off_seed(data, root):
+        if data != b"seed":
+            raise ValueError("not an lmjax error")
+
+    monkeypatch.setitem(targets.TARGETS, "fails_off_seed", fails_off_seed)
+    monkeypatch.setattr(mutate, "seeds", lambda target: [b"seed"])
+    with pytest.raises(ValueError) as caught:
+        mutate.run("fails_off_seed", 5, findings=tmp_path)
+    (saved,) = (tmp_path / "fails_off_seed").iterdir()
+    assert saved.read_bytes() != b"seed" and f"the input: {saved}" in caught.value.__notes__
