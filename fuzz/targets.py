@@ -165,10 +165,24 @@ TARGETS = {
 }
 
 
+@functools.cache
+def _scratch() -> str | None:
+    """Where each input's directory goes: /dev/shm (a tmpfs) where there is one.
+
+    The targets test parsing, not the disk; on a disk-backed /tmp the directory's create, write
+    and delete were most of an execution (corpus_txt: 4,100 executions/s on /tmp, 14,700 on
+    /dev/shm, this host, atheris, 20 s each). $TMPDIR, where set, still decides.
+    """
+    shm = Path("/dev/shm")
+    if "TMPDIR" in os.environ or not (shm.is_dir() and os.access(shm, os.W_OK)):
+        return None
+    return str(shm)
+
+
 def run_one(name: str, data: bytes) -> None:
     """Run target `name` on `data` in a fresh directory; an `lmjax.errors` exception is fine."""
     os.environ["LMJAX_FUZZ_CANARY"] = CANARY  # what a template must not reach
-    with tempfile.TemporaryDirectory(prefix="lmjax-fuzz-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="lmjax-fuzz-", dir=_scratch()) as tmp:
         try:
             TARGETS[name](data, Path(tmp))
         except LMJaxError:
