@@ -15,6 +15,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+# The runs are CPU runs (workspace's environment); so is reading their checkpoints here, and
+# without this a host with libtpu installed probes for a TPU and logs its failure.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 TEXT = "".join(
     f"Sonnet {i}: shall I compare thee to a summer's day, {i % 7}?\n" for i in range(300)
 )

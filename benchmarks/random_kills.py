@@ -18,8 +18,8 @@ campaign stopped early still records what it did):
     runs, failed_restores (a resume that exited non-zero), runs_differing (final state or
     losses), temporaries_left (names found in completed runs); target 0, 0, 0, 0.
 
-Cost: 8.2 and 5.4 s of wall per kill for seeds 0 and 1 run side by side on 2 CPUs shared with
-other work (2026-12-07, stopped at 625 and 598 kills): 1,000 kills take 1.5-2.5 h there.
+Cost: 2.7 s of wall per kill for seed 2 on 2 CPUs, a fuzz campaign beside it (2026-12-07: 1,000
+kills in 45 min); 8.2 and 5.4 s for seeds 0 and 1 run side by side on a busier machine.
 """
 
 from __future__ import annotations
