@@ -48,7 +48,8 @@ BOUND_S = 3 * HEARTBEAT_S + STEP_S + 10  # the longest a survivor may take after
 QUIET = ["logging.sample_tokens=0", "logging.plot=false", "train.eval_every=1000"]
 CASES = ("worker_killed", "coordinator_killed", "rank_stopped", "rank_hung")
 # What the line of the survivor (rank) must name: the lost process and a step. For a killed
-# coordinator jax aborts the survivor itself (status 134, its own log): recorded as it is.
+# coordinator jax may abort the survivor itself (status 134): then the line is its witness's
+# (lmjax.parallel.witness), written just after the process ended.
 NAMES = {
     "worker_killed": {0: ("process 1 of 2", "step")},
     "coordinator_killed": {1: ("process 0", "step")},
@@ -71,9 +72,16 @@ def reference(root: Path) -> P.Run:
     return P.Run(root, "reference", 2, 2, [str(root / "c.yaml"), *QUIET]).finish()
 
 
-def last_line(run: P.Run, rank: int) -> str:
-    lines = run.stderr(rank).strip().splitlines()
-    return lines[-1] if lines else ""
+def last_line(run: P.Run, rank: int, wait_s: float = 0.0) -> str:
+    """The last line of process `rank`'s stderr; with `wait_s`, waiting that long at most for
+    one of lmjax's (a process killed by a signal gets its line from its witness, just after)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        lines = run.stderr(rank).strip().splitlines()
+        last = lines[-1] if lines else ""
+        if last.startswith("lmjax train:") or time.monotonic() >= deadline:
+            return last
+        time.sleep(0.05)
 
 
 def inject(run: P.Run, case: str) -> float:
@@ -132,7 +140,9 @@ def repetition(root: Path, ref: P.Run, case: str, rep: int) -> dict:
         env["HANG_AT"] = "1:4"
     run = P.Run(root, name, 2, 2, [str(root / "c.yaml"), "--resume", *QUIET], env=env)
     out = survivors_end(run, case, inject(run, case))
-    out["lines"] = {rank: last_line(run, rank) for rank in out["codes"]}
+    out["lines"] = {
+        rank: last_line(run, rank, 3.0 * (code < 0)) for rank, code in out["codes"].items()
+    }
     out["named"] = all(
         all(w in out["lines"].get(rank, "") for w in words) for rank, words in NAMES[case].items()
     )

@@ -27,8 +27,10 @@ unset), so lmjax's line comes first: jax's would abort the process with a C++ st
 exit skips jax's shutdown barrier, which with a dead peer waits and logs the failure again.
 When process 0 itself dies (it hosts the coordination service), a survivor waiting in a
 collective meets gloo's closed connection and stops with lmjax's line, unless jax's agent
-aborts it first (status 134, its own log): jaxlib 0.10.2 has no hook before that abort (its
-`missed_heartbeat_callback` cannot be given from Python: calling it throws bad_cast).
+aborts it first (SIGABRT, status 134): jaxlib has no hook before that abort (its
+`missed_heartbeat_callback` cannot be given from Python: calling it throws bad_cast), so each
+process's witness (`lmjax.parallel.witness`, a small process outside it) prints the line then,
+naming process 0 and the step this one last started.
 A hung process (alive, its heartbeats going, but never reaching the next collective: a stuck
 data read, a deadlock): `LMJAX_STEP_TIMEOUT=T` (seconds, default 600; 0 turns it off). Each
 process also publishes the last step it started (`at_step`, called as a step is dispatched);
@@ -62,6 +64,7 @@ from jax.experimental import multihost_utils
 
 from lmjax.checks import require
 from lmjax.errors import ConfigError, LMJaxError
+from lmjax.parallel import witness
 
 ENV_COORDINATOR = "LMJAX_COORDINATOR"
 ENV_NUM_PROCESSES = "LMJAX_NUM_PROCESSES"
@@ -115,6 +118,7 @@ def at_step(step: int) -> None:
     metrics.jsonl and the checkpoints number it: the step that ends at checkpoint `step`)."""
     if WATCHING:
         WATCHING[-1].at_step(step, time.monotonic())
+    witness.at_step(step)
 
 
 def _cluster_args(env) -> dict | None:
@@ -171,7 +175,20 @@ def initialize_from_env(env: dict[str, str] | None = None) -> bool:
         watchdog.start()
         WATCHING.append(watchdog)
         atexit.register(watchdog.stop)  # runs before jax's own shutdown (registered earlier)
+        coordinator = jax_distributed.global_state.coordinator_address
+        if coordinator:  # a line even where jax aborts this process (lmjax.parallel.witness)
+            witness.start(coordinator, rank, aborted_message(rank, count))
     return True
+
+
+def aborted_message(rank: int, count: int) -> str:
+    """The line `lmjax.parallel.witness` prints when jax aborted this process after the
+    coordinator went (with `witness.STEP_PLACE` for where this process was)."""
+    value = _Raw(
+        f"unreachable, and jax aborted this process ({rank} of {count}) {witness.STEP_PLACE}"
+    )
+    line = _lost_text(f"the coordinator (process 0 of {count})", value, "134 (jax's abort)")
+    return f"lmjax train: error: {line}"
 
 
 def barrier(name: str) -> None:
@@ -281,10 +298,10 @@ def stalled_message(rank: int, step: int, peers: dict[int, int], count: int, tim
     return _lost_text(what, f"{value}, with no new step for {timeout_s:g} s ({setting})")
 
 
-def _lost_text(what: str, value: str) -> str:
+def _lost_text(what: str, value: str, status: str = str(EXIT_LOST)) -> str:
     expected = (
         "every process of the run alive (one was killed, preempted, crashed or hung; this "
-        f"one stops too, with status {EXIT_LOST})"
+        f"one stops too, with status {status})"
     )
     fix = (
         "run the same lmjax train command with --resume on every host: it continues from "
