@@ -29,6 +29,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "fuzz"))
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # targets imports lmjax, and so jax: no TPU probe
 import targets  # noqa: E402
 
 _STATS = re.compile(r"^stat::(\w+):\s+(\d+)", re.M)
