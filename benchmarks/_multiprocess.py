@@ -126,6 +126,18 @@ class Run:
     def stderr(self, i: int) -> str:
         return (self.logs / f"{i}.err").read_text()
 
+    def last_line(self, i: int, wait_s: float = 0.0) -> str:
+        """The last line of process `i`'s stderr; with `wait_s`, waiting that long at most for
+        one of lmjax's (a process killed by a signal gets its line from its witness,
+        `lmjax.parallel.witness`, just after it ended)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            lines = self.stderr(i).strip().splitlines()
+            last = lines[-1] if lines else ""
+            if last.startswith("lmjax train:") or time.monotonic() >= deadline:
+                return last
+            time.sleep(0.05)
+
     def wait(self, limit_s: float = RUN_LIMIT_S) -> list[int]:
         deadline = time.monotonic() + limit_s
         codes = []

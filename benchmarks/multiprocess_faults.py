@@ -72,25 +72,13 @@ def reference(root: Path) -> P.Run:
     return P.Run(root, "reference", 2, 2, [str(root / "c.yaml"), *QUIET]).finish()
 
 
-def last_line(run: P.Run, rank: int, wait_s: float = 0.0) -> str:
-    """The last line of process `rank`'s stderr; with `wait_s`, waiting that long at most for
-    one of lmjax's (a process killed by a signal gets its line from its witness, just after)."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        lines = run.stderr(rank).strip().splitlines()
-        last = lines[-1] if lines else ""
-        if last.startswith("lmjax train:") or time.monotonic() >= deadline:
-            return last
-        time.sleep(0.05)
-
-
 def inject(run: P.Run, case: str) -> float:
     """Wait for checkpoint 3, then the fault; its time (monotonic)."""
     deadline = time.monotonic() + P.RUN_LIMIT_S
     while not (run.dir / "checkpoints" / "3").is_dir():
         codes = [p.poll() for p in run.procs]
         if codes != [None, None] or time.monotonic() > deadline:
-            raise RuntimeError(f"{case}: exited {codes} before checkpoint 3: {last_line(run, 0)}")
+            raise RuntimeError(f"{case}: exited {codes} before checkpoint 3: {run.last_line(0)}")
         time.sleep(0.05)
     fault = {"worker_killed": (1, signal.SIGKILL), "coordinator_killed": (0, signal.SIGKILL),
              "rank_stopped": (1, signal.SIGSTOP)}.get(case)  # fmt: skip
@@ -141,7 +129,7 @@ def repetition(root: Path, ref: P.Run, case: str, rep: int) -> dict:
     run = P.Run(root, name, 2, 2, [str(root / "c.yaml"), "--resume", *QUIET], env=env)
     out = survivors_end(run, case, inject(run, case))
     out["lines"] = {
-        rank: last_line(run, rank, 3.0 * (code < 0)) for rank, code in out["codes"].items()
+        rank: run.last_line(rank, 3.0 * (code < 0)) for rank, code in out["codes"].items()
     }
     out["named"] = all(
         all(w in out["lines"].get(rank, "") for w in words) for rank, words in NAMES[case].items()

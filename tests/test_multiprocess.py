@@ -252,7 +252,10 @@ def test_the_watchdog_names_a_silent_process_or_a_silent_coordinator():
     assert "LMJAX_HEARTBEAT_TIMEOUT=5" in message and "--resume" in message
     dog.heard({"lmjax/heartbeat/1": "9", "lmjax/heartbeat/2": "exited"}, t0 + 9.5)
     assert dog.verdict(t0 + 10) is None  # 2 finished and left
-    assert dog.verdict(t0 + 15) is not None and "coordinator" in dog.verdict(t0 + 15)
+    dog.at_step(4, t0 + 10)
+    lost = dog.verdict(t0 + 15)  # the store stopped answering: the coordinator is gone
+    assert lost.startswith("the coordinator (process 0 of 3) = no answer for 5 s"), lost
+    assert lost.partition(";")[2].startswith(" this one step 4;"), lost  # no step heard from 0
 
 
 def test_the_watchdog_names_who_stopped_starting_steps():
@@ -262,7 +265,7 @@ def test_the_watchdog_names_who_stopped_starting_steps():
     dog = multihost.Watchdog(FakeClient(), rank=0, count=3, timeout_s=50, step_timeout_s=5)
     t0 = dog.last_answer
     dog.at_step(2, t0)  # the first step of this process (a resume from 2): no bound
-    assert dog.verdict(t0 + 40) is None and dog.steps_note() == ""
+    assert dog.verdict(t0 + 40) is None and dog.steps_note() == "; this one step 2"  # none heard
     dog.at_step(3, t0 + 40)
     dog.heard({"lmjax/heartbeat/1": "9 3", "lmjax/heartbeat/2": "4 2"}, t0 + 44)
     assert dog.verdict(t0 + 44.9) is None
@@ -337,6 +340,28 @@ def test_a_killed_process_stops_the_others_with_one_line(killed):
     noticed = ("heartbeat of process 1 of 2 = none", collective + "Gloo", collective + "Connection")
     assert any(w in lines[0] for w in noticed) and "--resume" in lines[0], lines[0]
     assert "Traceback" not in err and "Check failure" not in err
+
+
+def test_a_killed_coordinator_stops_the_other_with_one_line(corpus, straight):
+    """Process 0 hosts jax's coordination service. SIGKILLed, it leaves process 1 to end with
+    lmjax's line naming process 0 and a step, whichever comes first: lmjax's handling of the
+    failed collective (status 75) or jax's agent aborting the process (SIGABRT; the line is
+    then its witness's, lmjax.parallel.witness). Which one wins is a race (both happened here)."""
+    target = resumed_copy(straight["2x2"].dir, corpus / "coordinator", 2)
+    args = [str(corpus / "c.yaml"), "--resume", "train.steps=100000", *QUIET]
+    env = {"LMJAX_HEARTBEAT_TIMEOUT": str(HEARTBEAT_S)}
+    run = Run(corpus, "coordinator", 2, 2, args, env=env)
+    deadline = time.monotonic() + RUN_LIMIT_S
+    while not (target / "checkpoints" / "3").is_dir():
+        codes = [p.poll() for p in run.procs]
+        assert codes == [None, None] and time.monotonic() < deadline, run.stderr(1)[-3000:]
+        time.sleep(0.2)
+    run.procs[0].send_signal(signal.SIGKILL)
+    code = run.procs[1].wait(timeout=4 * HEARTBEAT_S + 30)
+    assert code in (multihost.EXIT_LOST, -signal.SIGABRT), run.stderr(1)[-3000:]
+    last = run.last_line(1, wait_s=10)
+    assert last.startswith("lmjax train: error: ") and "--resume" in last, run.stderr(1)[-3000:]
+    assert "process 0 of 2" in last and " step " in last, last
 
 
 def test_the_last_complete_checkpoint_of_a_killed_run_loads(killed):

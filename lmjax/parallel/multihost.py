@@ -266,9 +266,8 @@ def lost_message(
     `note`: where the steps stood (`Watchdog.steps_note`)."""
     setting = f"{ENV_HEARTBEAT}={timeout_s:g}"
     if coordinator:
-        return _lost_text(
-            "the coordinator (process 0)", f"no answer for {timeout_s:g} s ({setting})"
-        )
+        what = f"the coordinator (process 0 of {count})"
+        return _lost_text(what, f"no answer for {timeout_s:g} s ({setting}){note}")
     ranks = ", ".join(map(str, lost))
     what = f"heartbeat of process{'es' * (len(lost) > 1)} {ranks} of {count}"
     return _lost_text(what, f"none for {timeout_s:g} s ({setting}){note}")
@@ -376,7 +375,8 @@ class Watchdog:
     def steps_note(self, ranks=None) -> str:
         """`; process 1 of 2 last started step 3, this one step 4`: where `ranks` (default: the
         peers behind this process, else every peer) stood, by the steps their heartbeats
-        carried ("" before this process's first step, or when none was heard)."""
+        carried (`; this one step 4` when none was heard; "" before this process's first
+        step)."""
         if self.step is None:
             return ""
         known = self.peer_steps
@@ -386,7 +386,7 @@ class Watchdog:
         peers = "; ".join(
             f"process {p} of {self.count} last started step {known[p]}" for p in ranks
         )
-        return f"; {peers}, this one step {self.step}" if peers else ""
+        return f"; {peers}, this one step {self.step}" if peers else f"; this one step {self.step}"
 
     def start(self) -> None:
         for target, name in ((self._beat, "beat"), (self._judge, "judge")):
@@ -432,7 +432,7 @@ class Watchdog:
     def verdict(self, now: float) -> str | None:
         """The line to stop with at `now`, or None while every watched process is heard."""
         if now - self.last_answer > self.timeout_s:
-            return lost_message([0], self.count, self.timeout_s, coordinator=True)
+            return lost_message([0], self.count, self.timeout_s, True, self.steps_note([0]))
         lost = silent_processes(self.last_heard, now, self.timeout_s)
         if lost:
             return lost_message(lost, self.count, self.timeout_s, False, self.steps_note(lost))
