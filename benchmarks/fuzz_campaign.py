@@ -8,8 +8,10 @@ go to JSON:
 Per target: executions, seconds fuzzing (libFuzzer's count; `wall_seconds` adds each start's
 imports), executions per second, coverage (libFuzzer's `cov`, edges of
 the instrumented lmjax/jinja2/yaml code, and `ft`, its features) at the end, the corpus size,
-the peak resident size, and the findings (inputs saved under fuzz/findings/TARGET/). A finding
-stops libFuzzer; the campaign records it and starts the target again for the time left. The
+the peak resident size, the findings (inputs saved under fuzz/findings/TARGET/) and
+`failed_starts` (starts that ended with a non-zero status, each a finding, with the report in
+`finding_output_tails`; `total_findings` counts a failed start even where no input was saved).
+A finding stops libFuzzer; the campaign starts the target again for the time left. The
 working corpus (FUZZ_WORK, default a fresh temporary directory) carries coverage from one start
 to the next. `projected_hours_for_10M` is what 10 million executions take at the measured rate.
 """
@@ -58,12 +60,20 @@ def _one_start(target: str, seconds: float, work: Path) -> tuple[dict, str]:
     return figures, out
 
 
+def _finding_text(out: str) -> str:
+    """What a failed start said about its finding: from atheris's or libFuzzer's report on (the
+    report goes to stdout, libFuzzer's progress lines to stderr), else the output's end."""
+    marks = [out.find(m) for m in ("=== Uncaught Python exception", "==ERROR: libFuzzer")]
+    start = min((m for m in marks if m >= 0), default=max(len(out) - 3000, 0))
+    return out[start : start + 3000]
+
+
 def campaign(target: str, seconds: float, work: Path) -> dict:
     """`target` for `seconds` in all, restarted after each finding."""
     findings_dir = ROOT / "fuzz" / "findings" / target
     before = set(findings_dir.glob("*")) if findings_dir.exists() else set()
     total = dict(executions=0, seconds=0.0, wall_seconds=0.0, starts=0)
-    total |= dict(cov=None, ft=None, corpus=None)
+    total |= dict(cov=None, ft=None, corpus=None, failed_starts=0)
     rss, tails = [], []
     while total["seconds"] < seconds - 2:
         figures, out = _one_start(target, seconds - total["seconds"], work)
@@ -74,8 +84,9 @@ def campaign(target: str, seconds: float, work: Path) -> dict:
         for key in ("cov", "ft", "corpus"):
             total[key] = figures.get(key, total[key])
         rss.append(figures["peak_rss_mb"] or 0)
-        if figures["rc"] != 0:
-            tails.append(out[-3000:])
+        if figures["rc"] != 0:  # a finding, whether or not its input reached a file
+            total["failed_starts"] += 1
+            tails.append(f"exit status {figures['rc']}\n" + _finding_text(out))
             if total["starts"] > 20:
                 break
     after = set(findings_dir.glob("*")) if findings_dir.exists() else set()
@@ -119,7 +130,7 @@ def main() -> None:
         total_seconds=round(seconds, 1),
         exec_per_s=round(executions / seconds, 1),
         projected_hours_for_10M=round(1e7 / (executions / seconds) / 3600, 1),
-        total_findings=sum(len(r["findings"]) for r in results.values()),
+        total_findings=sum(max(len(r["findings"]), r["failed_starts"]) for r in results.values()),
         targets=results,
     )
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
-from targets import RSS_LIMIT_MB, TIMEOUT_S, Finding, run_one  # noqa: E402
+from targets import RSS_LIMIT_MB, TIMEOUT_S, Finding, keep, run_one  # noqa: E402
 
 FRESH_MB = 600  # a fresh fuzzing process's resident size (jax imported, no torch)
 
@@ -117,10 +117,7 @@ def run(target: str, n: int, seed: int = 0, findings: Path = HERE / "findings") 
         try:
             checked_run(target, data)
         except BaseException as e:
-            found = findings / target / f"mutate-{zlib.crc32(data):08x}"
-            found.parent.mkdir(parents=True, exist_ok=True)
-            found.write_bytes(data)
-            e.add_note(f"the input: {found}")
+            e.add_note(f"the input: {keep(data, findings, target, 'mutate')}")
             raise
     return n + len(pool)
 

@@ -57,8 +57,19 @@ def _atheris(target: str, flags: list[str]) -> None:
     findings.mkdir(parents=True, exist_ok=True)
     argv = [sys.argv[0], f"-timeout={targets.TIMEOUT_S}", f"-rss_limit_mb={targets.RSS_LIMIT_MB}"]
     argv += [f"-artifact_prefix={findings}/", *flags, str(work), str(HERE / "corpus" / target)]
-    atheris.Setup(argv, lambda data: targets.run_one(target, data))
+    atheris.Setup(argv, lambda data: _kept_if_it_fails(targets, target, data, findings))
     atheris.Fuzz()
+
+
+def _kept_if_it_fails(targets, target: str, data: bytes, findings: Path) -> None:
+    """`run_one`, saving the input of an escaping exception before atheris reports it: its own
+    crash file can be lost (seen: a run_config TypeError whose process then died of libFuzzer's
+    SIGALRM, status 142, before the file was written)."""
+    try:
+        targets.run_one(target, data)
+    except BaseException as e:
+        e.add_note(f"the input: {targets.keep(data, findings.parent, target, 'atheris')}")
+        raise
 
 
 def _mutator(target: str, flags: list[str]) -> None:

@@ -30,6 +30,7 @@ import gzip
 import io
 import os
 import tempfile
+import zlib
 from pathlib import Path
 
 from lmjax.errors import LMJaxError
@@ -189,6 +190,14 @@ def run_one(name: str, data: bytes) -> None:
             pass
 
 
+def keep(data: bytes, findings: Path, target: str, engine: str) -> Path:
+    """Save a finding's input as `findings`/TARGET/ENGINE-<crc32>; its path."""
+    found = findings / target / f"{engine}-{zlib.crc32(data):08x}"
+    found.parent.mkdir(parents=True, exist_ok=True)
+    found.write_bytes(data)
+    return found
+
+
 def gzipped(data: bytes) -> bytes:
     out = io.BytesIO()
     with gzip.GzipFile(fileobj=out, mode="wb", mtime=0) as f:
@@ -196,4 +205,13 @@ def gzipped(data: bytes) -> bytes:
     return out.getvalue()
 
 
-__all__ = ["CANARY", "RSS_LIMIT_MB", "TARGETS", "TIMEOUT_S", "Finding", "gzipped", "run_one"]
+__all__ = [
+    "CANARY",
+    "RSS_LIMIT_MB",
+    "TARGETS",
+    "TIMEOUT_S",
+    "Finding",
+    "gzipped",
+    "keep",
+    "run_one",
+]

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from lmjax.errors import FileFormatError, LMJaxError, TokenError
+from lmjax.errors import ConfigError, FileFormatError, LMJaxError, TokenError
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "fuzz"))
@@ -48,6 +48,7 @@ def _finding(target: str, name: str) -> bytes:
 
 def test_the_findings_give_one_line_naming_the_file(tmp_path):
     """What each fixed finding raised (or did) before, and the line it gives now."""
+    from lmjax.config import load_run_config
     from lmjax.data.corpus_files import BadRecords, documents
     from lmjax.tokenizers import load_hf_tokenizer
 
@@ -64,6 +65,11 @@ def test_the_findings_give_one_line_naming_the_file(tmp_path):
     config = json.loads(_finding("tokenizer_config", "mutate-c0cea98e"))
     assert "1e309" in config["chat_template"]
     targets.run_one("tokenizer_config", json.dumps(config).encode())
+    # a model config with `name` beside its preset (atheris's campaign, run_config; its input
+    # was lost, this is the traceback's cause): preset()'s own TypeError escaped
+    (tmp_path / "run.yaml").write_bytes(_finding("run_config", "atheris-preset-name"))
+    with pytest.raises(ConfigError, match=r"model config key = 'name'; expected one of \["):
+        load_run_config(tmp_path / "run.yaml")
 
 
 # ---- the sandbox: a chat template is code from a downloaded file ----------------------------

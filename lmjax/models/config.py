@@ -435,7 +435,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-def preset(name: str, **overrides) -> ModelConfig:
+def preset(name: str, /, **overrides) -> ModelConfig:
     """The named preset (`PRESETS`) with `overrides` applied, validated."""
     if name not in PRESETS:
         raise ConfigError.describe(
