@@ -6,8 +6,8 @@
     train_step = lmjax.train.make_train_step(model_cfg, tx, lr, state_sharding=...)
 
 `mesh.py`: the mesh and the batch sharding; `rules.py`: parameter name -> PartitionSpec from the
-parameter declaration; `multihost.py`: `jax.distributed`, per-host batches, the one writer, the watchdog of lost and
-hung processes; `witness.py`: the line of a process jax aborts.
+parameter declaration; `multihost.py`: `jax.distributed`, per-host batches, the one writer, the
+watchdog of lost and hung processes; `witness.py`: the line of a process jax aborts.
 """
 
 from lmjax.parallel.mesh import (
