@@ -138,6 +138,16 @@ class Run:
                 return last
             time.sleep(0.05)
 
+    def wait_for_checkpoint(self, step: int, limit_s: float = RUN_LIMIT_S) -> None:
+        """Wait until checkpoint `step` is on disk, every process still running (else raise)."""
+        deadline = time.monotonic() + limit_s
+        while not (self.dir / "checkpoints" / str(step)).is_dir():
+            codes = [p.poll() for p in self.procs]
+            if any(c is not None for c in codes) or time.monotonic() > deadline:
+                ends = "\n".join(self.stderr(i)[-1500:] for i in range(len(self.procs)))
+                raise RuntimeError(f"{self.dir.name}: {codes} before checkpoint {step}:\n{ends}")
+            time.sleep(0.05)
+
     def wait(self, limit_s: float = RUN_LIMIT_S) -> list[int]:
         deadline = time.monotonic() + limit_s
         codes = []

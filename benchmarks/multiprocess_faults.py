@@ -74,12 +74,7 @@ def reference(root: Path) -> P.Run:
 
 def inject(run: P.Run, case: str) -> float:
     """Wait for checkpoint 3, then the fault; its time (monotonic)."""
-    deadline = time.monotonic() + P.RUN_LIMIT_S
-    while not (run.dir / "checkpoints" / "3").is_dir():
-        codes = [p.poll() for p in run.procs]
-        if codes != [None, None] or time.monotonic() > deadline:
-            raise RuntimeError(f"{case}: exited {codes} before checkpoint 3: {run.last_line(0)}")
-        time.sleep(0.05)
+    run.wait_for_checkpoint(3)
     fault = {"worker_killed": (1, signal.SIGKILL), "coordinator_killed": (0, signal.SIGKILL),
              "rank_stopped": (1, signal.SIGSTOP)}.get(case)  # fmt: skip
     if fault is not None:

@@ -55,7 +55,7 @@ from lmjax.train.checkpoint import CheckpointError, Checkpoints
 from lmjax.train.runs import load_run
 
 P = load_benchmark("_multiprocess")  # the processes' launcher, shared with the benchmark
-CONFIG, Run, resumed_copy, RUN_LIMIT_S = P.CONFIG, P.Run, P.resumed_copy, P.RUN_LIMIT_S
+CONFIG, Run, resumed_copy = P.CONFIG, P.Run, P.resumed_copy
 STEPS, BATCH, HEARTBEAT_S, STEP_S = 4, 8, 6, 8
 # For the runs whose samples and plot no test reads: no sampler to compile, no matplotlib (the
 # 2x2 run and the two-process fine-tune keep both, for the tests of what process 0 writes).
@@ -171,14 +171,10 @@ def test_the_checkpoint_restores_in_one_process_for_eval_and_generate(straight, 
 def killed(corpus, straight):
     """2x2's checkpoint 2 resumed by two new processes with no end in sight; process 1 is
     SIGKILLed once checkpoint 5 is complete; process 0 must stop by itself."""
-    target = resumed_copy(straight["2x2"].dir, corpus / "killed", 2)
+    resumed_copy(straight["2x2"].dir, corpus / "killed", 2)
     args = [str(corpus / "c.yaml"), "--resume", "train.steps=100000", *QUIET]
     run = Run(corpus, "killed", 2, 2, args, env={"LMJAX_HEARTBEAT_TIMEOUT": str(HEARTBEAT_S)})
-    deadline = time.monotonic() + RUN_LIMIT_S
-    while not (target / "checkpoints" / "5").is_dir():
-        codes = [p.poll() for p in run.procs]
-        assert codes == [None, None] and time.monotonic() < deadline, run.stderr(0)[-3000:]
-        time.sleep(0.2)
+    run.wait_for_checkpoint(5)
     run.procs[1].send_signal(signal.SIGKILL)
     killed_at = time.monotonic()
     code = run.procs[0].wait(timeout=4 * HEARTBEAT_S + 30)
@@ -196,17 +192,13 @@ def hung(corpus, straight):
     step 5 (`train_batch`'s 0-based step 4, after checkpoint 4), alive and heart-beating. Both
     must stop by themselves within the step bound (evaluation moved out of the way: its first
     compile would count into the bound, docs/scale.md)."""
-    target = resumed_copy(straight["2x2"].dir, corpus / "hung", 2)
+    resumed_copy(straight["2x2"].dir, corpus / "hung", 2)
     args = [str(corpus / "c.yaml"), "--resume", "train.steps=100000", "train.eval_every=1000",
             *QUIET]  # fmt: skip
     env = {"LMJAX_HEARTBEAT_TIMEOUT": str(HEARTBEAT_S), "LMJAX_STEP_TIMEOUT": str(STEP_S),
            "HANG_AT": "1:4"}  # fmt: skip
     run = Run(corpus, "hung", 2, 2, args, env=env)
-    deadline = time.monotonic() + RUN_LIMIT_S
-    while not (target / "checkpoints" / "4").is_dir():
-        codes = [p.poll() for p in run.procs]
-        assert codes == [None, None] and time.monotonic() < deadline, run.stderr(0)[-3000:]
-        time.sleep(0.2)
+    run.wait_for_checkpoint(4)
     saved = time.monotonic()
     codes = run.wait(limit_s=STEP_S + HEARTBEAT_S + 60)
     return run, codes, time.monotonic() - saved
@@ -347,15 +339,11 @@ def test_a_killed_coordinator_stops_the_other_with_one_line(corpus, straight):
     lmjax's line naming process 0 and a step, whichever comes first: lmjax's handling of the
     failed collective (status 75) or jax's agent aborting the process (SIGABRT; the line is
     then its witness's, lmjax.parallel.witness). Which one wins is a race (both happened here)."""
-    target = resumed_copy(straight["2x2"].dir, corpus / "coordinator", 2)
+    resumed_copy(straight["2x2"].dir, corpus / "coordinator", 2)
     args = [str(corpus / "c.yaml"), "--resume", "train.steps=100000", *QUIET]
     env = {"LMJAX_HEARTBEAT_TIMEOUT": str(HEARTBEAT_S)}
     run = Run(corpus, "coordinator", 2, 2, args, env=env)
-    deadline = time.monotonic() + RUN_LIMIT_S
-    while not (target / "checkpoints" / "3").is_dir():
-        codes = [p.poll() for p in run.procs]
-        assert codes == [None, None] and time.monotonic() < deadline, run.stderr(1)[-3000:]
-        time.sleep(0.2)
+    run.wait_for_checkpoint(3)
     run.procs[0].send_signal(signal.SIGKILL)
     code = run.procs[1].wait(timeout=4 * HEARTBEAT_S + 30)
     assert code in (multihost.EXIT_LOST, -signal.SIGABRT), run.stderr(1)[-3000:]
