@@ -50,7 +50,7 @@ def test_the_findings_give_one_line_naming_the_file(tmp_path):
     """What each fixed finding raised (or did) before, and the line it gives now."""
     from lmjax.config import load_run_config
     from lmjax.data.corpus_files import BadRecords, documents
-    from lmjax.tokenizers import load_hf_tokenizer
+    from lmjax.tokenizers import chat, load_hf_tokenizer
 
     # a corrupt parquet file: pyarrow's ArrowInvalid escaped
     bad = tmp_path / "c.parquet"
@@ -70,6 +70,13 @@ def test_the_findings_give_one_line_naming_the_file(tmp_path):
     (tmp_path / "run.yaml").write_bytes(_finding("run_config", "atheris-preset-name"))
     with pytest.raises(ConfigError, match=r"model config key = 'name'; expected one of \["):
         load_run_config(tmp_path / "run.yaml")
+    # 200 unary `+` in a template (atheris, tokenizer_config): the Python jinja2 generates has
+    # too many nested parentheses, a SyntaxError from compile() that escaped
+    config = json.loads(_finding("tokenizer_config", "atheris-ebcdfa98"))
+    assert "+" * 200 in config["chat_template"]
+    template = config["chat_template"]
+    with pytest.raises(FileFormatError, match=r"SyntaxError: too many nested parentheses"):
+        chat.render(template, [{"role": "user", "content": "hi"}], True, {})
 
 
 # ---- the sandbox: a chat template is code from a downloaded file ----------------------------

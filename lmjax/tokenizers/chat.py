@@ -189,7 +189,9 @@ def compile_template(template: str) -> jinja2.Template:
             "a valid Jinja template",
             "fix the template",
         ) from None
-    except (ValueError, TypeError, RecursionError, MemoryError) as err:  # jinja2's compiler
+    # jinja2's compiler, or Python's on the code it generated (200 nested `+`: too many
+    # nested parentheses, a SyntaxError that is no TemplateSyntaxError)
+    except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError) as err:
         reason = f"{type(err).__name__}: {err}"
         raise FileFormatError.describe(
             "chat_template", reason, "a valid Jinja template", "fix the template"
