@@ -95,6 +95,8 @@ def campaign(target: str, seconds: float, work: Path) -> dict:
     total["wall_seconds"] = round(total["wall_seconds"], 1)
     total["peak_rss_mb"] = max(rss, default=None)
     total["findings"] = sorted(str(p.relative_to(ROOT)) for p in after - before)
+    # libFuzzer's crash-<sha1> and fuzz/run.py's atheris-<crc32> hold the same input: count once
+    total["distinct_inputs"] = len({p.read_bytes() for p in after - before})
     total["finding_output_tails"] = tails
     return total
 
@@ -130,7 +132,7 @@ def main() -> None:
         total_seconds=round(seconds, 1),
         exec_per_s=round(executions / seconds, 1),
         projected_hours_for_10M=round(1e7 / (executions / seconds) / 3600, 1),
-        total_findings=sum(max(len(r["findings"]), r["failed_starts"]) for r in results.values()),
+        total_findings=sum(max(r["distinct_inputs"], r["failed_starts"]) for r in results.values()),
         targets=results,
     )
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
