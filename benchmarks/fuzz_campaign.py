@@ -126,7 +126,7 @@ def main() -> None:
         machine=f"{platform.machine()}, {os.cpu_count()} cores, one used; Python "
         + platform.python_version(),
         date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        scratch=targets._scratch() or tempfile.gettempdir(),  # where each input is written
+        scratch=targets.scratch() or tempfile.gettempdir(),  # where each input is written
         seconds_per_target=args.seconds,
         total_executions=executions,
         total_seconds=round(seconds, 1),

@@ -167,7 +167,7 @@ TARGETS = {
 
 
 @functools.cache
-def _scratch() -> str | None:
+def scratch() -> str | None:
     """Where each input's directory goes: /dev/shm (a tmpfs) where there is one.
 
     The targets test parsing, not the disk; on a disk-backed /tmp the directory's create, write
@@ -183,7 +183,7 @@ def _scratch() -> str | None:
 def run_one(name: str, data: bytes) -> None:
     """Run target `name` on `data` in a fresh directory; an `lmjax.errors` exception is fine."""
     os.environ["LMJAX_FUZZ_CANARY"] = CANARY  # what a template must not reach
-    with tempfile.TemporaryDirectory(prefix="lmjax-fuzz-", dir=_scratch()) as tmp:
+    with tempfile.TemporaryDirectory(prefix="lmjax-fuzz-", dir=scratch()) as tmp:
         try:
             TARGETS[name](data, Path(tmp))
         except LMJaxError:
@@ -214,4 +214,5 @@ __all__ = [
     "gzipped",
     "keep",
     "run_one",
+    "scratch",
 ]

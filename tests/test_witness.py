@@ -84,7 +84,8 @@ def test_a_normal_exit_or_lmjax_own_stop_leaves_the_witness_silent(gone):
 def test_the_witness_reads_steps_and_the_report_across_pieces(gone):
     """The pipe delivers what it holds: a step line or the report's first words may arrive cut
     in two; the last whole `step N` before the report is the one named."""
-    args = [sys.executable, "-I", "-S", "-c", witness.PROGRAM, gone, "LOST <STEP>", "1"]
+    line, place = "LOST " + witness.STEP_PLACE, witness.STEP_PLACE
+    args = [sys.executable, "-I", "-S", "-c", witness.PROGRAM, gone, line, place, "1"]
     proc = subprocess.Popen(args, stdin=subprocess.PIPE, stderr=subprocess.PIPE)
     for piece in (b"step 9\nste", b"p 1", b"2\nstep 1", b"3\nFatal Py", b"thon error: Abo"):
         proc.stdin.write(piece)

@@ -30,10 +30,10 @@ import sys
 
 STEP_PLACE = "<STEP>"  # where the witness puts the step into the line it was given
 
-# The witness: argv = [coordinator host:port, the line with STEP_PLACE, rank]; stdin = the pipe.
+# The witness: argv = [coordinator host:port, the line, its STEP_PLACE, rank]; stdin = the pipe.
 PROGRAM = r"""
 import socket, sys
-address, line, rank = sys.argv[1], sys.argv[2], int(sys.argv[3])
+address, line, place, rank = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 step, pending, report = None, b"", b""
 for chunk in iter(lambda: sys.stdin.buffer.read1(65536), b""):
     if report:
@@ -59,13 +59,14 @@ def answers(address):
 if report:
     if rank != 0 and not answers(address):
         where = "before its first step" if step is None else "in step " + step
-        sys.stderr.write(line.replace("<STEP>", where) + "\n")
+        sys.stderr.write(line.replace(place, where) + "\n")
     else:
         sys.stderr.buffer.write(report)
     sys.stderr.flush()
 """
 
 _PIPE: list[int] = []  # the write end, while a witness listens
+_WITNESS: list[subprocess.Popen] = []  # held, so no collection warns that it still runs
 
 
 def start(coordinator: str, rank: int, line: str) -> subprocess.Popen:
@@ -73,14 +74,14 @@ def start(coordinator: str, rank: int, line: str) -> subprocess.Popen:
     this process once the coordinator is gone. faulthandler reports into its pipe from now on."""
     read, write = os.pipe()  # both ends not inherited (PEP 446): only stdin carries `read`
     witness = subprocess.Popen(
-        [sys.executable, "-I", "-S", "-c", PROGRAM, coordinator, line, str(rank)],
+        [sys.executable, "-I", "-S", "-c", PROGRAM, coordinator, line, STEP_PLACE, str(rank)],
         stdin=read,
         stdout=subprocess.DEVNULL,
     )
     os.close(read)
     os.set_blocking(write, False)  # a stalled witness must never block a training step
     faulthandler.enable(file=write, all_threads=True)
-    _PIPE[:] = [write]
+    _PIPE[:], _WITNESS[:] = [write], [witness]
     return witness
 
 
