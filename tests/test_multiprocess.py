@@ -282,12 +282,29 @@ def test_the_watchdog_names_who_stopped_starting_steps():
     assert off.verdict(t0 + 45) is None  # LMJAX_STEP_TIMEOUT=0: no step bound
 
 
+def test_jax_aborts_a_survivor_no_sooner_than_half_its_heartbeat_timeout():
+    """What `JAX_HEARTBEAT_FACTOR` rests on, checked on this jax: after a peer's death, jax's own
+    service aborts a survivor no sooner than about J/2 (its agent beats every J/2 and the service
+    waits J from the last beat), so with J = 4 S lmjax's verdict at S (+ S/10 between beats)
+    comes first. Plain jax, J = 4 s (S = 1), one kill: any phase of the beat gives >= J/2; the
+    bound is 0.4 J to allow for the kill's own timing, still past S + S/10 + a poll."""
+    window = load_benchmark("jax_heartbeat_window")
+    kill = window.one_kill(timeout_s=4, delay_s=0.0)
+    assert kill["status"] == -signal.SIGABRT, kill  # jax's LOG(FATAL), not an exit of its own
+    assert kill["seconds"] >= 0.4 * 4, kill
+
+
 def test_the_heartbeat_timeout_is_a_setting():
     env = {"LMJAX_COORDINATOR": "127.0.0.1:1", "LMJAX_NUM_PROCESSES": "2", "LMJAX_PROCESS_ID": "1"}
-    assert "heartbeat_timeout_seconds" not in multihost.distributed_args(env)  # jax's 100 s
+    # jax's timeout is 4 S, set or default: its earliest abort after a death (T/2, measured by
+    # benchmarks/jax_heartbeat_window.py) then comes S after lmjax's verdict, never with it.
+    assert multihost.distributed_args(env)["heartbeat_timeout_seconds"] == 200
     assert multihost.heartbeat_seconds(env) == multihost.DEFAULT_HEARTBEAT_S == 50
     env["LMJAX_HEARTBEAT_TIMEOUT"] = "7"
-    assert multihost.distributed_args(env)["heartbeat_timeout_seconds"] == 14
+    assert multihost.distributed_args(env)["heartbeat_timeout_seconds"] == 28
+    auto = {"LMJAX_DISTRIBUTED": "auto", "LMJAX_HEARTBEAT_TIMEOUT": "7"}  # jax finds the hosts
+    assert multihost.distributed_args(auto) == {"heartbeat_timeout_seconds": 28}
+    assert multihost.distributed_args({}) is None  # one process: nothing to initialize
     for bad in ("0", "-1", "2.5", "soon"):
         with pytest.raises(ConfigError, match="LMJAX_HEARTBEAT_TIMEOUT"):
             multihost.heartbeat_seconds({"LMJAX_HEARTBEAT_TIMEOUT": bad})

@@ -22,9 +22,12 @@ survivor print one line (`lmjax train: error: heartbeat of process 1 of 2 = none
 exit with status `EXIT_LOST` (75, EX_TEMPFAIL: run it again with --resume). A collective that
 fails because a peer's connection closed (gloo's `Connection closed by peer`) ends the same way
 at once, and any other error of the train loop (not lmjax's own) first waits for the watchdog's
-verdict (`exit_if_peer_lost`). jax's own heartbeat timeout is 2 S (its default 100 s when S is
-unset), so lmjax's line comes first: jax's would abort the process with a C++ stack trace. The
-exit skips jax's shutdown barrier, which with a dead peer waits and logs the failure again.
+verdict (`exit_if_peer_lost`). jax's own heartbeat timeout J is set to 4 S
+(`JAX_HEARTBEAT_FACTOR`), so lmjax's line comes first: jax's would abort the process with a C++
+stack trace. jax's agent beats every J/2 and its service acts once J has passed since a task's
+last beat, between about J/2 and J after a death (benchmarks/jax_heartbeat_window.py); at
+J = 2 S its earliest fell on lmjax's S, and it aborted a CI run 6.6 s after a kill at S = 6.
+The exit skips jax's shutdown barrier, which with a dead peer waits and logs the failure again.
 When process 0 itself dies (it hosts the coordination service), a survivor waiting in a
 collective meets gloo's closed connection and stops with lmjax's line, unless jax's agent
 aborts it first (SIGABRT, status 134): jaxlib has no hook before that abort (its
@@ -71,7 +74,8 @@ ENV_NUM_PROCESSES = "LMJAX_NUM_PROCESSES"
 ENV_PROCESS_ID = "LMJAX_PROCESS_ID"
 ENV_AUTO = "LMJAX_DISTRIBUTED"
 ENV_HEARTBEAT = "LMJAX_HEARTBEAT_TIMEOUT"
-DEFAULT_HEARTBEAT_S = 50  # half jax's default heartbeat timeout (100 s), which stays 2 S
+DEFAULT_HEARTBEAT_S = 50  # half jax's own default (100 s)
+JAX_HEARTBEAT_FACTOR = 4  # jax's timeout T = 4 S: its earliest abort, T/2, is S after lmjax's
 ENV_STEP = "LMJAX_STEP_TIMEOUT"
 # Longer than a step, an evaluation or a checkpoint save of the models lmjax trains (an 8B
 # model's save is a minute or two), far shorter than a hang left to the cluster's scheduler.
@@ -84,12 +88,12 @@ WATCHING: list = []  # the Watchdog initialize_from_env started in this process,
 def distributed_args(env: dict[str, str] | None = None) -> dict | None:
     """The `jax.distributed.initialize` keyword arguments the environment asks for, or None.
 
-    With `LMJAX_HEARTBEAT_TIMEOUT=S` set they include jax's heartbeat timeout, 2 S (see the
-    module docstring); unset, jax keeps its default (100 s = 2 x `DEFAULT_HEARTBEAT_S`)."""
+    They include jax's heartbeat timeout, `JAX_HEARTBEAT_FACTOR` x S (S = `heartbeat_seconds`,
+    set or its default; see the module docstring for why 4)."""
     env = os.environ if env is None else env
     kwargs = _cluster_args(env)
-    if kwargs is not None and env.get(ENV_HEARTBEAT):
-        kwargs["heartbeat_timeout_seconds"] = 2 * heartbeat_seconds(env)
+    if kwargs is not None:
+        kwargs["heartbeat_timeout_seconds"] = JAX_HEARTBEAT_FACTOR * heartbeat_seconds(env)
     return kwargs
 
 
