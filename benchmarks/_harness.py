@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import platform
+import socket
 import statistics
 import time
 from pathlib import Path
@@ -42,6 +43,13 @@ def load_average() -> list[float]:
     """The 1, 5 and 15-minute load averages to two places: how shared the CPU was (recorded
     before and after, since a figure from a busy machine is slower than the code)."""
     return [round(x, 2) for x in os.getloadavg()]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 free now (the kernel's pick), for a coordinator to listen on."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def timed(fn) -> tuple[float, object]:

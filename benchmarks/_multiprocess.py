@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -20,7 +19,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # the device-count flags the tests' subprocesses use
+sys.path.insert(0, str(ROOT / "benchmarks"))  # loaded by the tests too, not only run from there
 
+from _harness import free_port  # noqa: E402
 from _xla_flags import host_devices  # noqa: E402
 
 RUN_LIMIT_S = 240  # one launch, compile included, on a loaded 2-core machine
@@ -81,12 +82,6 @@ sys.exit(code)
 """
 
 PROCESSES: list[subprocess.Popen] = []  # every process started here
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Run:

@@ -30,7 +30,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _harness as H  # noqa: E402
-from _multiprocess import free_port  # noqa: E402
 
 OUTPUT = Path(__file__).resolve().parent / "results" / "jax_heartbeat_window.json"
 
@@ -46,7 +45,7 @@ time.sleep(10**6)
 
 def one_kill(timeout_s: int, delay_s: float) -> dict:
     """Start two processes, kill process 1 `delay_s` after both are up, and time process 0."""
-    address = f"127.0.0.1:{free_port()}"
+    address = f"127.0.0.1:{H.free_port()}"
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     procs = [
         subprocess.Popen(

@@ -122,7 +122,10 @@ def test_shard_shape_and_bytes():
 
 def test_distributed_args_from_the_environment():
     assert multihost.distributed_args({}) is None
-    assert multihost.distributed_args({"LMJAX_DISTRIBUTED": "auto"}) == {}
+    # jax's own heartbeat timeout, 4 x lmjax's (50 s by default), whoever names the hosts
+    assert multihost.distributed_args({"LMJAX_DISTRIBUTED": "auto"}) == {
+        "heartbeat_timeout_seconds": 200
+    }
     env = {
         "LMJAX_COORDINATOR": "10.0.0.1:1234",
         "LMJAX_NUM_PROCESSES": "4",
@@ -132,6 +135,7 @@ def test_distributed_args_from_the_environment():
         "coordinator_address": "10.0.0.1:1234",
         "num_processes": 4,
         "process_id": 3,
+        "heartbeat_timeout_seconds": 200,
     }
     with pytest.raises(ConfigError, match="LMJAX_PROCESS_ID = 4"):
         multihost.distributed_args({**env, "LMJAX_PROCESS_ID": "4"})
@@ -144,7 +148,7 @@ def test_initialize_calls_jax_distributed_only_when_asked(monkeypatch):
     monkeypatch.setattr(multihost.jax.distributed, "initialize", lambda **kw: calls.append(kw))
     assert not multihost.initialize_from_env({})
     assert multihost.initialize_from_env({"LMJAX_DISTRIBUTED": "auto"})
-    assert calls == [{}]
+    assert calls == [{"heartbeat_timeout_seconds": 200}]
 
 
 # One layer: the tests read what a run writes and when it fails, not what it computes.
