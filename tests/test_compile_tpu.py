@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 import jax
+import numpy as np
 import pytest
 
 from lmjax import cli, models
@@ -210,6 +211,31 @@ def test_flash_compiles_on_a_mesh_with_the_tiny_config(capsys):
     captured = capsys.readouterr()
     assert code == 0, captured.err
     assert "mesh data=1,fsdp=4,model=1" in captured.out and "fits:" in captured.out
+
+
+def test_a_topology_compile_leaves_the_persistent_cache_alone(tmp_path):
+    """With jax's persistent compilation cache on (a user's JAX_COMPILATION_CACHE_DIR, or the
+    suite's), a compile for a topology writes nothing there: its compile-only executable cannot
+    be read back (each later `lmjax compile` warned "PjRtCompiler must be constructed with a
+    Client" and compiled again), and a hit would be reported as the compile time. A CPU compile
+    after it still writes: the cache is on again, as configured."""
+    from jax.experimental.compilation_cache import compilation_cache
+
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
+    saved = {name: getattr(jax.config, name) for name in names}
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    compilation_cache.reset_cache()
+    try:
+        run = load_run_config(TINY[0], [*TINY[1:], "model.n_layers=1"])
+        report = tpu_compile.compile_train_step(run, TOPOLOGY, count_layers=False)
+        assert report.compile_s > 0 and list(tmp_path.iterdir()) == []
+        jax.jit(lambda x: x * 3 + 1)(np.arange(5.0)).block_until_ready()
+        assert [p.name.split("-")[0] for p in tmp_path.iterdir()] == ["jit__lambda"]
+    finally:
+        for name, value in saved.items():
+            jax.config.update(name, value)
+        compilation_cache.reset_cache()
 
 
 def test_v4_megacore_devices_and_default_mesh(capsys):

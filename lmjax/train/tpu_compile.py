@@ -34,6 +34,7 @@ beside it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import math
@@ -45,6 +46,7 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 from jax.experimental import topologies
+from jax.experimental.compilation_cache import compilation_cache
 
 from lmjax import parallel
 from lmjax.config import RunConfig
@@ -283,7 +285,7 @@ def compile_train_step(
     # The default device picks the kernels' platform (pallas_kernels._backend): Mosaic's. The
     # step traces on its state's mesh, which lmjax.models.attention shard-maps the flash kernel
     # over (XLA's partitioner cannot split a Mosaic call itself).
-    with jax.default_device(devices[0]):
+    with jax.default_device(devices[0]), _no_persistent_cache():
         try:
             traced = step.trace(*args)
             compiled = traced.lower().compile()
@@ -310,6 +312,24 @@ def compile_train_step(
         count_s=time.perf_counter() - start - compile_s,
         flops_note=note,
     )
+
+
+@contextlib.contextmanager
+def _no_persistent_cache():
+    """jax's persistent compilation cache (`JAX_COMPILATION_CACHE_DIR`, a user's or lmjax
+    train's) off while compiling for a topology: a compile-only client's executable is written
+    but cannot be read back (each later run warned "PjRtCompiler must be constructed with a
+    Client" and compiled again), and a hit would report reading it as the compile time. jax
+    decides once per process whether the cache is used, so that decision is reset on the way in
+    and out: compiles after this one use the cache as configured."""
+    enabled = jax.config.jax_enable_compilation_cache
+    compilation_cache.reset_cache()
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", enabled)
+        compilation_cache.reset_cache()
 
 
 def _count_flops(traced, args, compiled, model, count_layers: bool) -> tuple:
