@@ -38,6 +38,7 @@ from jax.experimental import topologies
 
 from lmjax.errors import ShapeError
 from lmjax.quant import nf4
+from lmjax.train import tpu_compile  # its compiles keep out of jax's persistent cache
 from pallas_kernels import _backend
 from pallas_kernels import flash_attention as fa
 from pallas_kernels.flash_attention import BlockSizes as FlashBlocks
@@ -76,7 +77,7 @@ def tpu_device():
 def _compile_for(device, f, *args):
     """f jitted, lowered for `device` (the default device, so the kernels pick the TPU path) and
     compiled by libtpu; -> the compiled executable."""
-    with jax.default_device(device):
+    with jax.default_device(device), tpu_compile.no_persistent_cache():
         assert _backend.platform() == "tpu"
         return jax.jit(f).lower(*args).compile()
 

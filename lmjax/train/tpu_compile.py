@@ -285,7 +285,7 @@ def compile_train_step(
     # The default device picks the kernels' platform (pallas_kernels._backend): Mosaic's. The
     # step traces on its state's mesh, which lmjax.models.attention shard-maps the flash kernel
     # over (XLA's partitioner cannot split a Mosaic call itself).
-    with jax.default_device(devices[0]), _no_persistent_cache():
+    with jax.default_device(devices[0]), no_persistent_cache():
         try:
             traced = step.trace(*args)
             compiled = traced.lower().compile()
@@ -315,7 +315,7 @@ def compile_train_step(
 
 
 @contextlib.contextmanager
-def _no_persistent_cache():
+def no_persistent_cache():
     """jax's persistent compilation cache (`JAX_COMPILATION_CACHE_DIR`, a user's or lmjax
     train's) off while compiling for a topology: a compile-only client's executable is written
     but cannot be read back (each later run warned "PjRtCompiler must be constructed with a
