@@ -23,6 +23,7 @@ and seconds; `min_fraction` and `max_fraction` of T over the kills.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -91,7 +92,7 @@ def main(argv=None) -> dict:
         print(result["kills"][-1], flush=True)
     seen = [kill["seconds"] / args.timeout for kill in result["kills"]]
     result["min_fraction"], result["max_fraction"] = round(min(seen), 3), round(max(seen), 3)
-    result["all_aborted"] = all(kill["status"] == -6 for kill in result["kills"])  # SIGABRT
+    result["all_aborted"] = all(kill["status"] == -signal.SIGABRT for kill in result["kills"])
     result["machine"]["load_after"] = H.load_average()
     H.write_result(args.output, result)
     return result

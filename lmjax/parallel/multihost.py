@@ -74,8 +74,8 @@ ENV_NUM_PROCESSES = "LMJAX_NUM_PROCESSES"
 ENV_PROCESS_ID = "LMJAX_PROCESS_ID"
 ENV_AUTO = "LMJAX_DISTRIBUTED"
 ENV_HEARTBEAT = "LMJAX_HEARTBEAT_TIMEOUT"
-DEFAULT_HEARTBEAT_S = 50  # half jax's own default (100 s)
-JAX_HEARTBEAT_FACTOR = 4  # jax's timeout T = 4 S: its earliest abort, T/2, is S after lmjax's
+DEFAULT_HEARTBEAT_S = 50  # S when unset
+JAX_HEARTBEAT_FACTOR = 4  # jax's own timeout J = 4 S: its earliest abort, J/2, is S after lmjax's
 ENV_STEP = "LMJAX_STEP_TIMEOUT"
 # Longer than a step, an evaluation or a checkpoint save of the models lmjax trains (an 8B
 # model's save is a minute or two), far shorter than a hang left to the cluster's scheduler.
